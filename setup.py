@@ -1,0 +1,144 @@
+"""Builds transformer_fast and its extension transformer_fast._C.
+
+The C++ CPU sources (csrc/*.cpp) are always compiled.  The CUDA sources (csrc/*.cu) are added
+when torch is a CUDA build and a CUDA toolkit is found.
+
+Environment switches:
+  TRANSFORMER_FAST_CUDA=1     require the CUDA part (fail if it cannot be built)
+  TRANSFORMER_FAST_CUDA=0     skip the CUDA part
+  TRANSFORMER_FAST_NO_EXT=1   skip the extension entirely (pure-Python install)
+  TORCH_CUDA_ARCH_LIST        GPU architectures (default "8.0;9.0a": A100 and H100/H200)
+  MAX_JOBS                    parallel compile jobs (ninja)
+
+Install against the torch already in the environment:
+  pip install --no-build-isolation -e .
+"""
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _env_flag(name):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    return value.lower() not in ("0", "false", "no", "off")
+
+
+def _find_cuda_home():
+    """The toolkit root: the folder whose bin/ holds the real nvcc and include/ holds cuda.h.
+
+    The nvcc first on PATH may be a wrapper script that execs the real one, so torch's guess
+    from PATH can land one level too high; follow the wrapper and check for cuda.h.
+    """
+    candidates = []
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(os.environ[var])
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        candidates.append(os.path.dirname(os.path.dirname(real)))
+        try:  # a shell wrapper: `exec /path/to/nvcc "$@"`
+            with open(real, "r", errors="ignore") as f:
+                head = f.read(4096)
+            for token in head.replace('"', " ").split():
+                if token.endswith("/nvcc") and os.path.isfile(token):
+                    candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(token))))
+        except OSError:
+            pass
+    candidates += sorted(glob.glob("/usr/local/cuda-*"), reverse=True) + ["/usr/local/cuda"]
+    for root in candidates:
+        if os.path.isfile(os.path.join(root, "bin", "nvcc")) and os.path.isfile(
+            os.path.join(root, "include", "cuda.h")
+        ):
+            return root
+    return None
+
+
+def _nvidia_wheel_includes():
+    """cuBLAS & co. headers shipped in the nvidia-* wheels (not in the toolkit's include/)."""
+    dirs = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cu12/include", "nvidia/cublas/include"):
+            path = os.path.join(entry, sub)
+            if os.path.isdir(path) and path not in dirs:
+                dirs.append(path)
+    return dirs
+
+
+def _extensions():
+    if _env_flag("TRANSFORMER_FAST_NO_EXT"):
+        return [], {}
+    import torch
+    from torch.utils import cpp_extension
+
+    want_cuda = _env_flag("TRANSFORMER_FAST_CUDA")
+    cuda_home = _find_cuda_home() if want_cuda is not False else None
+    use_cuda = bool(torch.version.cuda) and cuda_home is not None and want_cuda is not False
+    if want_cuda and not use_cuda:
+        raise RuntimeError(
+            "TRANSFORMER_FAST_CUDA=1 but the CUDA part cannot be built: "
+            f"torch.version.cuda={torch.version.cuda!r}, CUDA toolkit={cuda_home!r}"
+        )
+
+    cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cu_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H=0"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    define_macros = []
+
+    if use_cuda:
+        os.environ["CUDA_HOME"] = cuda_home
+        cpp_extension.CUDA_HOME = cuda_home  # torch caches its own guess at import time
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+        nvcc_flags = [
+            "-O3",
+            "-std=c++20",
+            "--use_fast_math",
+            "--expt-relaxed-constexpr",
+            "-lineinfo",
+        ]
+        ext = cpp_extension.CUDAExtension(
+            "transformer_fast._C",
+            cpp_sources + cu_sources,
+            include_dirs=include_dirs + _nvidia_wheel_includes(),
+            define_macros=define_macros + [("TF_WITH_CUDA", None)],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        ext = cpp_extension.CppExtension(
+            "transformer_fast._C",
+            cpp_sources,
+            include_dirs=include_dirs,
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=["-fopenmp"],
+        )
+    print(f"transformer_fast: building _C with CUDA={'yes (' + cuda_home + ')' if use_cuda else 'no'}")
+    cmdclass = {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+    return [ext], cmdclass
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="transformer_fast",
+    version="0.1.0",
+    description="Fused Triton/CUDA/C++ kernels and drop-in torch.nn Transformer modules",
+    python_requires=">=3.11,<3.13",
+    packages=find_packages(include=["transformer_fast", "transformer_fast.*"])
+    + ["transformer_fast.kernels"],
+    package_dir={"transformer_fast.kernels": "kernels"},
+    install_requires=["torch>=2.11,<2.15", "numpy"],
+    extras_require={"triton": ["triton>=3.6,<3.9"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)

@@ -1,0 +1,116 @@
+"""Input validation shared by the functional ops (DESIGN section 9).
+
+Every check raises before any kernel runs and names the argument, what was expected and what
+came.  TypeError for a wrong kind of object or dtype, ValueError for a wrong shape or value.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tensor(
+    name: str,
+    value: object,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    min_ndim: int | None = None,
+    dtypes: Sequence[torch.dtype] | None = FLOAT_DTYPES,
+) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed))} dimensions; "
+                f"got shape {tuple(value.shape)}"
+            )
+    if min_ndim is not None and value.dim() < min_ndim:
+        raise ValueError(
+            f"{name} must have at least {min_ndim} dimension(s); got shape {tuple(value.shape)}"
+        )
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}); got {value.dtype}")
+    return value
+
+
+def optional_tensor(name: str, value: object, **kwargs) -> torch.Tensor | None:
+    return None if value is None else tensor(name, value, **kwargs)
+
+
+def same_device(**tensors: torch.Tensor | None) -> None:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {k: v.device for k, v in present.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{k} on {d}" for k, d in devices.items())
+        raise ValueError(f"all tensors must be on one device; got {listing}")
+
+
+def same_dtype(**tensors: torch.Tensor | None) -> None:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    dtypes = {k: v.dtype for k, v in present.items()}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{k} is {d}" for k, d in dtypes.items())
+        raise TypeError(f"tensors must share one dtype; got {listing}")
+
+
+def shape(name: str, value: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(
+            f"{name} must have shape {tuple(expected)}{' (' + what + ')' if what else ''}; "
+            f"got {tuple(value.shape)}"
+        )
+
+
+def dropout_p(value: object, name: str = "dropout_p") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1); got {type(value).__name__}")
+    value = float(value)
+    if not (0.0 <= value < 1.0):
+        raise ValueError(f"{name} must be in [0, 1); got {value}")
+    return value
+
+
+def positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive float; got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0.0) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite float > 0; got {value}")
+    return value
+
+
+def boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+    return value
+
+
+def optional_scale(value: object, name: str = "scale") -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or None; got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    return value
+
+
+def kernel_dtype_reasons(backend: str, **tensors: torch.Tensor | None) -> list[str]:
+    """The fused kernels compute fp16/bf16/fp32 inputs (fp32 math inside)."""
+    return [
+        f"{backend} supports dtypes {_dtype_names(KERNEL_DTYPES)}; {k} is {v.dtype}"
+        for k, v in tensors.items()
+        if v is not None and v.is_floating_point() and v.dtype not in KERNEL_DTYPES
+    ]

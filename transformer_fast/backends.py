@@ -1,0 +1,235 @@
+"""Backend registry and selection (DESIGN section 3).
+
+A backend is one implementation family: ``reference`` (naive PyTorch), ``torch`` (PyTorch's own
+best path), ``triton`` (kernels/), ``cuda`` (csrc/*.cu) and ``cpu`` (csrc/*.cpp).  Every backend
+answers ``not_supported_reasons(op, inputs)``; an empty list means it can run those inputs.
+
+Selection, first match wins: the ``backend=`` keyword of a functional op, the innermost
+``use_backend(...)`` context, the ``TRANSFORMER_FAST_BACKEND`` environment variable, ``"auto"``.
+``auto`` walks ``AUTO_ORDER`` for the inputs' device and takes the first backend that supports
+them; it never lands on ``reference`` on a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import os
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+BACKENDS = ("reference", "torch", "triton", "cuda", "cpu")
+ENV_VAR = "TRANSFORMER_FAST_BACKEND"
+
+# Preference order per device type and op for backend="auto".  Fastest first, as measured in
+# benchmarks/results/ (see benchmarks/NOTES.md); until an op has a GPU measurement, the fused
+# kernels come first on CUDA and torch is the fallback.  "reference" is never in these lists.
+AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
+    "cuda": {
+        "add_layer_norm": ("cuda", "triton", "torch"),
+        "scaled_dot_product_attention": ("triton", "cuda", "torch"),
+        "attention_with_kv_cache": ("triton", "cuda", "torch"),
+        "masked_softmax": ("triton", "cuda", "torch"),
+        "feed_forward": ("triton", "cuda", "torch"),
+    },
+    "cpu": {
+        "add_layer_norm": ("cpu", "torch"),
+        "scaled_dot_product_attention": ("cpu", "torch"),
+        "attention_with_kv_cache": ("cpu", "torch"),
+        "masked_softmax": ("cpu", "torch"),
+        "feed_forward": ("cpu", "torch"),
+    },
+}
+_DEFAULT_ORDER = ("torch",)
+
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "transformer_fast_backend", default=None
+)
+
+
+class BackendError(RuntimeError):
+    """An explicitly requested backend cannot run the given inputs."""
+
+
+# --------------------------------------------------------------------------------------------
+# What is installed
+
+
+@functools.lru_cache(maxsize=None)
+def extension_status() -> tuple[bool, str]:
+    """(loaded, reason): whether transformer_fast._C imported (it registers the C++/CUDA ops)."""
+    try:
+        importlib.import_module("transformer_fast._C")
+    except Exception as exc:  # ImportError, or an undefined-symbol OSError from an ABI mismatch
+        return False, f"transformer_fast._C is not built or failed to load ({exc})"
+    return True, "loaded"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_status() -> tuple[bool, str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return False, f"triton is not importable ({exc})"
+    return True, f"triton {triton.__version__}"
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cxx_op_has_kernel(qualname: str, dispatch_key: str) -> bool:
+    """Whether the C++ op ``transformer_fast_C::<qualname>`` has a kernel for CPU or CUDA."""
+    if not extension_status()[0]:
+        return False
+    full = f"transformer_fast_C::{qualname}"
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(full, dispatch_key)
+    except RuntimeError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Registry: which backends implement which op, and their per-input checks
+
+# op -> backend -> check(inputs) -> list of reasons (empty = supported)
+Check = Callable[[Mapping[str, object]], list]
+_SUPPORT: dict[str, dict[str, Check]] = {}
+
+
+def register(op: str, backend: str, check: Check | None = None) -> None:
+    """Declare that ``backend`` implements ``op``; ``check`` adds op-specific reasons."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _SUPPORT.setdefault(op, {})[backend] = check or (lambda inputs: [])
+
+
+def _tensors(inputs: Mapping[str, object]) -> list[torch.Tensor]:
+    return [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+
+
+def _device_type(inputs: Mapping[str, object]) -> str:
+    tensors = _tensors(inputs)
+    return tensors[0].device.type if tensors else "cpu"
+
+
+def _backend_reasons(backend: str, device_type: str) -> list[str]:
+    """Reasons independent of the op: is the backend installed and does it run on this device."""
+    if backend in ("reference", "torch"):
+        return []
+    if backend == "triton":
+        ok, why = triton_status()
+        if not ok:
+            return [why]
+        if device_type == "cuda":
+            return []
+        if device_type == "cpu" and triton_interpreting():
+            return []
+        return [f"triton runs on CUDA tensors (CPU tensors only under TRITON_INTERPRET=1); got {device_type}"]
+    if backend == "cuda":
+        if device_type != "cuda":
+            return [f"the cuda backend runs on CUDA tensors; got {device_type}"]
+        ok, why = extension_status()
+        return [] if ok else [why]
+    if backend == "cpu":
+        if device_type != "cpu":
+            return [f"the cpu backend runs on CPU tensors; got {device_type}"]
+        ok, why = extension_status()
+        return [] if ok else [why]
+    return [f"unknown backend {backend!r}"]
+
+
+def not_supported_reasons(backend: str, op: str, inputs: Mapping[str, object]) -> list[str]:
+    """Why ``backend`` cannot run ``op`` on ``inputs`` (empty list: it can)."""
+    if backend not in BACKENDS:
+        return [f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}"]
+    device_type = _device_type(inputs)
+    reasons = _backend_reasons(backend, device_type)
+    if reasons:
+        return reasons
+    checks = _SUPPORT.get(op, {})
+    if backend not in checks:
+        return [f"{op} has no {backend} implementation yet"]
+    return list(checks[backend](inputs))
+
+
+def available(backend: str, device_type: str = "cpu") -> tuple[bool, str]:
+    """Whether ``backend`` can run on this installation and device type, with the reason."""
+    reasons = _backend_reasons(backend, device_type)
+    return (not reasons, "; ".join(reasons) if reasons else "available")
+
+
+def implemented_backends(op: str) -> tuple[str, ...]:
+    return tuple(b for b in BACKENDS if b in _SUPPORT.get(op, {}))
+
+
+# --------------------------------------------------------------------------------------------
+# Selection
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the enclosed functional ops on ``name`` (or "auto") unless a call names its own."""
+    _validate_name(name, "use_backend")
+    token = _current.set(name)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _validate_name(name: object, where: str) -> None:
+    if not isinstance(name, str) or (name != "auto" and name not in BACKENDS):
+        raise ValueError(
+            f"{where}: backend must be one of {', '.join(('auto',) + BACKENDS)}; got {name!r}"
+        )
+
+
+def requested_backend(backend: str | None = None) -> str:
+    if backend is not None:
+        _validate_name(backend, "backend")
+        return backend
+    ctx = _current.get()
+    if ctx is not None:
+        return ctx
+    env = os.environ.get(ENV_VAR)
+    if env:
+        _validate_name(env, ENV_VAR)
+        return env
+    return "auto"
+
+
+def auto_order(op: str, device_type: str) -> tuple[str, ...]:
+    return AUTO_ORDER.get(device_type, {}).get(op, _DEFAULT_ORDER)
+
+
+def resolve(op: str, backend: str | None, inputs: Mapping[str, object]) -> str:
+    """The concrete backend that will run ``op`` on ``inputs``."""
+    name = requested_backend(backend)
+    if name != "auto":
+        reasons = not_supported_reasons(name, op, inputs)
+        if reasons:
+            supported = [b for b in BACKENDS if not not_supported_reasons(b, op, inputs)]
+            raise BackendError(
+                f"{op}: backend {name!r} cannot run these inputs: "
+                + "; ".join(reasons)
+                + f". Backends that can: {', '.join(supported) or 'none'}"
+            )
+        return name
+    device_type = _device_type(inputs)
+    collected = []
+    for candidate in auto_order(op, device_type):
+        reasons = not_supported_reasons(candidate, op, inputs)
+        if not reasons:
+            return candidate
+        collected.append(f"{candidate}: {'; '.join(reasons)}")
+    raise BackendError(f"{op}: no backend supports these inputs ({' | '.join(collected)})")
+
+
+def first_supported(op: str, candidates: Iterable[str], inputs: Mapping[str, object]) -> str | None:
+    for candidate in candidates:
+        if not not_supported_reasons(candidate, op, inputs):
+            return candidate
+    return None

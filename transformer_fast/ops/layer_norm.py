@@ -1,0 +1,146 @@
+"""Fused residual-add + LayerNorm as torch.library custom ops: autograd formula + fake kernels.
+
+The op runs one of the fused implementations, chosen by the ``backend`` string argument:
+  "triton"       -> transformer_fast.kernels.layer_norm (Triton, CUDA or the interpreter)
+  "cuda" / "cpu" -> torch.ops.transformer_fast_C.add_layer_norm_{fwd,bwd} (csrc/)
+Both launchers share one contract on 2-D row views (M rows of N, unit stride along N):
+
+  fwd(x, residual, weight?, bias?, eps, dropout_p, rng?, prenorm) -> (y, h, mean, rstd)
+      h = residual + dropout(x)    y = (h - mean) * rstd * weight + bias
+      y (M, N) in x's dtype; h (M, N) when prenorm else an empty tensor; mean, rstd (M,) fp32
+  bwd(dy, dh?, x, residual, weight?, bias?, mean, rstd, dropout_p, rng?)
+      -> (dx, dresidual, dweight, dbias)
+      dresidual = d(sum) (+ dh, the gradient of the prenorm output); dx = dresidual * keep / (1-p)
+      when dropout_p > 0, else an empty tensor (dx equals dresidual); dweight/dbias (N,) in
+      weight's/bias's dtype, reduced in two stages without atomics, empty when weight/bias is
+      None (bias is read for its presence and dtype only).
+Dropout keeps follow transformer_fast.philox over the row-major (M, N) element index.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import backends
+
+_EMPTY_SHAPE = (0,)
+
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    """(…, N) -> (M, N) view with unit stride along N (copies only when no such view exists)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(1) == 1 or n == 1 else t2.contiguous()
+
+
+def _launcher(backend: str):
+    if backend == "triton":
+        from transformer_fast.kernels import layer_norm
+
+        return layer_norm.add_layer_norm_fwd, layer_norm.add_layer_norm_bwd
+    if backend in ("cuda", "cpu"):
+        backends.extension_status()  # imports _C, which registers the ops
+        ops = torch.ops.transformer_fast_C
+        return ops.add_layer_norm_fwd, ops.add_layer_norm_bwd
+    raise ValueError(f"add_layer_norm op: no fused implementation named {backend!r}")
+
+
+@torch.library.custom_op("transformer_fast::add_layer_norm_fwd", mutates_args=())
+def add_layer_norm_fwd(
+    x: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    dropout_p: float,
+    rng: Optional[Tensor],
+    prenorm: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    n = x.shape[-1]
+    fwd, _ = _launcher(backend)
+    y, h, mean, rstd = fwd(_rows(x, n), _rows(residual, n), weight, bias, eps, dropout_p, rng, prenorm)
+    y = y.view(x.shape)
+    h = h.view(x.shape) if prenorm else h
+    return y, h, mean, rstd
+
+
+@add_layer_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    h = torch.empty_like(y) if prenorm else x.new_empty(_EMPTY_SHAPE)
+    stats = x.new_empty((rows,), dtype=torch.float32)
+    return y, h, stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("transformer_fast::add_layer_norm_bwd", mutates_args=())
+def add_layer_norm_bwd(
+    dy: Tensor,
+    dh: Optional[Tensor],
+    x: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    dropout_p: float,
+    rng: Optional[Tensor],
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    n = x.shape[-1]
+    _, bwd = _launcher(backend)
+    dx, dres, dw, db = bwd(
+        _rows(dy, n),
+        None if dh is None else _rows(dh, n),
+        _rows(x, n),
+        _rows(residual, n),
+        weight,
+        bias,
+        mean,
+        rstd,
+        dropout_p,
+        rng,
+    )
+    dres = dres.view(x.shape)
+    dx = dx.view(x.shape) if dropout_p > 0.0 else dx
+    return dx, dres, dw, db
+
+
+@add_layer_norm_bwd.register_fake
+def _(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p, rng, backend):
+    dres = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dx = torch.empty_like(dres) if dropout_p > 0.0 else x.new_empty(_EMPTY_SHAPE)
+    dw = torch.empty_like(weight) if weight is not None else x.new_empty(_EMPTY_SHAPE)
+    db = torch.empty_like(bias) if bias is not None else x.new_empty(_EMPTY_SHAPE)
+    return dx, dres, dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend = inputs
+    _, _, mean, rstd = output
+    ctx.save_for_backward(x, residual, weight, bias, mean, rstd, rng)
+    ctx.dropout_p = dropout_p
+    ctx.backend = backend
+
+
+def _backward(ctx, dy, dh, dmean, drstd):
+    x, residual, weight, bias, mean, rstd, rng = ctx.saved_tensors
+    dx, dres, dw, db = add_layer_norm_bwd(
+        dy, dh, x, residual, weight, bias, mean, rstd, ctx.dropout_p, rng, ctx.backend
+    )
+    if ctx.dropout_p == 0.0:
+        dx = dres
+    dweight = dw if weight is not None else None
+    dbias = db if bias is not None else None
+    return dx, dres, dweight, dbias, None, None, None, None, None
+
+
+add_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def add_layer_norm(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend):
+    """Run the fused op; returns ``y`` or ``(y, residual + dropout(x))`` when prenorm."""
+    y, h, _, _ = add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend)
+    return (y, h) if prenorm else y

@@ -1,0 +1,212 @@
+"""The naive Transformer math the seeds describe, and the float64 oracle built on it.
+
+Every function here is the readable baseline: it is the ``reference`` backend, the naive line in
+every benchmark, and, upcast to float64, the oracle every kernel is checked against (DESIGN
+section 6).  No tricks: materialised tensors, one PyTorch op per step.
+
+Dropout: when ``dropout_p > 0`` the functions take an optional ``keep`` mask (bool, True = kept).
+With it they drop exactly those elements, which is how the oracle checks a kernel's dropout
+(the kernels' masks come from transformer_fast.philox); without it they call F.dropout.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def _dropout(x: torch.Tensor, p: float, keep: torch.Tensor | None, training: bool = True):
+    if p == 0.0 or not training:
+        return x
+    if keep is None:
+        return F.dropout(x, p, training=True)
+    return x * keep.to(x.dtype) / (1.0 - p)
+
+
+# --------------------------------------------------------------------------------------------
+# Residual add + LayerNorm (post-LN "Add & Norm"; prenorm returns the sum too)
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    dropout_p: float = 0.0,
+    prenorm: bool = False,
+    keep: torch.Tensor | None = None,
+):
+    """``LayerNorm(residual + dropout(x))`` over the last dimension, in separate steps."""
+    summed = residual + _dropout(x, dropout_p, keep)
+    mean = summed.mean(dim=-1, keepdim=True)
+    var = ((summed - mean) ** 2).mean(dim=-1, keepdim=True)  # biased, as nn.LayerNorm
+    out = (summed - mean) / torch.sqrt(var + eps)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return (out, summed) if prenorm else out
+
+
+# --------------------------------------------------------------------------------------------
+# Position-wise feed-forward: Linear - activation - dropout - Linear
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": torch.relu,
+    "gelu": lambda h: F.gelu(h),
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+}
+
+
+def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0, keep=None):
+    """``dropout(act(x W1^T + b1)) W2^T + b2`` with the weights as nn.Linear stores them."""
+    hidden = x @ w1.transpose(0, 1)
+    if b1 is not None:
+        hidden = hidden + b1
+    hidden = _dropout(_ACTIVATIONS[activation](hidden), dropout_p, keep)
+    out = hidden @ w2.transpose(0, 1)
+    if b2 is not None:
+        out = out + b2
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle (DESIGN section 6)
+
+ATOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+TF32_ATOL = ATOL[torch.bfloat16]
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Every torch.empty (Python or C++ at::empty) is NaN-filled while active, so a kernel
+    that leaves part of its output unwritten fails the oracle instead of passing by luck."""
+    from torch.utils import deterministic
+
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        deterministic.fill_uninitialized_memory = was_fill
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+
+
+def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| in float64; a NaN/Inf that the reference does not have counts as inf."""
+    out64 = out.detach().to(torch.float64)
+    ref64 = ref.detach().to(torch.float64)
+    if out64.shape != ref64.shape:
+        raise AssertionError(f"shape {tuple(out64.shape)} != reference {tuple(ref64.shape)}")
+    if out64.numel() == 0:
+        return 0.0
+    same_nonfinite = (out64.isnan() & ref64.isnan()) | (out64 == ref64)
+    diff = (out64 - ref64).abs()
+    diff = torch.where(same_nonfinite, torch.zeros_like(diff), diff)
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    return float(diff.max())
+
+
+@dataclasses.dataclass
+class OracleResult:
+    name: str  # "out", "out[1]", "grad x", ...
+    error: float  # max |kernel - ref64|
+    bound: float  # 2 * max |ref_lp - ref64| + atol
+    ok: bool
+
+
+def oracle_compare(name, out, ref_lp, ref64, dtype, atol=None) -> OracleResult:
+    atol = ATOL[dtype] if atol is None else atol
+    error = max_abs_error(out, ref64)
+    bound = 2.0 * max_abs_error(ref_lp, ref64) + atol
+    return OracleResult(name, error, bound, error <= bound)
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def run_oracle(
+    kernel_fn: Callable[..., object],
+    reference_fn: Callable[..., object],
+    inputs: Mapping[str, object],
+    grad_names: Sequence[str] = (),
+    atol: float | None = None,
+    seed: int | None = None,
+) -> list[OracleResult]:
+    """Check ``kernel_fn(**inputs)`` against ``reference_fn`` run in the inputs' dtype and in
+    float64, for every output and for the gradients of ``grad_names`` under a random upstream
+    gradient.  Tensor inputs are floating point in one dtype (the kernel's); other values
+    (masks, ints, flags) are passed unchanged to all three runs."""
+    float_inputs = {
+        k: v for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+    }
+    dtype = next(iter(float_inputs.values())).dtype
+
+    def prepared(cast):
+        prepared_inputs, leaves = {}, {}
+        for k, v in inputs.items():
+            if k in float_inputs:
+                t = cast(v.detach())
+                if k in grad_names:
+                    t.requires_grad_(True)
+                    leaves[k] = t
+                prepared_inputs[k] = t
+            else:
+                prepared_inputs[k] = v
+        return prepared_inputs, leaves
+
+    def run(fn, cast, grads_out=None):
+        args, leaves = prepared(cast)
+        outs = _as_tuple(fn(**args))
+        grads = {}
+        if leaves:
+            diff_outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+            upstream = [g.to(o.dtype) for g, o in zip(grads_out, diff_outs)]
+            computed = torch.autograd.grad(diff_outs, list(leaves.values()), upstream, allow_unused=True)
+            grads = {k: (g if g is not None else torch.zeros_like(leaves[k])) for k, g in zip(leaves, computed)}
+        return outs, grads
+
+    # Upstream gradients: fresh random draws shaped like the differentiable outputs.
+    with torch.no_grad():
+        probe = _as_tuple(reference_fn(**prepared(lambda t: t.to(torch.float64))[0]))
+    generator = torch.Generator(device="cpu")
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    grads_out = [
+        torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.device)
+        for o in probe
+        if isinstance(o, torch.Tensor) and o.is_floating_point()
+    ]
+
+    ref64_out, ref64_grads = run(reference_fn, lambda t: t.to(torch.float64), grads_out)
+    reflp_out, reflp_grads = run(reference_fn, lambda t: t.clone(), grads_out)
+    with poisoned_outputs():
+        out, grads = run(kernel_fn, lambda t: t.clone(), grads_out)
+
+    results = []
+    if len(out) != len(ref64_out):
+        raise AssertionError(f"kernel returned {len(out)} outputs, reference {len(ref64_out)}")
+    for i, (o, r_lp, r64) in enumerate(zip(out, reflp_out, ref64_out)):
+        if isinstance(o, torch.Tensor):
+            name = "out" if len(out) == 1 else f"out[{i}]"
+            results.append(oracle_compare(name, o, r_lp, r64, dtype, atol))
+    for k in grads:
+        results.append(oracle_compare(f"grad {k}", grads[k], reflp_grads[k], ref64_grads[k], dtype, atol))
+    return results
+
+
+def assert_oracle(results: Sequence[OracleResult], context: str = "") -> None:
+    bad = [r for r in results if not r.ok]
+    if bad:
+        lines = ", ".join(f"{r.name}: err {r.error:.3e} > bound {r.bound:.3e}" for r in bad)
+        raise AssertionError(f"oracle failed{' (' + context + ')' if context else ''}: {lines}")
