@@ -122,11 +122,14 @@ def _setup_context(ctx, inputs, output):
     _, _, mean, rstd = output
     ctx.save_for_backward(x, residual, weight, bias, mean, rstd, rng)
     ctx.dropout_p = dropout_p
+    ctx.prenorm = prenorm
     ctx.backend = backend
 
 
 def _backward(ctx, dy, dh, dmean, drstd):
     x, residual, weight, bias, mean, rstd, rng = ctx.saved_tensors
+    if not ctx.prenorm:
+        dh = None  # the gradient of the placeholder (0,) output
     dx, dres, dw, db = add_layer_norm_bwd(
         dy, dh, x, residual, weight, bias, mean, rstd, ctx.dropout_p, rng, ctx.backend
     )

@@ -1,0 +1,90 @@
+"""Philox4x32-10 dropout stream for Triton kernels (bit-exact with transformer_fast.philox).
+
+The definition lives in transformer_fast/philox.py; this file is its @triton.jit twin, shared by
+every Triton kernel that drops (layer norm, attention, FFN):
+
+  key     (k0, k1)          = (lo32(seed), hi32(seed))
+  counter (c0, c1, c2, c3)  = (lo32(i), hi32(i), lo32(offset), hi32(offset))
+  10 rounds; the random word is c0.  Keep element i iff word >= threshold (uint32 compare),
+  threshold = min(floor(p * 2**32), 2**32 - 1) computed on the host (``dropout_threshold``),
+  and scale kept elements by 1 / (1 - p) (``dropout_scale``).
+
+Usage inside a kernel::
+
+    seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)            # RNG: int64 [seed, offset]
+    keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, thr)  # idx: int64 element index
+    x = tl.where(keep, x * scale, 0.0)
+
+All arithmetic is uint32 (``tl.umulhi`` for the high half of the 32x32 product, wrapping ``*`` for
+the low half), which works the same compiled (Triton 3.6+) and under TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from transformer_fast.philox import dropout_threshold  # noqa: F401  (host side, re-exported)
+
+PHILOX_ROUND_A = tl.constexpr(0xD2511F53)
+PHILOX_ROUND_B = tl.constexpr(0xCD9E8D57)
+PHILOX_KEY_A = tl.constexpr(0x9E3779B9)
+PHILOX_KEY_B = tl.constexpr(0xBB67AE85)
+PHILOX_ROUNDS = tl.constexpr(10)
+
+
+def dropout_scale(p: float) -> float:
+    """Factor applied to kept elements: 1 / (1 - p) (0 when p >= 1: everything is dropped)."""
+    return 1.0 / (1.0 - p) if p < 1.0 else 0.0
+
+
+@triton.jit
+def load_rng(RNG):
+    """Load ``[seed, offset]`` (int64) from device memory; return (seed_lo, seed_hi, off_lo, off_hi)
+    as uint32 scalars.  No host synchronisation: the values stay on the device."""
+    seed = tl.load(RNG).to(tl.uint64, bitcast=True)
+    offset = tl.load(RNG + 1).to(tl.uint64, bitcast=True)
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = (seed >> 32).to(tl.uint32)
+    off_lo = (offset & 0xFFFFFFFF).to(tl.uint32)
+    off_hi = (offset >> 32).to(tl.uint32)
+    return seed_lo, seed_hi, off_lo, off_hi
+
+
+@triton.jit
+def philox_word_u32(seed_lo, seed_hi, c0, c1, off_lo, off_hi):
+    """Philox4x32-10 first output word for counters (c0, c1, off_lo, off_hi), key (seed_lo, seed_hi).
+    c0/c1 are uint32 tensors (lo/hi halves of the element index); the rest uint32 scalars."""
+    c2 = c0 * 0 + off_lo
+    c3 = c0 * 0 + off_hi
+    k0 = seed_lo
+    k1 = seed_hi
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        prev_c0 = c0
+        prev_c2 = c2
+        c0 = tl.umulhi(prev_c2, PHILOX_ROUND_B) ^ c1 ^ k0
+        c2 = tl.umulhi(prev_c0, PHILOX_ROUND_A) ^ c3 ^ k1
+        c1 = prev_c2 * PHILOX_ROUND_B
+        c3 = prev_c0 * PHILOX_ROUND_A
+        k0 = k0 + PHILOX_KEY_A
+        k1 = k1 + PHILOX_KEY_B
+    return c0
+
+
+@triton.jit
+def philox_word(seed_lo, seed_hi, idx, off_lo, off_hi):
+    """Random uint32 word of element ``idx`` (a non-negative int32/int64 tensor: the element's
+    row-major index in the op's logical layout)."""
+    idx64 = idx.to(tl.int64)
+    c0 = (idx64 & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (idx64 >> 32).to(tl.uint32)
+    return philox_word_u32(seed_lo, seed_hi, c0, c1, off_lo, off_hi)
+
+
+@triton.jit
+def dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, threshold):
+    """Bool tensor: True where element ``idx`` is kept (word >= threshold, unsigned compare).
+    ``threshold`` is the host's ``dropout_threshold(p)`` (a kernel int argument)."""
+    word = philox_word(seed_lo, seed_hi, idx, off_lo, off_hi)
+    # Compare in int64: the host int may arrive as i32 (< 2**31), i64 (>= 2**31) or a
+    # specialised constexpr; the zero-extended word compares correctly against each.
+    return word.to(tl.int64) >= threshold

@@ -1,0 +1,128 @@
+"""Backend registry and selection (DESIGN section 3), the package's import surface and CLI."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import transformer_fast as tf
+from transformer_fast import backends
+from transformer_fast import functional as F
+
+OP = "add_layer_norm"
+
+
+def _inputs(device="cpu", dtype=torch.float32):
+    x = torch.randn(3, 8, device=device, dtype=dtype)
+    return {"x": x, "residual": x, "weight": None, "bias": None}
+
+
+def test_keyword_wins_over_context_and_env(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "reference")
+    with tf.use_backend("reference"):
+        assert backends.resolve(OP, "torch", _inputs()) == "torch"
+
+
+def test_context_manager_nests_and_restores(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    assert backends.requested_backend() == "auto"
+    with tf.use_backend("reference"):
+        assert backends.resolve(OP, None, _inputs()) == "reference"
+        with tf.use_backend("torch"):
+            assert backends.resolve(OP, None, _inputs()) == "torch"
+        assert backends.resolve(OP, None, _inputs()) == "reference"
+    assert backends.requested_backend() == "auto"
+
+
+def test_environment_variable(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "reference")
+    assert backends.resolve(OP, None, _inputs()) == "reference"
+    monkeypatch.setenv(backends.ENV_VAR, "nonsense")
+    with pytest.raises(ValueError, match=backends.ENV_VAR):
+        backends.resolve(OP, None, _inputs())
+
+
+def test_reference_backend_is_really_used(monkeypatch):
+    calls = []
+    original = tf.reference.add_layer_norm
+    monkeypatch.setattr(tf.reference, "add_layer_norm", lambda *a, **k: calls.append(1) or original(*a, **k))
+    x = torch.randn(2, 4)
+    F.add_layer_norm(x, x, None, None, backend="reference")
+    assert calls == [1]
+
+
+def test_auto_on_cpu_picks_a_supported_backend_and_never_reference():
+    chosen = backends.resolve(OP, "auto", _inputs())
+    assert chosen in ("cpu", "torch")
+    if backends.extension_status()[0]:
+        assert chosen == "cpu"
+    for device_orders in backends.AUTO_ORDER.values():
+        for order in device_orders.values():
+            assert "reference" not in order
+
+
+def test_auto_falls_through_unsupported_dtype():
+    # float64 is not a kernel dtype: auto falls through to torch.
+    assert backends.resolve(OP, "auto", _inputs(dtype=torch.float64)) == "torch"
+
+
+def test_explicit_request_lists_reasons_and_alternatives():
+    with pytest.raises(tf.BackendError) as info:
+        backends.resolve(OP, "cuda", _inputs())
+    message = str(info.value)
+    assert "cuda backend runs on CUDA tensors" in message
+    assert "Backends that can: reference, torch" in message
+
+
+def test_not_supported_reasons_every_backend():
+    for name in tf.BACKENDS:
+        reasons = tf.not_supported_reasons(name, OP, _inputs())
+        assert isinstance(reasons, list)
+        assert all(isinstance(r, str) and r for r in reasons)
+    assert tf.not_supported_reasons("reference", OP, _inputs()) == []
+    assert tf.not_supported_reasons("magic", OP, _inputs())
+    assert "no cpu implementation" in " ".join(tf.not_supported_reasons("cpu", "no_such_op", _inputs())) or (
+        not backends.extension_status()[0]
+    )
+
+
+def test_use_backend_rejects_unknown_names():
+    with pytest.raises(ValueError, match="use_backend"):
+        with tf.use_backend("fastest"):
+            pass
+
+
+def test_kernels_is_not_a_top_level_package(tmp_path):
+    # Run outside the source tree, where the repository's kernels/ folder is not on sys.path.
+    code = (
+        "import importlib.util, transformer_fast.kernels as k; "
+        "print(importlib.util.find_spec('kernels') is None, k.__name__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "transformer_fast.kernels"]
+
+
+def _run_cli(*args, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "transformer_fast", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def test_info_cli_lists_every_backend():
+    result = _run_cli("info")
+    assert result.returncode == 0, result.stderr
+    for name in tf.BACKENDS:
+        assert f"  {name} " in result.stdout
+    assert "torch" in result.stdout and "triton" in result.stdout
+
+
+def test_verify_cli_cpu_backend():
+    if not backends.extension_status()[0]:
+        pytest.skip("the C++ extension is not built")
+    result = _run_cli("verify", "--device", "cpu", "--backend", "cpu", "--dtype", "float32")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| add_layer_norm | cpu | float32 | PASS |" in result.stdout

@@ -1,0 +1,85 @@
+"""Command line: ``python -m transformer_fast {info,verify}``."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+import torch
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        return f"{props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs)"
+    return f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def cmd_info(args) -> int:
+    from . import __version__, backends
+
+    print(f"transformer_fast {__version__}")
+    print(f"python     {platform.python_version()}")
+    print(f"torch      {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
+    ok, why = backends.triton_status()
+    print(f"triton     {why}{' [TRITON_INTERPRET=1]' if backends.triton_interpreting() else ''}")
+    ok, why = backends.extension_status()
+    print(f"_C         {why}")
+    if ok:
+        has_cuda = backends.cxx_op_has_kernel("add_layer_norm_fwd", "CUDA")
+        print(f"           CUDA kernels compiled in: {'yes' if has_cuda else 'no'}")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        print(f"device     {device}: {_device_name(device)}")
+        for name in backends.BACKENDS:
+            ok, why = backends.available(name, device)
+            print(f"  {name:<10} {'available' if ok else 'unavailable: ' + why}")
+    if not torch.cuda.is_available():
+        print("device     cuda: not available (no CUDA device visible to torch)")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from . import verify
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else verify.DTYPES
+    print(f"verify on {device}: {_device_name(device)}")
+    rows = verify.verify(device, ops=args.op, dtypes=dtypes, backend_names=args.backend)
+    table = verify.markdown_table(rows)
+    print()
+    print(table)
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            f.write(f"# verify on {_device_name(device)}\n\n")
+            f.write(f"torch {torch.__version__}, CUDA {torch.version.cuda}\n\n{table}\n")
+    failed = [r for r in rows if r.status == "FAIL"]
+    ran = [r for r in rows if r.status == "PASS"]
+    peer = [r for r in rows if r.status == "PEER-OUTSIDE"]
+    skipped = [r for r in rows if r.status == "SKIP"]
+    print(f"\n{len(ran)} passed, {len(failed)} failed, {len(skipped)} skipped, "
+          f"{len(peer)} peer rows outside the bound (informational)")
+    if not ran and not failed:
+        print("nothing was verified", file=sys.stderr)
+        return 2
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m transformer_fast")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, device, and which backends are available and why")
+    p = sub.add_parser("verify", help="check every op x backend x dtype against the float64 oracle")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
+    p.add_argument("--op", action="append", help="only this op (repeatable)")
+    p.add_argument("--backend", action="append", help="only this backend (repeatable)")
+    p.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--output", help="also write the table as markdown to this file")
+    args = parser.parse_args(argv)
+    return {"info": cmd_info, "verify": cmd_verify}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""``python -m transformer_fast verify``: the oracle for every implemented op x backend x dtype.
+
+Each case runs a functional op on fresh random inputs on the chosen device and checks outputs
+and gradients against the float64 reference (DESIGN section 6).  Prints a table; the exit code
+is non-zero when any case fails.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from . import backends, functional, philox, reference
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    run: Callable[[str], list]  # backend -> oracle results
+    # Checks dropout exactly, so only for backends that draw from transformer_fast.philox.
+    philox_dropout: bool = False
+
+
+# Registry: op -> generator of cases for (device, dtype).
+CASES: dict[str, Callable[[str, torch.dtype], Iterator[Case]]] = {}
+
+
+def cases(op: str):
+    def wrap(fn):
+        CASES[op] = fn
+        return fn
+
+    return wrap
+
+
+def _randn(*shape, dtype, device, generator):
+    return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+@cases("add_layer_norm")
+def _add_layer_norm_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
+    shapes = [(64, 1), (37, 7), (33, 127), (16, 1000), (8, 4096), (2, 65536), (3, 5, 768)]
+    for shape in shapes:
+        for dropout_p, prenorm in ((0.0, False), (0.1, True)):
+            yield Case(
+                f"{'x'.join(map(str, shape))} p={dropout_p}{' prenorm' if prenorm else ''}",
+                _add_layer_norm_runner(shape, dtype, device, dropout_p, prenorm),
+                philox_dropout=dropout_p > 0,
+            )
+
+
+def _add_layer_norm_runner(shape, dtype, device, dropout_p, prenorm):
+    def run(backend):
+        g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+        n = shape[-1]
+        inputs = {
+            "x": _randn(*shape, dtype=dtype, device=device, generator=g),
+            "residual": _randn(*shape, dtype=dtype, device=device, generator=g),
+            "weight": (1 + 0.5 * _randn(n, dtype=dtype, device=device, generator=g)),
+            "bias": _randn(n, dtype=dtype, device=device, generator=g),
+        }
+        seed = int(torch.randint(0, 2**31, ()))
+        keep = None
+        if dropout_p > 0:
+            torch.manual_seed(seed)
+            rows = inputs["x"].numel() // n
+            keep = philox.dropout_keep_mask(philox.new_rng(device), (rows, n), dropout_p).reshape(shape)
+
+        def kernel(x, residual, weight, bias):
+            torch.manual_seed(seed)  # the op draws the same rng as `keep` above
+            return functional.add_layer_norm(
+                x, residual, weight, bias, dropout_p=dropout_p, prenorm=prenorm, backend=backend
+            )
+
+        def ref(x, residual, weight, bias):
+            return reference.add_layer_norm(x, residual, weight, bias, 1e-5, dropout_p, prenorm, keep=keep)
+
+        return reference.run_oracle(kernel, ref, inputs, list(inputs))
+
+    return run
+
+
+# Backends whose dropout draws from transformer_fast.philox (so the oracle can check it exactly).
+PHILOX_BACKENDS = ("triton", "cuda", "cpu")
+# Our kernels must pass; "torch" is PyTorch's own path, the peer we compare against: its rows are
+# informational (status PEER-OUTSIDE when torch itself is less accurate than the oracle allows,
+# e.g. F.layer_norm's half-precision CPU weight/bias gradients) and never fail the run.
+PEER_BACKENDS = ("torch",)
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    backend: str
+    dtype: str
+    status: str  # PASS / FAIL / SKIP, or PEER-OUTSIDE for a peer outside the bound
+    cases: int = 0
+    worst: str = ""  # the case with the largest error / bound ratio
+    ratio: float = 0.0
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def verify(device: str, ops=None, dtypes=DTYPES, backend_names=None, log=print) -> list[Row]:
+    rows = []
+    for op, make_cases in CASES.items():
+        if ops and op not in ops:
+            continue
+        for backend in backend_names or backends.implemented_backends(op):
+            if backend == "reference":
+                continue  # the oracle itself
+            ok, why = backends.available(backend, device)
+            if not ok:
+                rows.append(Row(op, backend, "-", "SKIP", detail=why))
+                log(f"  {op:<30} {backend:<8} SKIP  {why}")
+                continue
+            for dtype in dtypes:
+                row = Row(op, backend, str(dtype).replace("torch.", ""), "PASS")
+                start = time.perf_counter()
+                for case in make_cases(device, dtype):
+                    if case.philox_dropout and backend not in PHILOX_BACKENDS:
+                        continue
+                    try:
+                        results = case.run(backend)
+                    except backends.BackendError as exc:
+                        row.status, row.detail = "SKIP", str(exc)
+                        break
+                    except Exception as exc:  # a crash is a failure, reported not raised
+                        row.status, row.detail = "FAIL", f"{case.name}: {type(exc).__name__}: {exc}"
+                        break
+                    row.cases += 1
+                    for r in results:
+                        ratio = r.error / r.bound if r.bound > 0 else float("inf")
+                        if ratio > row.ratio or row.worst == "":
+                            row.ratio, row.worst = ratio, f"{case.name} {r.name}"
+                        if not r.ok:
+                            row.status = "PEER-OUTSIDE" if backend in PEER_BACKENDS else "FAIL"
+                            row.detail += f"[{case.name} {r.name}: err {r.error:.2e} > {r.bound:.2e}] "
+                row.seconds = time.perf_counter() - start
+                rows.append(row)
+                log(
+                    f"  {op:<30} {backend:<8} {row.dtype:<9} {row.status}  cases={row.cases} "
+                    f"worst err/bound={row.ratio:.3f} ({row.worst}) {row.detail}"
+                )
+    return rows
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = [
+        "| op | backend | dtype | status | cases | worst err/bound | worst case | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.op} | {r.backend} | {r.dtype} | {r.status} | {r.cases} | {r.ratio:.3f} | "
+            f"{r.worst} | {r.detail.strip()} |"
+        )
+    return "\n".join(lines)
