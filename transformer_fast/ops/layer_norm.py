@@ -143,6 +143,31 @@ def _backward(ctx, dy, dh, dmean, drstd):
 add_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _register_cxx_fakes():
+    """Fake kernels for the C++ ops themselves (same shapes as the 2-D launcher contract), so
+    they too can be traced and opchecked."""
+    if not backends.extension_status()[0]:
+        return
+
+    @torch.library.register_fake("transformer_fast_C::add_layer_norm_fwd")
+    def _(x, residual, weight, bias, eps, dropout_p, rng, prenorm):
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        h = torch.empty_like(y) if prenorm else x.new_empty(_EMPTY_SHAPE)
+        stats = x.new_empty((x.shape[0],), dtype=torch.float32)
+        return y, h, stats, torch.empty_like(stats)
+
+    @torch.library.register_fake("transformer_fast_C::add_layer_norm_bwd")
+    def _(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p, rng):
+        dres = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dx = torch.empty_like(dres) if dropout_p > 0.0 else x.new_empty(_EMPTY_SHAPE)
+        dw = torch.empty_like(weight) if weight is not None else x.new_empty(_EMPTY_SHAPE)
+        db = torch.empty_like(bias) if bias is not None else x.new_empty(_EMPTY_SHAPE)
+        return dx, dres, dw, db
+
+
+_register_cxx_fakes()
+
+
 def add_layer_norm(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend):
     """Run the fused op; returns ``y`` or ``(y, residual + dropout(x))`` when prenorm."""
     y, h, _, _ = add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend)
