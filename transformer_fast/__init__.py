@@ -5,7 +5,12 @@
     with tf.use_backend("triton"):
         ...
 """
-from . import backends, functional, reference
+from . import backends
+
+backends.extension_status()  # load _C (registers the C++ ops) before anything traces an op
+backends.triton_status()
+
+from . import functional, reference  # noqa: E402
 from .backends import BACKENDS, BackendError, not_supported_reasons, use_backend
 
 __version__ = "0.1.0"

@@ -27,8 +27,7 @@ def cmd_info(args) -> int:
     ok, why = backends.extension_status()
     print(f"_C         {why}")
     if ok:
-        has_cuda = backends.cxx_op_has_kernel("add_layer_norm_fwd", "CUDA")
-        print(f"           CUDA kernels compiled in: {'yes' if has_cuda else 'no'}")
+        print(f"           {backends.extension_cuda_status()[1]}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         print(f"device     {device}: {_device_name(device)}")

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import importlib
+import importlib.metadata
+import importlib.util
 import os
 from typing import Callable, Iterable, Mapping
 
@@ -57,23 +58,42 @@ class BackendError(RuntimeError):
 # What is installed
 
 
-@functools.lru_cache(maxsize=None)
+# Computed once, eagerly at import (transformer_fast/__init__.py), so that backend selection
+# traced by torch.compile reads plain values instead of importing modules.
+_STATUS: dict[str, tuple[bool, str]] = {}
+
+
 def extension_status() -> tuple[bool, str]:
     """(loaded, reason): whether transformer_fast._C imported (it registers the C++/CUDA ops)."""
-    try:
-        importlib.import_module("transformer_fast._C")
-    except Exception as exc:  # ImportError, or an undefined-symbol OSError from an ABI mismatch
-        return False, f"transformer_fast._C is not built or failed to load ({exc})"
-    return True, "loaded"
+    if "ext" not in _STATUS:
+        try:
+            importlib.import_module("transformer_fast._C")
+            _STATUS["ext"] = (True, "loaded")
+        except Exception as exc:  # ImportError, or an undefined-symbol OSError (ABI mismatch)
+            _STATUS["ext"] = (False, f"transformer_fast._C is not built or failed to load ({exc})")
+        has_cuda = _STATUS["ext"][0] and cxx_op_has_kernel("add_layer_norm_fwd", "CUDA")
+        _STATUS["ext_cuda"] = (
+            (True, "CUDA kernels compiled in")
+            if has_cuda
+            else (False, "transformer_fast._C was built without its CUDA kernels")
+        )
+    return _STATUS["ext"]
 
 
-@functools.lru_cache(maxsize=None)
+def extension_cuda_status() -> tuple[bool, str]:
+    """Whether _C holds the CUDA kernels (it is built without them where nvcc is missing)."""
+    extension_status()
+    return _STATUS["ext_cuda"]
+
+
 def triton_status() -> tuple[bool, str]:
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:
-        return False, f"triton is not importable ({exc})"
-    return True, f"triton {triton.__version__}"
+    """Whether Triton is installed (found without importing it: the kernels import it)."""
+    if "triton" not in _STATUS:
+        if importlib.util.find_spec("triton") is None:
+            _STATUS["triton"] = (False, "triton is not installed")
+        else:
+            _STATUS["triton"] = (True, f"triton {importlib.metadata.version('triton')}")
+    return _STATUS["triton"]
 
 
 def triton_interpreting() -> bool:
@@ -82,8 +102,6 @@ def triton_interpreting() -> bool:
 
 def cxx_op_has_kernel(qualname: str, dispatch_key: str) -> bool:
     """Whether the C++ op ``transformer_fast_C::<qualname>`` has a kernel for CPU or CUDA."""
-    if not extension_status()[0]:
-        return False
     full = f"transformer_fast_C::{qualname}"
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key(full, dispatch_key)
@@ -132,6 +150,8 @@ def _backend_reasons(backend: str, device_type: str) -> list[str]:
         if device_type != "cuda":
             return [f"the cuda backend runs on CUDA tensors; got {device_type}"]
         ok, why = extension_status()
+        if ok:
+            ok, why = extension_cuda_status()
         return [] if ok else [why]
     if backend == "cpu":
         if device_type != "cpu":

@@ -39,7 +39,7 @@ def dropout_threshold(p: float) -> int:
 
 def new_rng(device: torch.device | str) -> torch.Tensor:
     """A fresh ``[seed, offset]`` int64 pair on ``device`` from torch's default generator."""
-    return torch.empty(2, dtype=torch.int64, device=device).random_()
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
 def philox_words(seed: int, offset: int, index: np.ndarray) -> np.ndarray:
