@@ -89,7 +89,7 @@ def _extensions():
 
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H=0"]
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     define_macros = []
 

@@ -1,0 +1,580 @@
+// Fused residual-add (+ dropout) + LayerNorm on the CPU: forward and backward.
+//
+// Layout: x, residual, dy, dh are (M, N) with unit column stride and any row stride.  Rows are
+// split across threads with at::parallel_for; each row is first gathered into a per-thread fp32
+// buffer (the row then sits in L1/L2), so the statistics are an exact two-pass mean/variance in
+// fp32 without touching memory twice.  All arithmetic is fp32, vectorised with
+// at::vec::Vectorized<float>; fp16/bf16 rows are converted on load/store.
+//
+// The argument checks shared with the CUDA backend live here too (check_add_layer_norm_*_args).
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "ops.h"
+#include "philox.h"
+
+namespace transformer_fast {
+
+using at::Tensor;
+
+// --------------------------------------------------------------------------------------------
+// Argument checks (also used by add_layer_norm_cuda.cu)
+
+namespace {
+
+bool supported_dtype(c10::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_rows(const Tensor& t, const char* name, const Tensor& x, c10::DeviceType dev) {
+  TORCH_CHECK(t.dim() == 2, "add_layer_norm: ", name, " must be 2-D (M, N), got ", t.dim(), "-D");
+  TORCH_CHECK(t.sizes() == x.sizes(), "add_layer_norm: ", name, " must have the shape of x ",
+              x.sizes(), ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "add_layer_norm: ", name,
+              " must have x's dtype ", x.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.device().type() == dev && t.device() == x.device(), "add_layer_norm: ", name,
+              " must be on x's device ", x.device(), ", got ", t.device());
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "add_layer_norm: ", name,
+              " must have unit stride along N (stride(1) == 1), got strides ", t.strides());
+  TORCH_CHECK(t.stride(0) >= 0, "add_layer_norm: ", name, " must have a non-negative row stride");
+}
+
+void check_param(const std::optional<Tensor>& p, const char* name, const Tensor& x) {
+  if (!p.has_value() || !p->defined()) return;
+  TORCH_CHECK(p->dim() == 1 && p->size(0) == x.size(1), "add_layer_norm: ", name,
+              " must have shape (N,) = (", x.size(1), ",), got ", p->sizes());
+  TORCH_CHECK(p->scalar_type() == x.scalar_type() || p->scalar_type() == at::kFloat,
+              "add_layer_norm: ", name, " must be ", x.scalar_type(), " or float32, got ",
+              p->scalar_type());
+  TORCH_CHECK(p->device() == x.device(), "add_layer_norm: ", name, " must be on x's device ",
+              x.device(), ", got ", p->device());
+}
+
+void check_dropout(double dropout_p, const std::optional<Tensor>& rng, const Tensor& x) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "add_layer_norm: dropout_p must be in [0, 1], got ",
+              dropout_p);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(rng.has_value() && rng->defined(),
+                "add_layer_norm: rng ([seed, offset] int64) is required when dropout_p > 0");
+    TORCH_CHECK(rng->scalar_type() == at::kLong && rng->dim() == 1 && rng->numel() == 2,
+                "add_layer_norm: rng must be an int64 tensor of shape (2,) [seed, offset], got ",
+                rng->scalar_type(), " of shape ", rng->sizes());
+    TORCH_CHECK(rng->device() == x.device(), "add_layer_norm: rng must be on x's device ",
+                x.device(), ", got ", rng->device());
+  }
+}
+
+bool has(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
+
+}  // namespace
+
+void check_add_layer_norm_fwd_args(const Tensor& x, const Tensor& residual,
+                                   const std::optional<Tensor>& weight,
+                                   const std::optional<Tensor>& bias, double eps,
+                                   double dropout_p, const std::optional<Tensor>& rng,
+                                   c10::DeviceType dev) {
+  TORCH_CHECK(x.dim() == 2, "add_layer_norm: x must be 2-D (M, N), got ", x.dim(), "-D");
+  TORCH_CHECK(supported_dtype(x.scalar_type()),
+              "add_layer_norm: x must be float32, float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.device().type() == dev, "add_layer_norm: x must be a ", dev, " tensor, got ",
+              x.device());
+  check_rows(x, "x", x, dev);
+  check_rows(residual, "residual", x, dev);
+  check_param(weight, "weight", x);
+  check_param(bias, "bias", x);
+  TORCH_CHECK(eps >= 0.0, "add_layer_norm: eps must be >= 0, got ", eps);
+  check_dropout(dropout_p, rng, x);
+}
+
+void check_add_layer_norm_bwd_args(const Tensor& dy, const std::optional<Tensor>& dh,
+                                   const Tensor& x, const Tensor& residual,
+                                   const std::optional<Tensor>& weight,
+                                   const std::optional<Tensor>& bias, const Tensor& mean,
+                                   const Tensor& rstd, double dropout_p,
+                                   const std::optional<Tensor>& rng, c10::DeviceType dev) {
+  check_add_layer_norm_fwd_args(x, residual, weight, bias, 0.0, dropout_p, rng, dev);
+  check_rows(dy, "dy", x, dev);
+  if (has(dh)) check_rows(*dh, "dh", x, dev);
+  for (const Tensor* s : {&mean, &rstd}) {
+    const char* name = s == &mean ? "mean" : "rstd";
+    TORCH_CHECK(s->scalar_type() == at::kFloat, "add_layer_norm: ", name, " must be float32, got ",
+                s->scalar_type());
+    TORCH_CHECK(s->dim() == 1 && s->size(0) == x.size(0), "add_layer_norm: ", name,
+                " must have shape (M,) = (", x.size(0), ",), got ", s->sizes());
+    TORCH_CHECK(s->device() == x.device(), "add_layer_norm: ", name, " must be on x's device ",
+                x.device(), ", got ", s->device());
+  }
+}
+
+}  // namespace transformer_fast
+
+// --------------------------------------------------------------------------------------------
+// CPU kernels
+//
+// at::vec::Vectorized<float> is only truly vectorised when the translation unit is compiled for
+// a CPU capability (PyTorch builds its kernels once per capability); the default build of an
+// extension is baseline x86-64, where the generic Vectorized compiles to scalar code through
+// the stack (measured: ~5x slower here).  So on x86-64 the kernels below (and nothing that is
+// shared with other translation units: the torch headers above are included first) are compiled
+// for AVX2+FMA via a target pragma, in at::vec's own AVX2 namespace, and the op entry points
+// check at run time that the CPU has AVX2/FMA before calling them.
+#if defined(__x86_64__) && !defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
+#define TF_CPU_AVX2_PRAGMA 1
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#pragma GCC diagnostic ignored "-Wpsabi"  // __m256 by value in header-internal inline helpers
+// The ISA macros the headers test (Sleef declares its AVX2 entry points only under them); they
+// are true inside this region and undefined again right after the include.
+#define __AVX__ 1
+#define __AVX2__ 1
+#define __FMA__ 1
+#define __F16C__ 1
+#endif
+#include <ATen/cpu/vec/vec.h>
+#ifdef TF_CPU_AVX2_PRAGMA
+#undef __AVX__
+#undef __AVX2__
+#undef __FMA__
+#undef __F16C__
+#endif
+
+namespace transformer_fast {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+constexpr int64_t kV = Vec::size();
+
+// float / Half / BFloat16 only (checked before): a light AT_DISPATCH without double.
+template <typename F>
+void dispatch_dtype(c10::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "add_layer_norm: unsupported dtype ", t);
+  }
+}
+
+// Row of T -> fp32 (no copy for float).
+template <typename T>
+const float* row_as_float(const T* src, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    at::vec::convert(src, buf, n);
+    return buf;
+  }
+}
+
+template <typename T>
+void store_row(const float* src, T* dst, int64_t n) {
+  at::vec::convert(src, dst, n);  // vectorised float->float copy or float->half/bf16 rounding
+}
+
+#ifdef TF_CPU_AVX2_PRAGMA
+// (lo, hi) 32-bit halves of the 8 products a * b[lane] (AVX2 multiplies even lanes only:
+// the odd lanes go through a 32-bit shift).
+inline void mulhilo8(__m256i a, __m256i b, __m256i& lo, __m256i& hi) {
+  const __m256i even = _mm256_mul_epu32(a, b);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), _mm256_srli_epi64(b, 32));
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+#endif
+
+// keep/(1-p) factors of one row: 0 for dropped elements, `scale` for kept ones.
+void dropout_factors(uint64_t seed, uint64_t offset, uint64_t first_index, int64_t n,
+                     uint32_t threshold, float scale, float* out) {
+  int64_t j0 = 0;
+#ifdef TF_CPU_AVX2_PRAGMA
+  // 8 Philox streams at once; bit-identical to philox_word (checked against philox.py).
+  const __m256i va = _mm256_set1_epi32(static_cast<int>(kPhiloxA));
+  const __m256i vb = _mm256_set1_epi32(static_cast<int>(kPhiloxB));
+  const __m256i c2_init = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset)));
+  const __m256i c3_init = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 32)));
+  const __m256i vthr = _mm256_set1_epi32(static_cast<int>(threshold));
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (; j0 + 8 <= n; j0 += 8) {
+    alignas(32) uint32_t lo[8], hi[8];
+    for (int l = 0; l < 8; ++l) {
+      const uint64_t idx = first_index + static_cast<uint64_t>(j0 + l);
+      lo[l] = static_cast<uint32_t>(idx);
+      hi[l] = static_cast<uint32_t>(idx >> 32);
+    }
+    __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
+    __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
+    __m256i c2 = c2_init, c3 = c3_init;
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      __m256i lo_b, hi_b, lo_a, hi_a;
+      mulhilo8(vb, c2, lo_b, hi_b);
+      mulhilo8(va, c0, lo_a, hi_a);
+      c0 = _mm256_xor_si256(_mm256_xor_si256(hi_b, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+      c1 = lo_b;
+      c2 = _mm256_xor_si256(_mm256_xor_si256(hi_a, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+      c3 = lo_a;
+      k0 += kPhiloxKeyA;
+      k1 += kPhiloxKeyB;
+    }
+    // keep iff c0 >= threshold (unsigned): max(c0, thr) == c0
+    const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(c0, vthr), c0);
+    _mm256_storeu_ps(out + j0, _mm256_and_ps(_mm256_castsi256_ps(keep), vscale));
+  }
+#endif
+  for (int64_t j = j0; j < n; ++j) {
+    out[j] = philox_word(seed, offset, first_index + static_cast<uint64_t>(j)) >= threshold ? scale
+                                                                                          : 0.0f;
+  }
+}
+
+// h = r + x (* m) into hbuf; returns sum(h).
+float residual_add(const float* x, const float* r, const float* m, float* h, int64_t n) {
+  Vec s0(0.0f), s1(0.0f);
+  int64_t j = 0;
+  for (; j + 2 * kV <= n; j += 2 * kV) {
+    Vec a = Vec::loadu(x + j), b = Vec::loadu(x + j + kV);
+    if (m) {
+      a = a * Vec::loadu(m + j);
+      b = b * Vec::loadu(m + j + kV);
+    }
+    a = a + Vec::loadu(r + j);
+    b = b + Vec::loadu(r + j + kV);
+    a.store(h + j);
+    b.store(h + j + kV);
+    s0 = s0 + a;
+    s1 = s1 + b;
+  }
+  float s = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, s0 + s1);
+  for (; j < n; ++j) {
+    h[j] = r[j] + (m ? x[j] * m[j] : x[j]);
+    s += h[j];
+  }
+  return s;
+}
+
+// sum((h - mean)^2), exact two-pass on the cached row.
+float centered_sq_sum(const float* h, float mean, int64_t n) {
+  const Vec vm(mean);
+  Vec s0(0.0f), s1(0.0f);
+  int64_t j = 0;
+  for (; j + 2 * kV <= n; j += 2 * kV) {
+    Vec a = Vec::loadu(h + j) - vm, b = Vec::loadu(h + j + kV) - vm;
+    s0 = at::vec::fmadd(a, a, s0);
+    s1 = at::vec::fmadd(b, b, s1);
+  }
+  float s = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, s0 + s1);
+  for (; j < n; ++j) {
+    const float d = h[j] - mean;
+    s += d * d;
+  }
+  return s;
+}
+
+struct Params {
+  const float* w;  // fp32 copies, nullptr when absent
+  const float* b;
+};
+
+template <typename T>
+void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double dropout_p,
+                const int64_t* rng, Tensor& y, Tensor* h_out, Tensor& mean, Tensor& rstd) {
+  const int64_t M = x.size(0), N = x.size(1);
+  const int64_t sx = x.stride(0), sr = r.stride(0);
+  const T* xp = x.const_data_ptr<T>();
+  const T* rp = r.const_data_ptr<T>();
+  T* yp = y.mutable_data_ptr<T>();
+  T* hp = h_out ? h_out->mutable_data_ptr<T>() : nullptr;
+  float* meanp = mean.mutable_data_ptr<float>();
+  float* rstdp = rstd.mutable_data_ptr<float>();
+  const bool drop = dropout_p > 0.0;
+  const uint64_t seed = drop ? static_cast<uint64_t>(rng[0]) : 0;
+  const uint64_t offset = drop ? static_cast<uint64_t>(rng[1]) : 0;
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  const float scale = dropout_scale(dropout_p);
+  const float feps = static_cast<float>(eps);
+  const float inv_n = 1.0f / static_cast<float>(N);
+  // ~64 KiB of row data per task at least, so small problems are not split across threads.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
+
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    const bool reduced = !std::is_same_v<T, float>;
+    std::vector<float> buf(static_cast<size_t>(N) * (2 + (reduced ? 2 : 0) + (drop ? 1 : 0)));
+    float* hbuf = buf.data();
+    float* ybuf = hbuf + N;
+    float* xbuf = ybuf + N;
+    float* rbuf = reduced ? xbuf + N : nullptr;
+    float* mbuf = drop ? (reduced ? rbuf + N : xbuf) : nullptr;
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xf = row_as_float(xp + i * sx, N, xbuf);
+      const float* rf = row_as_float(rp + i * sr, N, rbuf);
+      if (drop) dropout_factors(seed, offset, static_cast<uint64_t>(i) * N, N, threshold, scale, mbuf);
+      const float mu = residual_add(xf, rf, mbuf, hbuf, N) * inv_n;
+      const float var = centered_sq_sum(hbuf, mu, N) * inv_n;
+      const float rs = 1.0f / std::sqrt(var + feps);
+      meanp[i] = mu;
+      rstdp[i] = rs;
+      // y = (h - mean) * rstd * w + b  =  h * a + c  (per column a = rstd*w, c = b - mean*a)
+      const Vec vmu(mu), vrs(rs);
+      // fp32 output rows are written in place; others go through ybuf and one conversion.
+      float* yrow = ybuf;
+      if constexpr (std::is_same_v<T, float>) yrow = yp + i * N;
+      int64_t j = 0;
+      for (; j + kV <= N; j += kV) {
+        Vec v = (Vec::loadu(hbuf + j) - vmu) * vrs;
+        if (p.w) v = v * Vec::loadu(p.w + j);
+        if (p.b) v = v + Vec::loadu(p.b + j);
+        v.store(yrow + j);
+      }
+      for (; j < N; ++j) {
+        float v = (hbuf[j] - mu) * rs;
+        if (p.w) v *= p.w[j];
+        if (p.b) v += p.b[j];
+        yrow[j] = v;
+      }
+      if constexpr (!std::is_same_v<T, float>) store_row(ybuf, yp + i * N, N);
+      if (hp) store_row(hbuf, hp + i * N, N);
+    }
+  });
+}
+
+template <typename T>
+void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tensor& r, Params p,
+                const Tensor& mean, const Tensor& rstd, double dropout_p, const int64_t* rng,
+                Tensor* dx, Tensor& dres, float* dw_part, float* db_part, int64_t groups) {
+  const int64_t M = x.size(0), N = x.size(1);
+  const int64_t sx = x.stride(0), sr = r.stride(0), sdy = dy.stride(0);
+  const int64_t sdh = dh ? dh->stride(0) : 0;
+  const T* xp = x.const_data_ptr<T>();
+  const T* rp = r.const_data_ptr<T>();
+  const T* dyp = dy.const_data_ptr<T>();
+  const T* dhp = dh ? dh->const_data_ptr<T>() : nullptr;
+  const float* meanp = mean.const_data_ptr<float>();
+  const float* rstdp = rstd.const_data_ptr<float>();
+  T* dxp = dx ? dx->mutable_data_ptr<T>() : nullptr;
+  T* drp = dres.mutable_data_ptr<T>();
+  const bool drop = dropout_p > 0.0;
+  const uint64_t seed = drop ? static_cast<uint64_t>(rng[0]) : 0;
+  const uint64_t offset = drop ? static_cast<uint64_t>(rng[1]) : 0;
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  const float scale = dropout_scale(dropout_p);
+  const float inv_n = 1.0f / static_cast<float>(N);
+
+  // Fixed row groups (one partial dweight/dbias row each), summed in a fixed order afterwards:
+  // deterministic for a given thread count, no atomics.
+  at::parallel_for(0, groups, 1, [&](int64_t gbegin, int64_t gend) {
+    const bool reduced = !std::is_same_v<T, float>;
+    std::vector<float> buf(static_cast<size_t>(N) * 7);
+    float* hbuf = buf.data();    // h, then xhat
+    float* gbuf = hbuf + N;      // dy * w
+    float* obuf = gbuf + N;      // dsum
+    float* xbuf = obuf + N;      // x (reduced dtypes), dx output
+    float* rbuf = xbuf + N;      // residual (reduced dtypes)
+    float* dybuf = rbuf + N;     // dy (reduced dtypes)
+    float* mbuf = dybuf + N;     // dropout factors
+    (void)reduced;
+    for (int64_t g = gbegin; g < gend; ++g) {
+      float* dwp = dw_part ? dw_part + g * N : nullptr;
+      float* dbp = db_part ? db_part + g * N : nullptr;
+      if (dwp) std::fill(dwp, dwp + N, 0.0f);
+      if (dbp) std::fill(dbp, dbp + N, 0.0f);
+      const int64_t rbegin = M * g / groups, rend = M * (g + 1) / groups;
+      for (int64_t i = rbegin; i < rend; ++i) {
+        const float* xf = row_as_float(xp + i * sx, N, xbuf);
+        const float* rf = row_as_float(rp + i * sr, N, rbuf);
+        const float* dyf = row_as_float(dyp + i * sdy, N, dybuf);
+        if (drop) dropout_factors(seed, offset, static_cast<uint64_t>(i) * N, N, threshold, scale, mbuf);
+        residual_add(xf, rf, drop ? mbuf : nullptr, hbuf, N);
+        const float mu = meanp[i], rs = rstdp[i];
+        const Vec vmu(mu), vrs(rs);
+        // xhat, g = dy*w, sum(g), sum(g*xhat); dweight/dbias partials.
+        Vec sg(0.0f), sgx(0.0f);
+        int64_t j = 0;
+        for (; j + kV <= N; j += kV) {
+          const Vec xh = (Vec::loadu(hbuf + j) - vmu) * vrs;
+          const Vec d = Vec::loadu(dyf + j);
+          const Vec gv = p.w ? d * Vec::loadu(p.w + j) : d;
+          xh.store(hbuf + j);
+          gv.store(gbuf + j);
+          sg = sg + gv;
+          sgx = at::vec::fmadd(gv, xh, sgx);
+          if (dwp) at::vec::fmadd(d, xh, Vec::loadu(dwp + j)).store(dwp + j);
+          if (dbp) (Vec::loadu(dbp + j) + d).store(dbp + j);
+        }
+        float sum_g = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, sg);
+        float sum_gx = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, sgx);
+        for (; j < N; ++j) {
+          const float xh = (hbuf[j] - mu) * rs;
+          const float d = dyf[j];
+          const float gv = p.w ? d * p.w[j] : d;
+          hbuf[j] = xh;
+          gbuf[j] = gv;
+          sum_g += gv;
+          sum_gx += gv * xh;
+          if (dwp) dwp[j] += d * xh;
+          if (dbp) dbp[j] += d;
+        }
+        const float a = sum_g * inv_n, b = sum_gx * inv_n;
+        // dsum = rstd * (g - a - xhat * b) (+ dh)
+        const float* dhf = dhp ? row_as_float(dhp + i * sdh, N, dybuf) : nullptr;  // dy no longer needed
+        const Vec va(a), vb(b);
+        j = 0;
+        for (; j + kV <= N; j += kV) {
+          Vec v = (Vec::loadu(gbuf + j) - va - Vec::loadu(hbuf + j) * vb) * vrs;
+          if (dhf) v = v + Vec::loadu(dhf + j);
+          v.store(obuf + j);
+          if (dxp) (v * Vec::loadu(mbuf + j)).store(xbuf + j);
+        }
+        for (; j < N; ++j) {
+          float v = (gbuf[j] - a - hbuf[j] * b) * rs;
+          if (dhf) v += dhf[j];
+          obuf[j] = v;
+          if (dxp) xbuf[j] = v * mbuf[j];
+        }
+        store_row(obuf, drp + i * N, N);
+        if (dxp) store_row(xbuf, dxp + i * N, N);
+      }
+    }
+  });
+}
+
+// out[j] = sum_g part[g, j] in a fixed order, written in out's dtype.
+void reduce_partials(const float* part, int64_t groups, int64_t N, Tensor& out) {
+  dispatch_dtype(out.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(static_cast<size_t>(end - begin), 0.0f);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src = part + g * N + begin;
+        for (int64_t j = 0; j < end - begin; ++j) acc[j] += src[j];
+      }
+      at::vec::convert(acc.data(), o + begin, end - begin);
+    });
+  });
+}
+
+// Non-template launchers, defined inside the target region (so the kernels instantiate there).
+void run_fwd(const Tensor& x, const Tensor& r, Params p, double eps, double dropout_p,
+             const int64_t* rng, Tensor& y, Tensor* h_out, Tensor& mean, Tensor& rstd) {
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    fwd_kernel<decltype(tag)>(x, r, p, eps, dropout_p, rng, y, h_out, mean, rstd);
+  });
+}
+
+void run_bwd(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tensor& r, Params p,
+             const Tensor& mean, const Tensor& rstd, double dropout_p, const int64_t* rng,
+             Tensor* dx, Tensor& dres, float* dw_part, float* db_part, int64_t groups) {
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    bwd_kernel<decltype(tag)>(dy, dh, x, r, p, mean, rstd, dropout_p, rng, dx, dres, dw_part,
+                              db_part, groups);
+  });
+}
+
+}  // namespace
+}  // namespace transformer_fast
+
+#ifdef TF_CPU_AVX2_PRAGMA
+#pragma GCC pop_options
+#endif
+
+namespace transformer_fast {
+namespace {
+
+void check_cpu_features() {
+#ifdef TF_CPU_AVX2_PRAGMA
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  TORCH_CHECK(ok, "transformer_fast cpu backend: this CPU lacks AVX2/FMA/F16C, which the "
+              "compiled CPU kernels need");
+#endif
+}
+
+Tensor as_float_param(const std::optional<Tensor>& t) {
+  if (!has(t)) return Tensor();
+  return t->to(at::kFloat).contiguous();
+}
+
+Tensor empty0(const Tensor& like) { return at::empty({0}, like.options()); }
+
+}  // namespace
+
+Tensor4 add_layer_norm_fwd_cpu(const Tensor& x, const Tensor& residual,
+                               const std::optional<Tensor>& weight,
+                               const std::optional<Tensor>& bias, double eps, double dropout_p,
+                               const std::optional<Tensor>& rng, bool prenorm) {
+  check_add_layer_norm_fwd_args(x, residual, weight, bias, eps, dropout_p, rng, c10::DeviceType::CPU);
+  check_cpu_features();
+  const int64_t M = x.size(0), N = x.size(1);
+  Tensor y = at::empty({M, N}, x.options());
+  Tensor h = prenorm ? at::empty({M, N}, x.options()) : empty0(x);
+  Tensor mean = at::empty({M}, x.options().dtype(at::kFloat));
+  Tensor rstd = at::empty({M}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) {
+    if (N == 0) {  // LayerNorm of an empty row: mean 0, variance 0
+      mean.fill_(0.0);
+      rstd.fill_(1.0 / std::sqrt(eps));
+    }
+    return {y, h, mean, rstd};
+  }
+  const Tensor w32 = as_float_param(weight), b32 = as_float_param(bias);
+  const Params p{w32.defined() ? w32.const_data_ptr<float>() : nullptr,
+                 b32.defined() ? b32.const_data_ptr<float>() : nullptr};
+  Tensor rng_c = dropout_p > 0.0 ? rng->contiguous() : Tensor();
+  const int64_t* rngp = rng_c.defined() ? rng_c.const_data_ptr<int64_t>() : nullptr;
+  run_fwd(x, residual, p, eps, dropout_p, rngp, y, prenorm ? &h : nullptr, mean, rstd);
+  return {y, h, mean, rstd};
+}
+
+Tensor4 add_layer_norm_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& dh,
+                               const Tensor& x, const Tensor& residual,
+                               const std::optional<Tensor>& weight,
+                               const std::optional<Tensor>& bias, const Tensor& mean,
+                               const Tensor& rstd, double dropout_p,
+                               const std::optional<Tensor>& rng) {
+  check_add_layer_norm_bwd_args(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p, rng,
+                                c10::DeviceType::CPU);
+  check_cpu_features();
+  const int64_t M = x.size(0), N = x.size(1);
+  const bool drop = dropout_p > 0.0;
+  Tensor dres = at::empty({M, N}, x.options());
+  Tensor dx = drop ? at::empty({M, N}, x.options()) : empty0(x);
+  Tensor dw = has(weight) ? at::empty({N}, weight->options()) : empty0(x);
+  Tensor db = has(bias) ? at::empty({N}, bias->options()) : empty0(x);
+  if (M == 0 || N == 0) {
+    dw.zero_();
+    db.zero_();
+    return {dx, dres, dw, db};
+  }
+  const Tensor w32 = as_float_param(weight);
+  const Params p{w32.defined() ? w32.const_data_ptr<float>() : nullptr, nullptr};
+  Tensor rng_c = drop ? rng->contiguous() : Tensor();
+  const int64_t* rngp = rng_c.defined() ? rng_c.const_data_ptr<int64_t>() : nullptr;
+  const Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+  const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
+  std::vector<float> dw_part(has(weight) ? static_cast<size_t>(groups * N) : 0);
+  std::vector<float> db_part(has(bias) ? static_cast<size_t>(groups * N) : 0);
+  const Tensor* dhp = has(dh) ? &*dh : nullptr;
+  run_bwd(dy, dhp, x, residual, p, mean_c, rstd_c, dropout_p, rngp, drop ? &dx : nullptr, dres,
+          dw_part.empty() ? nullptr : dw_part.data(), db_part.empty() ? nullptr : db_part.data(),
+          groups);
+  if (has(weight)) reduce_partials(dw_part.data(), groups, N, dw);
+  if (has(bias)) reduce_partials(db_part.data(), groups, N, db);
+  return {dx, dres, dw, db};
+}
+
+TORCH_LIBRARY_IMPL(transformer_fast_C, CPU, m) {
+  m.impl("add_layer_norm_fwd", &add_layer_norm_fwd_cpu);
+  m.impl("add_layer_norm_bwd", &add_layer_norm_bwd_cpu);
+}
+
+}  // namespace transformer_fast
