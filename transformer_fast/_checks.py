@@ -6,6 +6,7 @@ came.  TypeError for a wrong kind of object or dtype, ValueError for a wrong sha
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterable, Sequence
 
 import torch
@@ -114,3 +115,39 @@ def kernel_dtype_reasons(backend: str, **tensors: torch.Tensor | None) -> list[s
         for k, v in tensors.items()
         if v is not None and v.is_floating_point() and v.dtype not in KERNEL_DTYPES
     ]
+
+
+def choice(name: str, value: object, options: Sequence[str]) -> str:
+    """A string option: TypeError for a non-string, ValueError for an unknown one."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {', '.join(map(repr, options))}; got {type(value).__name__}")
+    if value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
+    return value
+
+
+def number(name: str, value: object) -> float:
+    """A finite real number (not bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float; got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    return value
+
+
+# Checks that must read tensor VALUES on the host (e.g. cache_seqlens bounds).  On the CPU the
+# read is free, so they always run.  On a GPU the read would synchronise the stream on the hot
+# path (every decoding step), so they run only with TRANSFORMER_FAST_CHECKS=1; callers put a
+# sync-free device-side assert there instead.  TRANSFORMER_FAST_CHECKS=0 turns them off
+# everywhere.  Never while torch.compile traces (a data-dependent read breaks the graph).
+CHECKS_ENV = "TRANSFORMER_FAST_CHECKS"
+
+
+def host_checks_enabled(device: torch.device) -> bool:
+    if torch.compiler.is_compiling() or device.type == "meta":
+        return False
+    flag = os.environ.get(CHECKS_ENV, "").strip()
+    if flag:
+        return flag not in ("0", "false", "False", "no", "off")
+    return device.type == "cpu"

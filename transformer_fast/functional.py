@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _checks, backends, philox, reference
+from . import _checks, backends, masks, philox, reference
 from .ops import layer_norm as _layer_norm_op
 
 __all__ = [
@@ -100,26 +100,439 @@ def add_layer_norm(
 
 
 # --------------------------------------------------------------------------------------------
-# Attention, masked softmax, feed-forward: reference and torch backends (fused kernels: later
-# issues).
+# Attention, masked softmax, feed-forward.  For now the "reference" and "torch" backends
+# implement them (the fused triton/cuda/cpu kernels register here when they arrive).
+
+for _op in ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax", "feed_forward"):
+    backends.register(_op, "reference")
+    backends.register(_op, "torch")
+
+_NEG_INF = float("-inf")
+
+
+def _zero_dead_rows_softmax(x):
+    """softmax over the last dim with all -inf rows -> zeros and zero gradients (torch's own
+    ``_safe_softmax`` where it exists, the path SDPA's math backend uses)."""
+    if hasattr(torch, "_safe_softmax"):
+        return torch._safe_softmax(x, -1)
+    dead = torch.isneginf(x).all(dim=-1, keepdim=True)
+    probs = torch.softmax(x.masked_fill(dead, 0.0), dim=-1)
+    return probs.masked_fill(dead, 0.0)
+
+
+# ---- scaled_dot_product_attention
+
+
+def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     key_padding_mask):
+    _checks.tensor("query", query, min_ndim=3)
+    _checks.tensor("key", key, min_ndim=3)
+    _checks.tensor("value", value, min_ndim=3)
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != query.dim():
+            raise ValueError(
+                f"{name} must have as many dimensions as query ({query.dim()}, shape "
+                f"{tuple(query.shape)}); got shape {tuple(t.shape)}"
+            )
+    _checks.same_dtype(query=query, key=key, value=value)
+    _checks.optional_tensor("attn_mask", attn_mask, dtypes=None)
+    _checks.optional_tensor("key_padding_mask", key_padding_mask, dtypes=None)
+    _checks.same_device(
+        query=query, key=key, value=value, attn_mask=attn_mask, key_padding_mask=key_padding_mask
+    )
+    is_causal = _checks.boolean("is_causal", is_causal)
+    enable_gqa = _checks.boolean("enable_gqa", enable_gqa)
+    dropout_p = _checks.dropout_p(dropout_p)
+    scale = _checks.optional_scale(scale)
+
+    for name, t in (("key", key), ("value", value)):
+        if t.shape[:-3] != query.shape[:-3]:
+            raise ValueError(
+                f"{name} must have query's batch dimensions {tuple(query.shape[:-3])}; "
+                f"got shape {tuple(t.shape)} (query {tuple(query.shape)})"
+            )
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    what = "heads" if query.dim() > 3 else "batch size"
+    if hv != hk:
+        raise ValueError(
+            f"value must have key's number of {what} ({hk}, dim -3); got {hv} "
+            f"(key {tuple(key.shape)}, value {tuple(value.shape)})"
+        )
+    if hq != hk:
+        if query.dim() == 3:
+            raise ValueError(
+                f"key must have query's batch size ({hq}, dim 0); got {hk} (3-D inputs have no "
+                f"head dimension, so enable_gqa cannot apply)"
+            )
+        if not enable_gqa:
+            raise ValueError(
+                f"key must have query's number of heads ({hq}, dim -3); got {hk}. Pass "
+                f"enable_gqa=True for grouped-query attention"
+            )
+        if hq % hk != 0:
+            raise ValueError(
+                f"with enable_gqa, key's number of heads ({hk}) must divide query's ({hq})"
+            )
+    if query.shape[-1] < 1:
+        raise ValueError(f"query must have a head dimension >= 1; got shape {tuple(query.shape)}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"key must have query's head dimension ({query.shape[-1]}, dim -1); got "
+            f"{key.shape[-1]} (key {tuple(key.shape)})"
+        )
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"value must have key's sequence length ({key.shape[-2]}, dim -2); got "
+            f"{value.shape[-2]} (value {tuple(value.shape)})"
+        )
+    lq, lk = query.shape[-2], key.shape[-2]
+    scores_shape = tuple(query.shape[:-1]) + (lk,)
+    masks.check_mask("attn_mask", attn_mask, scores_shape, query.dtype,
+                     "the attention scores (..., heads, query length, key length)")
+    masks.check_key_padding_mask("key_padding_mask", key_padding_mask, query.shape[0], lk, query.dtype)
+    return dropout_p, is_causal, scale, enable_gqa
+
+
+def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                key_padding_mask):
+    lq, lk = query.shape[-2], key.shape[-2]
+    gqa = enable_gqa and query.shape[-3] != key.shape[-3]
+    if lk == 0:  # nothing to attend to: zeros (through autograd, as the reference)
+        return reference.scaled_dot_product_attention(
+            query, key, value, scale=scale, enable_gqa=gqa
+        )
+    if attn_mask is None and key_padding_mask is None:
+        # Top-left causal alone never empties a row (key 0 is always visible): no fix-up.
+        return F.scaled_dot_product_attention(
+            query, key, value, None, dropout_p, is_causal, scale=scale, enable_gqa=gqa
+        )
+    mask = masks.combine(
+        attn_mask, is_causal, key_padding_mask, lq, lk, query.dim(), query.dtype, query.device
+    )
+    # Some SDPA paths (flash / efficient / cuDNN) return NaN for a row with no key, and NaN
+    # gradients.  Open such rows to every key (finite everywhere, so forward and backward stay
+    # finite), then zero their outputs: masked_fill also zeroes their upstream gradient, so q, k,
+    # v get exactly zero from them.  No host sync: the rows are found on the device.
+    dead = masks.dead_rows(mask)
+    mask = masks.revive(mask, dead)
+    out = F.scaled_dot_product_attention(
+        query, key, value, mask, dropout_p, False, scale=scale, enable_gqa=gqa
+    )
+    return out.masked_fill(dead, 0.0)
 
 
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     enable_gqa=False, *, key_padding_mask=None, backend=None,
 ):
-    raise NotImplementedError
+    """Scaled dot-product attention; a drop-in for torch.nn.functional.scaled_dot_product_attention.
+
+    ``softmax(query @ key^T * scale + mask) @ value``, with dropout on the probabilities.
+
+    Args:
+        query: (..., Hq, Lq, D) (or (N, Lq, D) without a head dimension), float16/bfloat16/
+            float32/float64.  Any strides.
+        key: (..., Hkv, Lk, D), query's dtype, device and leading dimensions.  Hkv == Hq, or with
+            ``enable_gqa`` any divisor of Hq (key/value head h serves query heads
+            h * Hq/Hkv .. (h+1) * Hq/Hkv - 1, as torch).
+        value: (..., Hkv, Lk, Dv); Dv may differ from D.
+        attn_mask: broadcastable to the scores (..., Hq, Lq, Lk), e.g. (Lq, Lk), (B, 1, Lq, Lk)
+            or (B, Hq, Lq, Lk).  torch SDPA polarity: bool True = the key TAKES PART (False
+            removes it); a float mask (query's dtype or float32) is ADDED to the scaled scores
+            (-inf removes the key).
+        dropout_p: probability of dropping an attention probability, in [0, 1); applied
+            whenever > 0 (pass 0.0 in eval mode, as with torch's function).
+        is_causal: mask key j > query i, top-left aligned as torch SDPA (also when Lq != Lk).
+            Unlike torch, it may be combined with ``attn_mask`` and ``key_padding_mask``: the
+            masks are ANDed.
+        scale: multiplies q @ k^T; None = 1/sqrt(D).
+        enable_gqa: allow Hkv < Hq (grouped-query attention).
+        key_padding_mask: (B, Lk) with B = query.shape[0]; nn.MultiheadAttention polarity: bool
+            True = PADDING (the key is removed); float is added.
+        backend: "auto", "reference" or "torch" (fused backends arrive later); None = the
+            current default (see transformer_fast.use_backend).
+
+    Returns:
+        (..., Hq, Lq, Dv) in query's dtype.  A query row left with no key (every key masked)
+        is zeros, with zero gradients, never NaN.
+
+    Raises:
+        TypeError / ValueError naming the argument for any malformed input, before computing.
+    """
+    dropout_p, is_causal, scale, enable_gqa = _check_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+    )
+    inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
+              "key_padding_mask": key_padding_mask}
+    name = backends.resolve("scaled_dot_product_attention", backend, inputs)
+    if name == "reference":
+        return reference.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            key_padding_mask=key_padding_mask,
+        )
+    if name == "torch":
+        return _torch_sdpa(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+        )
+    raise backends.BackendError(f"scaled_dot_product_attention: no {name} implementation yet")
+
+
+# ---- attention_with_kv_cache
+
+
+def _check_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
+    _checks.tensor("q", q, ndim=4)
+    _checks.tensor("k_cache", k_cache, ndim=4)
+    _checks.tensor("v_cache", v_cache, ndim=4)
+    if (k_new is None) != (v_new is None):
+        raise ValueError(
+            "k_new and v_new must be given together or both be None; got "
+            f"k_new={'None' if k_new is None else 'a tensor'}, v_new={'None' if v_new is None else 'a tensor'}"
+        )
+    _checks.optional_tensor("k_new", k_new, ndim=4)
+    _checks.optional_tensor("v_new", v_new, ndim=4)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be a torch.Tensor; got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must have dtype int32; got {cache_seqlens.dtype}")
+    _checks.same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
+    _checks.same_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new
+    )
+    scale = _checks.optional_scale(scale)
+
+    batch, heads, lq, dim = q.shape
+    if dim < 1:
+        raise ValueError(f"q must have a head dimension >= 1; got shape {tuple(q.shape)}")
+    _, kv_heads, l_max, _ = k_cache.shape
+    _checks.shape("k_cache", k_cache, (batch, kv_heads, l_max, dim),
+                  "(batch, kv heads, max length, head dim) with q's batch and head dim")
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise ValueError(
+            f"k_cache's number of heads ({kv_heads}, dim 1) must divide q's ({heads}); "
+            f"got k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}"
+        )
+    dim_v = v_cache.shape[3]
+    _checks.shape("v_cache", v_cache, (batch, kv_heads, l_max, dim_v),
+                  "k_cache's (batch, kv heads, max length) and any value head dim")
+    l_new = 0
+    if k_new is not None:
+        l_new = k_new.shape[2]
+        _checks.shape("k_new", k_new, (batch, kv_heads, lq, dim),
+                      "(batch, kv heads, q's length, head dim)")
+        _checks.shape("v_new", v_new, (batch, kv_heads, lq, dim_v),
+                      "(batch, kv heads, q's length, v_cache's head dim)")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.requires_grad and cache.is_leaf and torch.is_grad_enabled():
+                raise ValueError(
+                    f"{name} is written in place, so it cannot be a leaf tensor that requires "
+                    "grad; pass a cache that does not require grad (or detach it)"
+                )
+    if l_new > l_max:
+        raise ValueError(f"k_new's length ({l_new}) exceeds the cache length L_max={l_max}")
+    _checks.shape("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    # Bounds of the VALUES: 0 <= cache_seqlens[b] and cache_seqlens[b] + L_new <= L_max.
+    if _checks.host_checks_enabled(cache_seqlens.device):
+        low = int(cache_seqlens.min()) if batch else 0
+        high = int(cache_seqlens.max()) if batch else 0
+        if low < 0:
+            raise ValueError(f"cache_seqlens must be >= 0; got a minimum of {low}")
+        if high + l_new > l_max:
+            raise ValueError(
+                f"cache_seqlens + L_new must be <= L_max={l_max} (k_cache dim 2); got "
+                f"max(cache_seqlens)={high} with L_new={l_new}"
+            )
+    elif batch and cache_seqlens.device.type not in ("cpu", "meta"):
+        # GPU hot path: no host sync.  A device-side assert stops the stream before any write
+        # lands out of bounds (it surfaces asynchronously as a device-side assertion error);
+        # TRANSFORMER_FAST_CHECKS=1 gives the ValueError above instead, at the cost of a sync.
+        ok = ((cache_seqlens >= 0) & (cache_seqlens <= l_max - l_new)).all()
+        torch._assert_async(ok, "attention_with_kv_cache: cache_seqlens out of [0, L_max - L_new]")
+    return scale
+
+
+def _torch_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
+    batch, heads, lq, _ = q.shape
+    kv_heads, l_max = k_cache.shape[1], k_cache.shape[2]
+    seqlens = cache_seqlens.to(torch.int64)
+    l_new = 0
+    if k_new is not None:
+        l_new = k_new.shape[2]
+        positions = seqlens.unsqueeze(1) + torch.arange(l_new, device=q.device)  # (B, L_new)
+        rows = torch.arange(batch, device=q.device).unsqueeze(1)  # (B, 1)
+        # (B, L_max, Hkv, D) views: one index_put_ per cache writes all rows, no host sync.
+        k_cache.transpose(1, 2)[rows, positions] = k_new.transpose(1, 2)
+        v_cache.transpose(1, 2)[rows, positions] = v_new.transpose(1, 2)
+    last_visible = (seqlens + (l_new - lq)).reshape(batch, 1, 1) + torch.arange(
+        lq, device=q.device
+    ).reshape(1, lq, 1)
+    allowed = torch.arange(l_max, device=q.device) <= last_visible  # (B, Lq, L_max)
+    allowed = allowed.unsqueeze(1)  # (B, 1, Lq, L_max)
+    if l_max == 0:
+        return reference.scaled_dot_product_attention(
+            q, k_cache, v_cache, allowed, scale=scale, enable_gqa=heads != kv_heads
+        )
+    dead = masks.dead_rows(allowed)  # only without k_new, when cache_seqlens[b] < Lq
+    allowed = masks.revive(allowed, dead)
+    out = F.scaled_dot_product_attention(
+        q, k_cache, v_cache, allowed, scale=scale, enable_gqa=heads != kv_heads
+    )
+    return out.masked_fill(dead, 0.0)
 
 
 def attention_with_kv_cache(
     q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, scale=None, backend=None
 ):
-    raise NotImplementedError
+    """One incremental-decoding attention step over a preallocated KV cache.
+
+    Args:
+        q: (B, H, Lq, D) queries of the new tokens (any strides).
+        k_cache: (B, Hkv, L_max, D) key cache, q's dtype and device; Hkv divides H (each cache
+            head serves H/Hkv consecutive query heads, as SDPA's enable_gqa).  Written in place.
+        v_cache: (B, Hkv, L_max, Dv) value cache.  Written in place.
+        cache_seqlens: (B,) int32 on q's device: the number of valid keys already in each row
+            of the cache.  Not modified: the caller advances it (by Lq) after the call.
+        k_new, v_new: (B, Hkv, Lq, D) / (B, Hkv, Lq, Dv) keys and values of the new tokens, or
+            both None when the caller has already written them.
+        scale: multiplies q @ k^T; None = 1/sqrt(D).
+        backend: "auto", "reference" or "torch" (fused backends arrive later).
+
+    Semantics:
+        k_new/v_new are copied into the caches at positions cache_seqlens[b] ..
+        cache_seqlens[b] + Lq - 1; then query i of row b attends to the keys
+        j <= cache_seqlens[b] + L_new - Lq + i (L_new = Lq with k_new, else 0): the whole prefix
+        plus the new tokens up to itself, causal and bottom-right aligned among the new tokens.
+        Without k_new the last Lq of the cache_seqlens[b] keys are taken to be the queries' own;
+        a query with no visible key (cache_seqlens[b] < Lq there) returns zeros.
+
+        Bounds: 0 <= cache_seqlens[b] and cache_seqlens[b] + L_new <= L_max.  Checked with a
+        ValueError on CPU tensors; on a GPU the check would need a host sync, so by default it
+        is a sync-free device-side assert, and the ValueError only with TRANSFORMER_FAST_CHECKS=1
+        (TRANSFORMER_FAST_CHECKS=0 disables the value check; skipped under torch.compile).
+
+        Autograd flows to q, k_new and v_new (and to the caches' own history, if any); the
+        caches must not be leaf tensors that require grad.
+
+    Returns:
+        (B, H, Lq, Dv) in q's dtype.
+    """
+    scale = _check_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale)
+    inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens,
+              "k_new": k_new, "v_new": v_new}
+    name = backends.resolve("attention_with_kv_cache", backend, inputs)
+    if name == "reference":
+        return reference.attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale)
+    if name == "torch":
+        return _torch_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale)
+    raise backends.BackendError(f"attention_with_kv_cache: no {name} implementation yet")
+
+
+# ---- masked_softmax
 
 
 def masked_softmax(scores, mask=None, *, scale=1.0, is_causal=False, dropout_p=0.0, backend=None):
-    raise NotImplementedError
+    """``dropout(softmax(scores * scale, masked))`` over the last dimension (need_weights path).
+
+    Args:
+        scores: (..., Lq, Lk) float16/bfloat16/float32/float64 (at least 2-D with is_causal).
+        mask: broadcastable to ``scores`` (e.g. (Lq, Lk), (B, 1, Lq, Lk)), SDPA polarity: bool
+            True = takes part (False removes the entry); float (scores' dtype or float32) is
+            added AFTER scaling (-inf removes the entry).
+        scale: multiplies the scores first (finite float).
+        is_causal: remove entries j > i of the last two dims (top-left aligned); combines
+            with ``mask``.
+        dropout_p: dropout on the probabilities, in [0, 1); applied whenever > 0.
+        backend: "auto", "reference" or "torch" (fused backends arrive later).
+
+    Returns:
+        Probabilities shaped and typed like ``scores``.  A row with every entry removed (or
+        -inf) is zeros, with zero gradients.
+    """
+    _checks.tensor("scores", scores, min_ndim=2 if is_causal is True else 1)
+    _checks.optional_tensor("mask", mask, dtypes=None)
+    _checks.same_device(scores=scores, mask=mask)
+    masks.check_mask("mask", mask, scores.shape, scores.dtype, "scores")
+    scale = _checks.number("scale", scale)
+    is_causal = _checks.boolean("is_causal", is_causal)
+    dropout_p = _checks.dropout_p(dropout_p)
+
+    inputs = {"scores": scores, "mask": mask}
+    name = backends.resolve("masked_softmax", backend, inputs)
+    if name == "reference":
+        return reference.masked_softmax(scores, mask, scale, is_causal, dropout_p)
+    if name == "torch":
+        x = scores * scale if scale != 1.0 else scores
+        combined = masks.combine(
+            mask, is_causal, None, scores.shape[-2] if scores.dim() > 1 else 1, scores.shape[-1],
+            scores.dim(), scores.dtype, scores.device,
+        )
+        if combined is not None:
+            if combined.dtype == torch.bool:
+                x = x.masked_fill(~combined, _NEG_INF)
+            else:
+                x = x + combined
+        probs = _zero_dead_rows_softmax(x)
+        return F.dropout(probs, dropout_p) if dropout_p > 0.0 else probs
+    raise backends.BackendError(f"masked_softmax: no {name} implementation yet")
+
+
+# ---- feed_forward
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+
+def _torch_feed_forward(x, w1, b1, w2, b2, activation, dropout_p):
+    hidden = F.linear(x, w1, b1)
+    if activation == "relu":
+        hidden = F.relu(hidden)
+    elif activation == "gelu":
+        hidden = F.gelu(hidden)
+    else:
+        hidden = F.gelu(hidden, approximate="tanh")
+    if dropout_p > 0.0:
+        hidden = F.dropout(hidden, dropout_p)
+    return F.linear(hidden, w2, b2)
 
 
 def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, backend=None):
-    raise NotImplementedError
+    """Position-wise feed-forward ``dropout(act(x W1^T + b1)) W2^T + b2``.
+
+    Args:
+        x: (..., d_model) float16/bfloat16/float32/float64, any strides.
+        w1: (d_ff, d_model), as nn.Linear(d_model, d_ff).weight; x's dtype and device.
+        b1: (d_ff,) or None.
+        w2: (d_out, d_ff), as nn.Linear(d_ff, d_out).weight (d_out is d_model in a Transformer).
+        b2: (d_out,) or None.
+        activation: "relu", "gelu" (erf) or "gelu_tanh" (tanh approximation).
+        dropout_p: dropout on the activations, in [0, 1); applied whenever > 0.
+        backend: "auto", "reference" or "torch" (fused backends arrive later).
+
+    Returns:
+        (..., d_out) in x's dtype.
+    """
+    _checks.tensor("x", x, min_ndim=1)
+    _checks.tensor("w1", w1, ndim=2)
+    _checks.optional_tensor("b1", b1, ndim=1)
+    _checks.tensor("w2", w2, ndim=2)
+    _checks.optional_tensor("b2", b2, ndim=1)
+    _checks.same_dtype(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+    _checks.same_device(x=x, w1=w1, b1=b1, w2=w2, b2=b2)
+    d_model = x.shape[-1]
+    d_ff = w1.shape[0]
+    _checks.shape("w1", w1, (d_ff, d_model), "(d_ff, d_model) with d_model = x.shape[-1]")
+    if b1 is not None:
+        _checks.shape("b1", b1, (d_ff,), "(d_ff,) = w1.shape[0]")
+    d_out = w2.shape[0]
+    _checks.shape("w2", w2, (d_out, d_ff), "(d_out, d_ff) with d_ff = w1.shape[0]")
+    if b2 is not None:
+        _checks.shape("b2", b2, (d_out,), "(d_out,) = w2.shape[0]")
+    activation = _checks.choice("activation", activation, ACTIVATIONS)
+    dropout_p = _checks.dropout_p(dropout_p)
+
+    inputs = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2}
+    name = backends.resolve("feed_forward", backend, inputs)
+    if name == "reference":
+        return reference.feed_forward(x, w1, b1, w2, b2, activation, dropout_p)
+    if name == "torch":
+        return _torch_feed_forward(x, w1, b1, w2, b2, activation, dropout_p)
+    raise backends.BackendError(f"feed_forward: no {name} implementation yet")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -72,6 +73,131 @@ def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0, keep=None)
     if b2 is not None:
         out = out + b2
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Attention: scores = Q K^T * scale, mask with -inf, softmax, dropout, times V
+#
+# Masks follow transformer_fast.masks: bool attn_mask True = takes part, float attn_mask added,
+# key_padding_mask (B, Lk) True = padding, is_causal top-left aligned as torch SDPA.  A row with
+# no key left (every score -inf) is zero, with zero gradients: its scores are replaced by zeros
+# BEFORE the softmax (so neither the softmax nor its backward ever sees an all -inf row, which
+# would give NaN) and its probabilities are zeroed after it.
+
+
+def _causal_allowed(lq, lk, device, bottom_right=False):
+    """(lq, lk) bool, True where query i may see key j: j <= i (top-left, torch SDPA's
+    is_causal) or j <= i + lk - lq (bottom-right, the KV-cache convention)."""
+    offset = lk - lq if bottom_right else 0
+    rows = torch.arange(lq, device=device).unsqueeze(-1)
+    cols = torch.arange(lk, device=device)
+    return cols <= rows + offset
+
+
+def _apply_masks(scores, attn_mask=None, is_causal=False, key_padding_mask=None, bottom_right=False):
+    """Scores with removed keys set to -inf and float masks added."""
+    lk = scores.shape[-1]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        scores = scores + attn_mask.to(scores.dtype)
+    if key_padding_mask is not None:
+        batch = key_padding_mask.shape[0]
+        padding = key_padding_mask.reshape((batch,) + (1,) * (scores.dim() - 2) + (lk,))
+        if padding.dtype == torch.bool:
+            scores = scores.masked_fill(padding, float("-inf"))
+        else:
+            scores = scores + padding.to(scores.dtype)
+    if is_causal:
+        allowed = _causal_allowed(scores.shape[-2], lk, scores.device, bottom_right)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores
+
+
+def _softmax_zero_dead_rows(scores):
+    """softmax over the last dim; rows whose scores are all -inf become zeros (no NaN, neither
+    in the output nor in the gradient)."""
+    dead = torch.isneginf(scores.detach()).all(dim=-1, keepdim=True)
+    safe_scores = torch.where(dead, torch.zeros_like(scores), scores)
+    probs = torch.softmax(safe_scores, dim=-1)
+    probs = torch.where(dead, torch.zeros_like(probs), probs)
+    return probs
+
+
+def masked_softmax(scores, mask=None, scale=1.0, is_causal=False, dropout_p=0.0, keep=None):
+    """``dropout(softmax(scores * scale masked))`` over the last dimension.
+
+    ``mask`` broadcastable to ``scores``: bool True = takes part, float added (after scaling).
+    ``is_causal`` masks the last two dims top-left (key j > query i).  Fully masked rows are 0.
+    """
+    scaled = scores * scale
+    masked = _apply_masks(scaled, mask, is_causal)
+    probs = _softmax_zero_dead_rows(masked)
+    return _dropout(probs, dropout_p, keep)
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    key_padding_mask=None,
+    keep=None,
+    causal_bottom_right=False,
+):
+    """Naive attention, shapes as torch SDPA: query (..., Hq, Lq, D), key (..., Hkv, Lk, D),
+    value (..., Hkv, Lk, Dv) -> (..., Hq, Lq, Dv).
+
+    scale defaults to 1/sqrt(D).  With ``enable_gqa`` each key/value head serves Hq/Hkv
+    consecutive query heads (repeat_interleave, as torch).  ``is_causal`` may be combined with
+    the other masks (torch SDPA refuses is_causal with attn_mask; this one ANDs them).
+    ``keep`` (..., Hq, Lq, Lk) bool is the exact dropout mask on the probabilities.
+    """
+    head_dim = query.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if enable_gqa and query.shape[-3] != key.shape[-3]:
+        group = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(group, dim=-3)
+        value = value.repeat_interleave(group, dim=-3)
+    scores = query @ key.transpose(-2, -1)
+    scores = scores * scale
+    scores = _apply_masks(scores, attn_mask, is_causal, key_padding_mask, causal_bottom_right)
+    probs = _softmax_zero_dead_rows(scores)
+    probs = _dropout(probs, dropout_p, keep)
+    return probs @ value
+
+
+def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, scale=None):
+    """Incremental decoding step.
+
+    q (B, H, Lq, D); caches (B, Hkv, L_max, D / Dv); cache_seqlens (B,) int; k_new/v_new
+    (B, Hkv, L_new, D / Dv) or None.  Writes k_new/v_new into the caches IN PLACE at positions
+    cache_seqlens[b] .. cache_seqlens[b] + L_new - 1, then lets query i of row b attend to keys
+    j <= cache_seqlens[b] + L_new - Lq + i (causal, bottom-right aligned among the new tokens;
+    with no k_new the queries' own keys are taken to be the last Lq of cache_seqlens[b]).
+    """
+    batch, heads, lq, _ = q.shape
+    kv_heads, l_max = k_cache.shape[1], k_cache.shape[2]
+    l_new = 0 if k_new is None else k_new.shape[2]
+    for b in range(batch):
+        start = int(cache_seqlens[b])
+        if k_new is not None:
+            k_cache[b, :, start : start + l_new] = k_new[b]
+            v_cache[b, :, start : start + l_new] = v_new[b]
+    num_keys = cache_seqlens.to(torch.int64) + l_new  # (B,)
+    rows = torch.arange(lq, device=q.device).reshape(1, lq, 1)
+    cols = torch.arange(l_max, device=q.device).reshape(1, 1, l_max)
+    last_visible = num_keys.reshape(batch, 1, 1) - lq + rows  # (B, Lq, 1)
+    allowed = cols <= last_visible  # (B, Lq, L_max)
+    allowed = allowed.unsqueeze(1)  # (B, 1, Lq, L_max)
+    return scaled_dot_product_attention(
+        q, k_cache, v_cache, allowed, scale=scale, enable_gqa=heads != kv_heads
+    )
 
 
 # --------------------------------------------------------------------------------------------
