@@ -1,0 +1,32 @@
+"""Small @triton.jit helpers shared by the kernels in this package."""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def is_interpreting() -> bool:
+    """True when Triton runs kernels through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x.to(dtype)`` with round-to-nearest-even everywhere.
+
+    Compiled, ``.to(tl.bfloat16)`` already rounds to nearest even.  Triton's interpreter
+    (3.8) truncates fp32 -> bf16 instead (its "rtne" mode does not carry into the exponent
+    either), so under the interpreter the rounding is done here on the bits (finite inputs
+    exact; inf stays inf; NaN stays NaN)."""
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            y = x.to(dtype)
+    else:
+        y = x.to(dtype)
+    return y
