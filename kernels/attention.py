@@ -1,0 +1,925 @@
+"""Masked softmax attention, FlashAttention-2 style: Triton kernels and launchers (no autograd).
+
+Contract (the ``triton`` backend of scaled_dot_product_attention builds on it):
+
+  attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32)
+      -> (out, lse)
+  attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                rng, allow_tf32) -> (dq, dk, dv)
+
+* q (B, H, Lq, D); k, v (B, Hkv, Lk, D), Hkv divides H (query head h reads kv head
+  h // (H // Hkv)); any strides with stride(-1) == 1 (read through the strides, never copied;
+  a tensor whose last stride is not 1 is the one case that is made contiguous).  Lq, Lk >= 1.
+  D in 16..256 (any D <= 256 works: the kernels pad D to the next power of two with masked loads).
+  fp16 / bf16 / fp32; fp32 dots run in tf32 when ``allow_tf32`` else in exact fp32 ("ieee").
+* attn_mask: None or a (B, H, Lq, Lk) tensor (typically an ``.expand`` of a smaller one: stride-0
+  dims are read through their strides); bool (True = takes part) or floating (added to the scaled
+  scores, -inf allowed).  key_padding_mask: None or (B, Lk) bool, True = padding.  is_causal:
+  top-left aligned, query i sees keys j <= i (torch SDPA's convention for Lq != Lk).
+* s = scale * q.k (+ float mask); masked -> -inf; p = softmax_j(s) in fp32; dropout keeps
+  (b, h, i, j) iff Philox(seed, offset, ((b*H + h)*Lq + i)*Lk + j) >= threshold(dropout_p) (the
+  stream of transformer_fast.philox, via kernels/philox.py; rng = int64 [seed, offset] on the
+  device, read in-kernel, None when dropout_p == 0) and scales kept elements by 1/(1-p);
+  out = dropout(p) @ v.
+* out (B, H, Lq, D) contiguous, q's dtype.  lse (B, H, Lq) fp32 in BASE 2 and in the log2-scaled
+  domain: lse[b,h,i] = log2(sum_j 2^(s_ij * log2(e))) = logsumexp_j(s_ij) * log2(e); multiply by
+  ln(2) for the natural-log logsumexp.  A row with nothing to attend to has lse = -inf and output
+  0; backward gives it zero gradient (its probabilities are recomputed as exactly 0).
+* dq, dk, dv: contiguous with the shapes (and dtypes) of q, k, v.  Backward is deterministic (no
+  atomics): delta = rowsum(do * out) in a small kernel; one kernel over key blocks computes dk, dv
+  (looping over the query heads of its GQA group; when that leaves too few programs for the GPU,
+  the group is split over programs that write fp32 partials, summed afterwards); one kernel over
+  query blocks computes dq.
+
+Work skipping: key tiles entirely beyond the causal diagonal are outside the loop bounds; with a
+key_padding_mask the key loop runs over [first valid key, last valid key] of each batch row only
+(computed on the device, no host sync), and a key block whose keys are all padding does no work
+in the dk/dv kernel.  (Blocks of padding strictly inside a row's valid range are computed, masked.)
+Tiles that need no masking at all (full blocks before the causal diagonal, no attn_mask / padding
+mask) run a loop without any mask code; the causal diagonal and the ragged last block run a
+second, masked loop.  Masks are loaded only when present (constexpr flags).
+
+Configuration: on a GPU a small autotuned list per head-dim class (BLOCK_M 128 x BLOCK_N 64 and
+neighbours for the forward, num_warps 4-8, num_stages 2-4); under TRITON_INTERPRET=1 one fixed
+config (``INTERPRETER_CONFIG``), and bf16 dot operands are cast to fp32 there (bf16 tl.dot is
+wrong in the interpreter; triton-lang/triton#11584).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng
+
+LOG2E = 1.4426950408889634
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# (BLOCK_M, BLOCK_N) per kernel under the interpreter.  The dk/dv kernel deliberately uses
+# BLOCK_N > BLOCK_M and the others BLOCK_M > BLOCK_N so both orientations of the causal-range
+# arithmetic are exercised by the CPU tests.  Tests may change these.
+INTERPRETER_CONFIG = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
+# Tests may force the GQA split of the dk/dv kernel (None: heuristic) and the int64 offsets path.
+FORCE_GQA_SPLIT = None
+FORCE_OFF64 = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _imin(a, b):
+    # min of two non-negative int32 scalars by arithmetic only: usable as a loop bound on
+    # Triton 3.6, which rejects loop bounds computed with tl.minimum.
+    d = a - b
+    return b + (d & (d >> 31))
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _mask_scores(s, om, on, Lq, Lk, AMh, s_amm, s_amn, KPMb, s_kpn,
+                 BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
+                 MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, OFF64: tl.constexpr):
+    """Apply the masks to scores ``s`` (log2 domain).  ``om`` / ``on`` are the query / key indices
+    broadcastable to s's shape (either orientation: (M,1)/(1,N) or (1,M)/(N,1))."""
+    if MASK_KIND != 0:
+        if OFF64:
+            am_ptrs = AMh + om.to(tl.int64) * s_amm + on.to(tl.int64) * s_amn
+        else:
+            am_ptrs = AMh + om * s_amm + on * s_amn
+    if MASK_KIND == 2:  # float, added (scaled into the log2 domain)
+        am = tl.load(am_ptrs, mask=(om < Lq) & (on < Lk), other=0.0)
+        s = s + am.to(tl.float32) * 1.4426950408889634
+    if MASK_KIND == 1:  # bool (as uint8), True = takes part
+        am = tl.load(am_ptrs, mask=(om < Lq) & (on < Lk), other=0)
+        s = tl.where(am != 0, s, float("-inf"))
+    if HAS_KPM:  # (uint8) True = padding
+        pad = tl.load(KPMb + on * s_kpn, mask=on < Lk, other=1)
+        s = tl.where(pad == 0, s, float("-inf"))
+    if BOUNDS:
+        s = tl.where(on < Lk, s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(on <= om, s, float("-inf"))
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
+               AMh, s_amm, s_amn, KPMb, s_kpn,
+               seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_nb = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    for nb in range(lo, hi):
+        n0 = nb * BLOCK_N
+        offs_n = n0 + offs_nb
+        if OFF64:  # in-head offsets may exceed int32
+            n064 = n0.to(tl.int64)
+            kt_ptrs = Kh + n064 * skn + offs_nb[None, :] * skn + offs_d[:, None]
+            v_ptrs = Vh + n064 * svn + offs_nb[:, None] * svn + offs_d[None, :]
+        else:  # int32 offsets: cheaper address math, no register spills
+            kt_ptrs = Kh + offs_n[None, :] * skn + offs_d[:, None]
+            v_ptrs = Vh + offs_n[:, None] * svn + offs_d[None, :]
+        if DIAG:
+            kT = tl.load(kt_ptrs, mask=(offs_n[None, :] < Lk) & d_ok[:, None], other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            kT = tl.load(kt_ptrs)
+        else:
+            kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+        s = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
+        s = s * qk_scale
+        if DIAG or (MASK_KIND != 0) or HAS_KPM:
+            s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
+                             KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            idx = (row_base + offs_m[:, None].to(tl.int64)) * Lk + offs_n[None, :]
+            keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
+            p = tl.where(keep, p, 0.0)
+        if DIAG:
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < Lk) & d_ok[None, :], other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        acc = _dot(p.to(v.dtype), v, acc, DOT_FP32, IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, AM, KPM, KVR, RNG,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+    s_amb, s_amh, s_amm, s_amn, s_kpb, s_kpn,
+    H, GROUP, Lq, Lk, qk_scale, drop_thr, drop_scale,
+    LQ_KEY, LK_KEY,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_mb = tl.cdiv(Lq, BLOCK_M)
+    bh = pid // n_mb
+    mb = n_mb - 1 - pid % n_mb  # the last (for causal: heaviest) query blocks first
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    m0 = mb * BLOCK_M
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Lq
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = Q + b64 * sqb + h64 * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    Kh = K + b64 * skb + hk64 * skh
+    Vh = V + b64 * svb + hk64 * svh
+    AMh = AM
+    if MASK_KIND != 0:
+        AMh = AM + b64 * s_amb + h64 * s_amh
+    KPMb = KPM
+    if HAS_KPM:
+        KPMb = KPM + b64 * s_kpb
+    row_base = (b64 * H + h64) * Lq
+    seed_lo = 0
+    seed_hi = 0
+    off_lo = 0
+    off_hi = 0
+    if HAS_DROPOUT:
+        seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)
+
+    # Key-block ranges: [0, full) needs no mask at all, [full, hi) is masked (causal diagonal and
+    # the ragged last block).  Blocks beyond the diagonal are never visited.
+    hi = tl.cdiv(Lk, BLOCK_N)
+    full = Lk // BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.cdiv(_imin(_imin(Lk, Lq), m0 + BLOCK_M), BLOCK_N)
+        full = _imin(full, (m0 + 1) // BLOCK_N)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
+    if HAS_KPM:
+        # Only the batch row's [first valid key, last valid key] range; every tile masked.
+        kv_lo = tl.load(KVR + 2 * b)
+        kv_hi = tl.load(KVR + 2 * b + 1)
+        lo = kv_lo // BLOCK_N
+        hi = _imin(hi, tl.cdiv(kv_hi, BLOCK_N))
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk,
+                                   qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
+                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, 0, full, Lq, Lk,
+                                   qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
+                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk,
+                                   qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
+                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (1.0 / l_safe)[:, None]
+    if HAS_DROPOUT:
+        out = out * drop_scale
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+    o_ptrs = O + b64 * sob + h64 * soh + offs_m[:, None].to(tl.int64) * som + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + row_base + offs_m, lse, mask=m_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, H, Lq,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid = tl.program_id(0)
+    n_mb = tl.cdiv(Lq, BLOCK_M)
+    bh = pid // n_mb
+    mb = pid % n_mb
+    b64 = (bh // H).to(tl.int64)
+    h64 = (bh % H).to(tl.int64)
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM)
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(O + b64 * sob + h64 * soh + rows * som + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b64 * sdob + h64 * sdoh + rows * sdom + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
+
+
+@triton.jit
+def _load_lse(LSEh, offs, ok):
+    # Rows with nothing to attend to (lse = -inf) and rows past Lq get +inf, so that their
+    # recomputed probabilities exp2(s - lse) are exactly 0.
+    lse = tl.load(LSEh + offs, mask=ok, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n, lo, hi, Lq, Lk, qk_scale,
+                AMh, s_amm, s_amn, KPMb, s_kpn,
+                seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_mb = tl.arange(0, BLOCK_M)
+    d_ok = offs_d < HEAD_DIM
+    for mb in range(lo, hi):
+        m0 = mb * BLOCK_M
+        offs_m = m0 + offs_mb
+        m_ok = offs_m < Lq
+        if OFF64:
+            m064 = m0.to(tl.int64)
+            qT_ptrs = Qh + m064 * sqm + offs_mb[None, :] * sqm + offs_d[:, None]
+            do_ptrs = DOh + m064 * sdom + offs_mb[:, None] * sdom + offs_d[None, :]
+        else:
+            qT_ptrs = Qh + offs_m[None, :] * sqm + offs_d[:, None]
+            do_ptrs = DOh + offs_m[:, None] * sdom + offs_d[None, :]
+        qT = tl.load(qT_ptrs, mask=m_ok[None, :] & d_ok[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        lse = _load_lse(LSEh, offs_m, m_ok)
+        Di = tl.load(DELTAh + offs_m, mask=m_ok, other=0.0)
+        sT = _dot(k, qT, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_FP32, IEEE)
+        sT = sT * qk_scale
+        if DIAG or (MASK_KIND != 0) or HAS_KPM:
+            # No bounds mask: rows past Lq have lse = +inf (p = 0); columns past Lk only feed
+            # rows of dk/dv that are not stored.
+            sT = _mask_scores(sT, offs_m[None, :], offs_n[:, None], Lq, Lk, AMh, s_amm, s_amn,
+                              KPMb, s_kpn, False, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64)
+        pT = tl.exp2(sT - lse[None, :])
+        if HAS_DROPOUT:
+            idx = (row_base + offs_m[None, :].to(tl.int64)) * Lk + offs_n[:, None]
+            keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
+            pdT = tl.where(keep, pT * drop_scale, 0.0)
+        else:
+            pdT = pT
+        dv = _dot(pdT.to(do.dtype), do, dv, DOT_FP32, IEEE)
+        dpT = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_FP32, IEEE)
+        if HAS_DROPOUT:
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        dsT = pT * (dpT - Di[None, :])
+        dk = _dot(dsT.to(qT.dtype), tl.trans(qT), dk, DOT_FP32, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, AM, KPM, KCNT, RNG,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
+    sdks, sdkb, sdkh, sdkn, sdvs, sdvb, sdvh, sdvn,
+    s_amb, s_amh, s_amm, s_amn, s_kpb, s_kpn,
+    H, Hkv, GROUP, HEADS_PER_SPLIT, NSPLIT, Lq, Lk, qk_scale, scale, drop_thr, drop_scale,
+    LQ_KEY, LK_KEY,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_nb = tl.cdiv(Lk, BLOCK_N)
+    nb = pid % n_nb
+    rest = pid // n_nb
+    split = rest % NSPLIT
+    bhk = rest // NSPLIT
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    n0 = nb * BLOCK_N
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < Lk
+    d_ok = offs_d < HEAD_DIM
+    nd_mask = n_ok[:, None] & d_ok[None, :]
+    rows_n = offs_n[:, None].to(tl.int64)
+    k = tl.load(K + b64 * skb + hk64 * skh + rows_n * skn + offs_d[None, :], mask=nd_mask, other=0.0)
+    v = tl.load(V + b64 * svb + hk64 * svh + rows_n * svn + offs_d[None, :], mask=nd_mask, other=0.0)
+
+    # Query-block ranges: [diag_lo, full_lo) crosses the causal diagonal (masked), [full_lo, hi)
+    # sees every key of this block.  Query blocks entirely above the diagonal are not visited.
+    n_mb = tl.cdiv(Lq, BLOCK_M)
+    hi = n_mb
+    diag_lo = 0
+    full_lo = 0
+    if IS_CAUSAL:
+        diag_lo = _imin(n0 // BLOCK_M, n_mb)
+        full_lo = _imin(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M), n_mb)
+    KPMb = KPM
+    if HAS_KPM:
+        KPMb = KPM + b64 * s_kpb
+        cnt_base = KCNT + b64 * (Lk + 1)
+        n_valid = tl.load(cnt_base + _imin(n0 + BLOCK_N, Lk)) - tl.load(cnt_base + n0)
+        active = (n_valid > 0).to(tl.int32)  # a block of padding only: no work, zero gradient
+        hi = hi * active
+        diag_lo = diag_lo * active
+        full_lo = full_lo * active
+
+    seed_lo = 0
+    seed_hi = 0
+    off_lo = 0
+    off_hi = 0
+    if HAS_DROPOUT:
+        seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for gi in range(0, HEADS_PER_SPLIT):
+        h = hk * GROUP + split * HEADS_PER_SPLIT + gi
+        h64 = h.to(tl.int64)
+        Qh = Q + b64 * sqb + h64 * sqh
+        DOh = DO + b64 * sdob + h64 * sdoh
+        row_base = (b64 * H + h64) * Lq
+        LSEh = LSE + row_base
+        DELTAh = DELTA + row_base
+        AMh = AM
+        if MASK_KIND != 0:
+            AMh = AM + b64 * s_amb + h64 * s_amh
+        if IS_CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n,
+                                 diag_lo, full_lo, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                                 seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
+                                 HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n,
+                             full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                             seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
+                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+
+    split64 = split.to(tl.int64)
+    dk_ptrs = DK + split64 * sdks + b64 * sdkb + hk64 * sdkh + rows_n * sdkn + offs_d[None, :]
+    dv_ptrs = DV + split64 * sdvs + b64 * sdvb + hk64 * sdvh + rows_n * sdvn + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=nd_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=nd_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
+              AMh, s_amm, s_amn, KPMb, s_kpn,
+              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_nb = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    for nb in range(lo, hi):
+        n0 = nb * BLOCK_N
+        offs_n = n0 + offs_nb
+        if OFF64:
+            n064 = n0.to(tl.int64)
+            kt_ptrs = Kh + n064 * skn + offs_nb[None, :] * skn + offs_d[:, None]
+            vt_ptrs = Vh + n064 * svn + offs_nb[None, :] * svn + offs_d[:, None]
+        else:
+            kt_ptrs = Kh + offs_n[None, :] * skn + offs_d[:, None]
+            vt_ptrs = Vh + offs_n[None, :] * svn + offs_d[:, None]
+        if DIAG:
+            kv_mask = (offs_n[None, :] < Lk) & d_ok[:, None]
+            kT = tl.load(kt_ptrs, mask=kv_mask, other=0.0)
+            vT = tl.load(vt_ptrs, mask=kv_mask, other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            kT = tl.load(kt_ptrs)
+            vT = tl.load(vt_ptrs)
+        else:
+            kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            vT = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
+        s = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
+        s = s * qk_scale
+        if DIAG or (MASK_KIND != 0) or HAS_KPM:
+            s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
+                             KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64)
+        p = tl.exp2(s - lse[:, None])
+        dp = _dot(do, vT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
+        if HAS_DROPOUT:
+            idx = (row_base + offs_m[:, None].to(tl.int64)) * Lk + offs_n[None, :]
+            keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - Di[:, None])
+        dq = _dot(ds.to(kT.dtype), tl.trans(kT), dq, DOT_FP32, IEEE)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, AM, KPM, KVR, RNG,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
+    s_amb, s_amh, s_amm, s_amn, s_kpb, s_kpn,
+    H, GROUP, Lq, Lk, qk_scale, scale, drop_thr, drop_scale,
+    LQ_KEY, LK_KEY,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_mb = tl.cdiv(Lq, BLOCK_M)
+    bh = pid // n_mb
+    mb = n_mb - 1 - pid % n_mb
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    m0 = mb * BLOCK_M
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Lq
+    md_mask = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    q = tl.load(Q + b64 * sqb + h64 * sqh + rows * sqm + offs_d[None, :], mask=md_mask, other=0.0)
+    do = tl.load(DO + b64 * sdob + h64 * sdoh + rows * sdom + offs_d[None, :], mask=md_mask, other=0.0)
+    row_base = (b64 * H + h64) * Lq
+    lse = _load_lse(LSE + row_base, offs_m, m_ok)
+    Di = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
+
+    Kh = K + b64 * skb + hk64 * skh
+    Vh = V + b64 * svb + hk64 * svh
+    AMh = AM
+    if MASK_KIND != 0:
+        AMh = AM + b64 * s_amb + h64 * s_amh
+    KPMb = KPM
+    if HAS_KPM:
+        KPMb = KPM + b64 * s_kpb
+    seed_lo = 0
+    seed_hi = 0
+    off_lo = 0
+    off_hi = 0
+    if HAS_DROPOUT:
+        seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)
+
+    hi = tl.cdiv(Lk, BLOCK_N)
+    full = Lk // BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.cdiv(_imin(_imin(Lk, Lq), m0 + BLOCK_M), BLOCK_N)
+        full = _imin(full, (m0 + 1) // BLOCK_N)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_KPM:
+        kv_lo = tl.load(KVR + 2 * b)
+        kv_hi = tl.load(KVR + 2 * b + 1)
+        lo = kv_lo // BLOCK_N
+        hi = _imin(hi, tl.cdiv(kv_hi, BLOCK_N))
+        dq = _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
+                       AMh, s_amm, s_amn, KPMb, s_kpn,
+                       seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+    else:
+        dq = _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, 0, full, Lq, Lk, qk_scale,
+                       AMh, s_amm, s_amn, KPMb, s_kpn,
+                       seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_KPM,
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+        dq = _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk, qk_scale,
+                       AMh, s_amm, s_amn, KPMb, s_kpn,
+                       seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+
+    dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + rows * sdqm + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=md_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration (GPU: a pruned autotune list; interpreter: one fixed config)
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class (BLOCK_D <= 64, 128, 256).
+# Chosen from ptxas register reports of Triton 3.6 for sm_90a (bf16, causal): the first entries
+# of each list compile without register spills (D=256 spills a little in every shape tried).
+_FWD_CONFIGS = {
+    64: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)],
+    256: [(64, 64, 8, 2), (64, 32, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2)],
+}
+# Few query rows (decoding, short sequences): small BLOCK_M.
+_FWD_SMALL_M = [(16, 128, 4, 3), (16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3)]
+# dk/dv: BLOCK_N keys held (dk, dv accumulators), BLOCK_M queries streamed.
+_DKDV_CONFIGS = {
+    64: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 3), (64, 64, 4, 3)],
+    128: [(32, 64, 8, 2), (64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)],
+    256: [(32, 32, 8, 2), (16, 32, 8, 2), (32, 16, 4, 2), (16, 32, 4, 2)],
+}
+# dq: BLOCK_M queries held, BLOCK_N keys streamed.
+_DQ_CONFIGS = {
+    64: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 2)],
+    128: [(128, 64, 8, 2), (64, 64, 8, 3), (128, 32, 8, 2), (64, 32, 8, 2)],
+    256: [(16, 64, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2), (32, 64, 8, 1)],
+}
+# fp32 inputs (tf32 or exact "ieee" FMA dots) need smaller tiles: fp32 operands double the
+# registers and shared memory of a tile (the bf16 lists spill heavily or exceed shared memory).
+_FP32_CONFIGS = {
+    "fwd": [(64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (64, 32, 4, 2)],
+    "dkdv": [(32, 32, 8, 2), (16, 32, 4, 2), (32, 16, 4, 2), (64, 32, 8, 2)],
+    "dq": [(64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (64, 64, 8, 3)],
+}
+
+
+def _is_fp32(args) -> bool:
+    return args["Q"].dtype == torch.float32
+
+
+def _dclass(block_d: int) -> int:
+    return 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
+
+
+def _as_configs(rows):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in rows]
+
+
+def _all_configs(table, extra=()):
+    seen, rows = set(), []
+    for lst in list(table.values()) + [list(extra)]:
+        for r in lst:
+            if r not in seen:
+                seen.add(r)
+                rows.append(r)
+    return _as_configs(rows)
+
+
+def _key(c):
+    return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+
+
+def _pick(configs, wanted):
+    wanted = set(wanted)
+    out = [c for c in configs if _key(c) in wanted]
+    return out or configs[:1]
+
+
+def _prune_fwd(configs, nargs, **kwargs):
+    args = {**nargs, **kwargs}
+    if _is_fp32(args):
+        return _pick(configs, _FP32_CONFIGS["fwd"])
+    wanted = list(_FWD_CONFIGS[_dclass(args["BLOCK_D"])])
+    lq = args["LQ_KEY"]
+    if lq < 128:
+        wanted = [r for r in wanted + _FWD_SMALL_M if r[0] <= max(16, lq)]
+        if args["BLOCK_D"] > 128:
+            wanted = [r for r in wanted if r[0] * r[1] <= 64 * 64]
+    return _pick(configs, wanted)
+
+
+def _prune_dkdv(configs, nargs, **kwargs):
+    args = {**nargs, **kwargs}
+    wanted = _FP32_CONFIGS["dkdv"] if _is_fp32(args) else _DKDV_CONFIGS[_dclass(args["BLOCK_D"])]
+    lk = args["LK_KEY"]
+    small = [r for r in wanted if r[1] <= max(32, lk)]
+    return _pick(configs, small or wanted)
+
+
+def _prune_dq(configs, nargs, **kwargs):
+    args = {**nargs, **kwargs}
+    wanted = _FP32_CONFIGS["dq"] if _is_fp32(args) else _DQ_CONFIGS[_dclass(args["BLOCK_D"])]
+    lq = args["LQ_KEY"]
+    small = [r for r in wanted if r[0] <= max(32, lq)]
+    return _pick(configs, small or wanted)
+
+
+_TUNE_KEY = ["LQ_KEY", "LK_KEY", "HEAD_DIM", "IS_CAUSAL", "MASK_KIND", "HAS_KPM", "HAS_DROPOUT", "IEEE",
+             "OFF64"]
+
+if _INTERPRET:
+    _fwd = _attn_fwd_kernel
+    _dkdv = _attn_bwd_dkdv_kernel
+    _dq = _attn_bwd_dq_kernel
+else:
+    _fwd = triton.autotune(configs=_all_configs(_FWD_CONFIGS, _FWD_SMALL_M + _FP32_CONFIGS["fwd"]), key=_TUNE_KEY,
+                           prune_configs_by={"early_config_prune": _prune_fwd})(_attn_fwd_kernel)
+    _dkdv = triton.autotune(configs=_all_configs(_DKDV_CONFIGS, _FP32_CONFIGS["dkdv"]), key=_TUNE_KEY + ["HEADS_PER_SPLIT"],
+                            prune_configs_by={"early_config_prune": _prune_dkdv})(_attn_bwd_dkdv_kernel)
+    _dq = triton.autotune(configs=_all_configs(_DQ_CONFIGS, _FP32_CONFIGS["dq"]), key=_TUNE_KEY,
+                          prune_configs_by={"early_config_prune": _prune_dq})(_attn_bwd_dq_kernel)
+
+
+def _interp_meta(which: str) -> dict:
+    bm, bn = INTERPRETER_CONFIG[which]
+    return {"BLOCK_M": bm, "BLOCK_N": bn}
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _span(t: torch.Tensor, dim: int) -> int:
+    """Largest element offset inside one slice ``t[i0, ..., i_{dim-1}]`` (dims ``dim`` onward)."""
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape[dim:], t.stride()[dim:]))
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bucket(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _device_guard(t: torch.Tensor):
+    import contextlib
+
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class _Common:
+    """Shapes, mask arguments and constexpr flags shared by forward and backward."""
+
+    def __init__(self, q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng,
+                 allow_tf32, need_kcnt=False):
+        assert q.dim() == 4 and k.dim() == 4 and v.dim() == 4, "q, k, v must be (B, H, L, D)"
+        B, H, Lq, D = q.shape
+        Bk, Hkv, Lk, Dk = k.shape
+        assert Bk == B and Dk == D and tuple(v.shape) == (B, Hkv, Lk, D), "q/k/v shape mismatch"
+        assert Hkv >= 1 and H % Hkv == 0, "Hkv must divide H"
+        assert k.dtype == q.dtype and v.dtype == q.dtype, "q, k, v must share a dtype"
+        assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+        assert 1 <= D <= 256, "head dim must be <= 256"
+        assert k.device == q.device and v.device == q.device
+        self.B, self.H, self.Hkv, self.Lq, self.Lk, self.D = B, H, Hkv, Lq, Lk, D
+        self.group = H // Hkv
+        self.block_d = max(16, triton.next_power_of_2(D))
+        self.scale = float(scale)
+        self.qk_scale = float(scale) * LOG2E
+        self.is_causal = bool(is_causal)
+        self.ieee = q.dtype == torch.float32 and not allow_tf32
+        self.dot_fp32 = _INTERPRET and q.dtype == torch.bfloat16
+        dummy = q
+
+        # attn_mask
+        if attn_mask is None:
+            self.mask_kind, self.am, self.am_strides = 0, dummy, (0, 0, 0, 0)
+        else:
+            assert tuple(attn_mask.shape) == (B, H, Lq, Lk), "attn_mask must be expanded to (B, H, Lq, Lk)"
+            assert attn_mask.device == q.device
+            if attn_mask.dtype == torch.bool:
+                self.mask_kind, self.am = 1, attn_mask.view(torch.uint8)
+            else:
+                assert attn_mask.is_floating_point(), attn_mask.dtype
+                self.mask_kind, self.am = 2, attn_mask
+            self.am_strides = tuple(self.am.stride())
+
+        # key_padding_mask: (B, Lk) bool, True = padding
+        self.kcnt = None
+        if key_padding_mask is None:
+            self.has_kpm, self.kpm, self.kpm_strides, self.kvr = False, dummy, (0, 0), dummy
+        else:
+            kpm = key_padding_mask
+            assert tuple(kpm.shape) == (B, Lk) and kpm.dtype == torch.bool and kpm.device == q.device
+            self.has_kpm = True
+            self.kpm = kpm.view(torch.uint8)
+            self.kpm_strides = tuple(self.kpm.stride())
+            valid = (~kpm).to(torch.int32)
+            csum = torch.cumsum(valid, dim=1, dtype=torch.int32)
+            any_valid = csum[:, -1] > 0
+            first = torch.argmax(valid, dim=1)
+            last = Lk - torch.argmax(valid.flip(1), dim=1)
+            zero = torch.zeros_like(first)
+            self.kvr = torch.stack([torch.where(any_valid, first, zero),
+                                    torch.where(any_valid, last, zero)], dim=1).to(torch.int32).contiguous()
+            if need_kcnt:
+                self.kcnt = torch.zeros((B, Lk + 1), dtype=torch.int32, device=q.device)
+                self.kcnt[:, 1:] = csum
+
+        # dropout
+        self.has_dropout = dropout_p > 0.0
+        if self.has_dropout:
+            assert rng is not None and rng.dtype == torch.int64 and rng.numel() >= 2 and rng.device == q.device
+            self.rng = rng.contiguous()
+            self.drop_thr = int(dropout_threshold(dropout_p))
+            self.drop_scale = float(dropout_scale(dropout_p))
+        else:
+            self.rng, self.drop_thr, self.drop_scale = dummy, 0, 1.0
+
+        self.lq_key = _bucket(Lq)
+        self.lk_key = _bucket(Lk)
+        # Offsets inside one (batch, head) slice fit int32 (the fast path) unless told otherwise.
+        self.max_offset = max(_span(q, 2), _span(k, 2), _span(v, 2))
+        if attn_mask is not None:
+            self.max_offset = max(self.max_offset, (Lq - 1) * abs(self.am_strides[2])
+                                  + (Lk - 1) * abs(self.am_strides[3]))
+        if key_padding_mask is not None:
+            self.max_offset = max(self.max_offset, (Lk - 1) * abs(self.kpm_strides[1]))
+
+    def add_tensor(self, t):
+        self.max_offset = max(self.max_offset, _span(t, 2))
+
+    def flags(self):
+        return dict(HEAD_DIM=self.D, BLOCK_D=self.block_d, IS_CAUSAL=self.is_causal,
+                    MASK_KIND=self.mask_kind, HAS_KPM=self.has_kpm, HAS_DROPOUT=self.has_dropout,
+                    DOT_FP32=self.dot_fp32, IEEE=self.ieee,
+                    OFF64=FORCE_OFF64 or self.max_offset >= 2**31 - 1)
+
+
+def attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal: bool, scale: float,
+                  dropout_p: float, rng, allow_tf32: bool):
+    """Returns ``(out, lse)``: out (B, H, Lq, D) contiguous in q's dtype, lse (B, H, Lq) fp32 in
+    base 2 (logsumexp of the scaled scores times log2(e); -inf for rows with no key)."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    c = _Common(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32)
+    B, H, Lq, D = q.shape
+    out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    meta = _interp_meta("fwd") if _INTERPRET else {}
+
+    def grid(m):
+        return (triton.cdiv(Lq, m["BLOCK_M"]) * B * H,)
+
+    with _device_guard(q):
+        _fwd[grid](
+            q, k, v, out, lse, c.am, c.kpm, c.kvr, c.rng,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            *c.am_strides, *c.kpm_strides,
+            H, c.group, Lq, c.Lk, c.qk_scale, c.drop_thr, c.drop_scale,
+            c.lq_key, c.lk_key,
+            **c.flags(), **meta,
+        )
+    return out, lse
+
+
+def _gqa_split(c: _Common, device: torch.device) -> int:
+    if FORCE_GQA_SPLIT is not None:
+        assert c.group % FORCE_GQA_SPLIT == 0
+        return int(FORCE_GQA_SPLIT)
+    if c.group == 1 or device.type != "cuda":
+        return 1
+    programs = triton.cdiv(c.Lk, 128) * c.B * c.Hkv
+    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= target:
+        return 1
+    want = triton.cdiv(target, programs)
+    best = 1
+    for d in range(1, c.group + 1):
+        if c.group % d == 0 and d <= want:
+            best = d
+    return best
+
+
+def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal: bool,
+                  scale: float, dropout_p: float, rng, allow_tf32: bool):
+    """Returns ``(dq, dk, dv)`` (contiguous, shapes and dtypes of q, k, v)."""
+    q, k, v, out, do = (_unit_last(t) for t in (q, k, v, out, do))
+    c = _Common(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32,
+                need_kcnt=True)
+    for t in (do, out):
+        c.add_tensor(t)
+    B, H, Lq, D = q.shape
+    Hkv, Lk = c.Hkv, c.Lk
+    assert tuple(do.shape) == (B, H, Lq, D) and tuple(out.shape) == (B, H, Lq, D)
+    assert tuple(lse.shape) == (B, H, Lq) and lse.dtype == torch.float32
+    lse = lse.contiguous()
+    dq = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, Lk, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Lk, D), dtype=v.dtype, device=q.device)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    flags = c.flags()
+
+    with _device_guard(q):
+        delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+        bm_delta = 64 if c.block_d <= 128 else 32
+        _attn_bwd_delta_kernel[(triton.cdiv(Lq, bm_delta) * B * H,)](
+            out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Lq,
+            HEAD_DIM=D, BLOCK_D=c.block_d, BLOCK_M=bm_delta, num_warps=4,
+        )
+
+        nsplit = _gqa_split(c, q.device)
+        if nsplit == 1:
+            dk_buf, dv_buf = dk, dv
+            dk_strides = (0, *dk.stride()[:3])
+            dv_strides = (0, *dv.stride()[:3])
+        else:
+            dk_buf = torch.empty((nsplit, B, Hkv, Lk, D), dtype=torch.float32, device=q.device)
+            dv_buf = torch.empty_like(dk_buf)
+            dk_strides = dk_buf.stride()[:4]
+            dv_strides = dv_buf.stride()[:4]
+        meta = _interp_meta("dkdv") if _INTERPRET else {}
+
+        def grid_kv(m):
+            return (triton.cdiv(Lk, m["BLOCK_N"]) * B * Hkv * nsplit,)
+
+        _dkdv[grid_kv](
+            q, k, v, do, lse, delta, dk_buf, dv_buf, c.am, c.kpm, c.kcnt if c.has_kpm else q, c.rng,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+            *dk_strides, *dv_strides,
+            *c.am_strides, *c.kpm_strides,
+            H, Hkv, c.group, c.group // nsplit, nsplit, Lq, Lk, c.qk_scale, c.scale,
+            c.drop_thr, c.drop_scale, c.lq_key, c.lk_key,
+            **flags, **meta,
+        )
+        if nsplit > 1:
+            dk.copy_(dk_buf.sum(0))
+            dv.copy_(dv_buf.sum(0))
+
+        meta = _interp_meta("dq") if _INTERPRET else {}
+
+        def grid_q(m):
+            return (triton.cdiv(Lq, m["BLOCK_M"]) * B * H,)
+
+        _dq[grid_q](
+            q, k, v, do, lse, delta, dq, c.am, c.kpm, c.kvr, c.rng,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+            *c.am_strides, *c.kpm_strides,
+            H, c.group, Lq, Lk, c.qk_scale, c.scale, c.drop_thr, c.drop_scale,
+            c.lq_key, c.lk_key,
+            **flags, **meta,
+        )
+    return dq, dk, dv
