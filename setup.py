@@ -100,7 +100,6 @@ def _extensions():
         nvcc_flags = [
             "-O3",
             "-std=c++20",
-            "--use_fast_math",
             "--expt-relaxed-constexpr",
             "-lineinfo",
         ]

@@ -56,7 +56,10 @@ def _check(backend, x, res, weight, bias, *, eps=1e-5, dropout_p=0.0, prenorm=Fa
     if bias is not None:
         inputs["bias"] = bias
     grads = list(inputs)
-    results = reference.run_oracle(kernel, ref, inputs, grads)
+    # "torch" is PyTorch's own path, the peer: its fp32 reductions land a few ulps past the
+    # oracle's bound at times (measured), so it gets 10x atol; our kernels get the bound as is.
+    atol = 10 * reference.ATOL[x.dtype] if backend == "torch" else None
+    results = reference.run_oracle(kernel, ref, inputs, grads, atol=atol)
     reference.assert_oracle(results, f"{backend} {tuple(shape)} {x.dtype} p={dropout_p} prenorm={prenorm}")
     return results
 

@@ -10,10 +10,13 @@ Dropout follows torch.nn.functional: it is applied whenever ``dropout_p > 0``; m
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from . import _checks, backends, masks, philox, reference
+from .ops import attention as _attention_op
 from .ops import layer_norm as _layer_norm_op
 
 __all__ = [
@@ -221,6 +224,71 @@ def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     return out.masked_fill(dead, 0.0)
 
 
+FUSED_ATTENTION_HEAD_DIMS = "16..256, a multiple of 8"
+
+
+def _fused_attention_support(backend):
+    def check(inputs):
+        q, k, v = inputs["query"], inputs["key"], inputs["value"]
+        mask = inputs.get("attn_mask")
+        reasons = _checks.kernel_dtype_reasons(backend, query=q)
+        d = q.shape[-1]
+        if not (16 <= d <= 256 and d % 8 == 0):
+            reasons.append(
+                f"{backend} supports head dims {FUSED_ATTENTION_HEAD_DIMS}; query has {d}"
+            )
+        if v.shape[-1] != d:
+            reasons.append(f"{backend} needs value's head dim equal to query's ({v.shape[-1]} != {d})")
+        if k.shape[-2] == 0:
+            reasons.append(f"{backend} needs at least one key")
+        if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+            reasons.append(f"{backend} does not compute the gradient of a float attn_mask")
+        return reasons
+
+    return check
+
+
+backends.register(
+    "scaled_dot_product_attention", "triton", _fused_attention_support("triton")
+)
+
+
+def _allow_tf32(dtype: torch.dtype) -> bool:
+    """fp32 attention may use tf32 dots only where PyTorch's own matmuls may."""
+    return dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+
+
+def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale, key_padding_mask):
+    """Run a flash-attention backend on 4-D (B, H, L, D) views of the inputs."""
+    lq, lk, d = query.shape[-2], key.shape[-2], query.shape[-1]
+    scores_shape = tuple(query.shape[:-1]) + (lk,)
+    if query.dim() == 3:  # (N, L, D): one head
+        q4, k4, v4 = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    else:  # (..., H, L, D): fold the leading dims into one batch (a view when strides allow)
+        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+    b4, h = q4.shape[0], q4.shape[1]
+
+    padding = None
+    if key_padding_mask is not None and key_padding_mask.dtype == torch.bool and b4 == key_padding_mask.shape[0]:
+        padding = key_padding_mask  # the kernel's native (B, Lk) form
+    elif key_padding_mask is not None:  # float padding, or >4-D leading dims: fold into the mask
+        attn_mask = masks.combine(
+            attn_mask, False, key_padding_mask, lq, lk, query.dim(), query.dtype, query.device
+        )
+    mask4 = None
+    if attn_mask is not None:
+        mask4 = attn_mask.expand(scores_shape)
+        mask4 = mask4.unsqueeze(1) if query.dim() == 3 else mask4.reshape(b4, h, lq, lk)
+        if mask4.is_floating_point() and mask4.dtype != query.dtype:
+            mask4 = mask4.to(query.dtype)
+    rng = philox.new_rng(query.device) if dropout_p > 0.0 else None
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = _attention_op.attention(
+        q4, k4, v4, mask4, padding, is_causal, scale, dropout_p, rng, _allow_tf32(query.dtype), name
+    )
+    return out.reshape(*query.shape[:-1], value.shape[-1])
+
+
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     enable_gqa=False, *, key_padding_mask=None, backend=None,
@@ -274,7 +342,9 @@ def scaled_dot_product_attention(
         return _torch_sdpa(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
         )
-    raise backends.BackendError(f"scaled_dot_product_attention: no {name} implementation yet")
+    return _fused_sdpa(
+        name, query, key, value, attn_mask, dropout_p, is_causal, scale, key_padding_mask
+    )
 
 
 # ---- attention_with_kv_cache

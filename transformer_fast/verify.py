@@ -84,6 +84,66 @@ def _add_layer_norm_runner(shape, dtype, device, dropout_p, prenorm):
     return run
 
 
+@cases("scaled_dot_product_attention")
+def _sdpa_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
+    small = device == "cpu"  # the Triton interpreter on CPU is slow
+    shapes = [  # (B, H, Hkv, Lq, Lk, D)
+        (2, 2, 2, 7, 33, 64),
+        (1, 4, 2, 1, 127, 128) if small else (2, 8, 2, 1, 1000, 128),
+        (2, 2, 1, 33, 33, 80) if small else (2, 8, 8, 257, 257, 128),
+        (1, 2, 2, 17, 9, 256),
+    ]
+    for shape in shapes:
+        for mask_kind, dropout_p in (("causal", 0.0), ("padding", 0.0), ("bool", 0.1)):
+            yield Case(
+                f"{'x'.join(map(str, shape))} {mask_kind} p={dropout_p}",
+                _sdpa_runner(shape, dtype, device, mask_kind, dropout_p),
+                philox_dropout=dropout_p > 0,
+            )
+
+
+def _sdpa_runner(shape, dtype, device, mask_kind, dropout_p):
+    b, h, hkv, lq, lk, d = shape
+
+    def run(backend):
+        g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+        inputs = {
+            "query": _randn(b, h, lq, d, dtype=dtype, device=device, generator=g),
+            "key": _randn(b, hkv, lk, d, dtype=dtype, device=device, generator=g),
+            "value": _randn(b, hkv, lk, d, dtype=dtype, device=device, generator=g),
+        }
+        masks = {"is_causal": mask_kind == "causal", "attn_mask": None, "key_padding_mask": None}
+        if mask_kind == "padding":  # realistic: each row keeps a random prefix, one row empty
+            lengths = torch.randint(1, lk + 1, (b,), generator=g)
+            lengths[-1] = 0
+            masks["key_padding_mask"] = (torch.arange(lk) >= lengths[:, None]).to(device)
+        elif mask_kind == "bool":
+            masks["attn_mask"] = (torch.rand(b, 1, lq, lk, generator=g) < 0.8).to(device)
+        seed = int(torch.randint(0, 2**31, ()))
+        keep = None
+        if dropout_p > 0:
+            torch.manual_seed(seed)
+            keep = philox.dropout_keep_mask(philox.new_rng(device), (b, h, lq, lk), dropout_p)
+        gqa = h != hkv
+
+        def kernel(query, key, value):
+            torch.manual_seed(seed)
+            return functional.scaled_dot_product_attention(
+                query, key, value, masks["attn_mask"], dropout_p, masks["is_causal"],
+                enable_gqa=gqa, key_padding_mask=masks["key_padding_mask"], backend=backend,
+            )
+
+        def ref(query, key, value):
+            return reference.scaled_dot_product_attention(
+                query, key, value, masks["attn_mask"], dropout_p, masks["is_causal"], None, gqa,
+                key_padding_mask=masks["key_padding_mask"], keep=keep,
+            )
+
+        return reference.run_oracle(kernel, ref, inputs, list(inputs))
+
+    return run
+
+
 # Backends whose dropout draws from transformer_fast.philox (so the oracle can check it exactly).
 PHILOX_BACKENDS = ("triton", "cuda", "cpu")
 # Our kernels must pass; "torch" is PyTorch's own path, the peer we compare against: its rows are

@@ -1,0 +1,109 @@
+"""functional.scaled_dot_product_attention with backend="triton": the whole path (validation,
+mask folding, 4-D views, custom op, autograd) against the float64 oracle. Without a GPU the
+kernels run in the Triton interpreter on CPU tensors, so shapes stay small."""
+import pytest
+import torch
+
+import transformer_fast as tf
+from transformer_fast import functional as F
+from transformer_fast import philox, reference
+
+from _functional_helpers import DTYPES, MASK_KINDS, dt_id, generator, make_masks, randn
+from conftest import require_backend
+from test_functional_attention import check_sdpa
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.fixture
+def device():
+    return require_backend("triton")
+
+
+def _qkv(b, h, hkv, lq, lk, d, dtype, device, g=None):
+    g = g or generator()
+    q = randn(b, h, lq, d, dtype=dtype, g=g).to(device)
+    k = randn(b, hkv, lk, d, dtype=dtype, g=g).to(device)
+    v = randn(b, hkv, lk, d, dtype=dtype, g=g).to(device)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dt_id)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_masks(device, dtype, kind):
+    b, h, lq, lk, d = 2, 2, 7, 33, 32
+    q, k, v = _qkv(b, h, h, lq, lk, d, dtype, device)
+    m = make_masks(kind, b, h, lq, lk, dtype)
+    m = {key: (t.to(device) if isinstance(t, torch.Tensor) else t) for key, t in m.items()}
+    check_sdpa("triton", q, k, v, context=kind, **m)
+
+
+@pytest.mark.parametrize(
+    "lq,lk,d", [(1, 1, 16), (1, 127, 64), (127, 7, 80), (33, 33, 128), (5, 19, 256), (9, 12, 48)]
+)
+def test_shapes_and_head_dims(device, lq, lk, d):
+    q, k, v = _qkv(1, 2, 2, lq, lk, d, torch.float16, device)
+    check_sdpa("triton", q, k, v, is_causal=True, context=f"{lq}x{lk} d={d}")
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_gqa(device, hkv):
+    q, k, v = _qkv(2, 4, hkv, 9, 17, 64, torch.bfloat16, device)
+    check_sdpa("triton", q, k, v, is_causal=True, enable_gqa=True, context=f"hkv={hkv}")
+
+
+def test_three_dim_and_extra_batch_dims(device):
+    q, k, v = _qkv(3, 1, 1, 5, 9, 32, torch.float32, device)
+    check_sdpa("triton", q[:, 0], k[:, 0], v[:, 0], context="3-D")
+    g = generator()
+    q5 = randn(2, 3, 2, 5, 32, g=g).to(device)
+    k5 = randn(2, 3, 2, 9, 32, g=g).to(device)
+    v5 = randn(2, 3, 2, 9, 32, g=g).to(device)
+    check_sdpa("triton", q5, k5, v5, key_padding_mask=torch.rand(2, 9, device=device) < 0.3, context="5-D")
+
+
+def test_packed_qkv_views_are_not_copied(device):
+    b, l, h, d = 2, 11, 2, 32
+    packed = torch.randn(b, l, 3, h, d, device=device)
+    q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, L, D) strided views
+    assert not q.is_contiguous()
+    check_sdpa("triton", q, k, v, is_causal=True, context="packed")
+
+
+def test_dropout_exact_mask(device):
+    b, h, lq, lk, d = 2, 2, 9, 13, 32
+    q, k, v = _qkv(b, h, h, lq, lk, d, torch.float32, device)
+    p, seed = 0.3, 1234
+    torch.manual_seed(seed)
+    keep = philox.dropout_keep_mask(philox.new_rng(device), (b, h, lq, lk), p)
+
+    def kernel(query, key, value):
+        torch.manual_seed(seed)
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=p, backend="triton")
+
+    def ref(query, key, value):
+        return reference.scaled_dot_product_attention(query, key, value, None, p, keep=keep)
+
+    results = reference.run_oracle(kernel, ref, {"query": q, "key": k, "value": v}, ["query", "key", "value"])
+    reference.assert_oracle(results, "dropout")
+
+
+def test_auto_and_reasons(device):
+    q, k, v = _qkv(1, 1, 1, 3, 3, 24 + 4, torch.float32, device)  # head dim 28: not supported
+    reasons = tf.not_supported_reasons("triton", "scaled_dot_product_attention",
+                                       {"query": q, "key": k, "value": v})
+    assert any("head dims" in r for r in reasons)
+    with pytest.raises(tf.BackendError, match="head dims"):
+        F.scaled_dot_product_attention(q, k, v, backend="triton")
+    mask = torch.zeros(3, 3, device=device, requires_grad=True)
+    reasons = tf.not_supported_reasons("triton", "scaled_dot_product_attention",
+                                       {"query": q, "key": k, "value": v, "attn_mask": mask})
+    assert any("gradient of a float attn_mask" in r for r in reasons)
+
+
+def test_opcheck(device):
+    from transformer_fast.ops import attention as op
+
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1, 5, 7, 16, torch.float32, device))
+    mask = (torch.rand(1, 1, 5, 7, device=device) < 0.8).expand(1, 2, 5, 7)
+    torch.library.opcheck(op.attention_fwd, (q, k, v, mask, None, True, 0.25, 0.0, None, False, "triton"))
