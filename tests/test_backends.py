@@ -126,3 +126,35 @@ def test_verify_cli_cpu_backend():
     result = _run_cli("verify", "--device", "cpu", "--backend", "cpu", "--dtype", "float32")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| add_layer_norm | cpu | float32 | PASS |" in result.stdout
+
+
+def test_package_works_without_extension_and_triton(tmp_path):
+    """Where _C could not be built and Triton is absent, the package imports, reports why, and
+    its reference/torch backends (and auto) still work."""
+    code = r'''
+import importlib.abc, sys
+import torch  # torch imports triton itself when present: block it for our package only
+for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+    del sys.modules[name]
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformer_fast._C" or name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"blocked {name}")
+        return None
+sys.meta_path.insert(0, Block())
+import torch, transformer_fast as tf
+from transformer_fast import functional as F
+x = torch.randn(3, 16)
+assert not tf.backends.extension_status()[0] and not tf.backends.triton_status()[0]
+for backend in ("reference", "torch", "auto"):
+    y = F.add_layer_norm(x, x, None, None, backend=backend)
+    o = F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None], backend=backend)
+print("ok", tf.backends.resolve("add_layer_norm", None, {"x": x}))
+try:
+    F.add_layer_norm(x, x, None, None, backend="cpu")
+except tf.BackendError as e:
+    print("error", "not built" in str(e))
+'''
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok", "torch", "error", "True"]

@@ -89,7 +89,11 @@ def extension_cuda_status() -> tuple[bool, str]:
 def triton_status() -> tuple[bool, str]:
     """Whether Triton is installed (found without importing it: the kernels import it)."""
     if "triton" not in _STATUS:
-        if importlib.util.find_spec("triton") is None:
+        try:
+            spec = importlib.util.find_spec("triton")
+        except (ImportError, ValueError):  # a broken or blocked installation
+            spec = None
+        if spec is None:
             _STATUS["triton"] = (False, "triton is not installed")
         else:
             _STATUS["triton"] = (True, f"triton {importlib.metadata.version('triton')}")

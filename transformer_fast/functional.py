@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from . import _checks, backends, masks, philox, reference
 from .ops import attention as _attention_op
+from .ops import decode as _decode_op
 from .ops import layer_norm as _layer_norm_op
+from .ops import masked_softmax as _masked_softmax_op
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -232,13 +234,7 @@ def _fused_attention_support(backend):
         q, k, v = inputs["query"], inputs["key"], inputs["value"]
         mask = inputs.get("attn_mask")
         reasons = _checks.kernel_dtype_reasons(backend, query=q)
-        d = q.shape[-1]
-        if not (16 <= d <= 256 and d % 8 == 0):
-            reasons.append(
-                f"{backend} supports head dims {FUSED_ATTENTION_HEAD_DIMS}; query has {d}"
-            )
-        if v.shape[-1] != d:
-            reasons.append(f"{backend} needs value's head dim equal to query's ({v.shape[-1]} != {d})")
+        reasons += _head_dim_reasons(backend, q.shape[-1], v.shape[-1])
         if k.shape[-2] == 0:
             reasons.append(f"{backend} needs at least one key")
         if mask is not None and mask.requires_grad and torch.is_grad_enabled():
@@ -251,6 +247,44 @@ def _fused_attention_support(backend):
 backends.register(
     "scaled_dot_product_attention", "triton", _fused_attention_support("triton")
 )
+
+
+def _head_dim_reasons(backend, d, dv):
+    reasons = []
+    if not (16 <= d <= 256 and d % 8 == 0):
+        reasons.append(f"{backend} supports head dims {FUSED_ATTENTION_HEAD_DIMS}; got {d}")
+    if dv != d:
+        reasons.append(f"{backend} needs value's head dim equal to query's ({dv} != {d})")
+    return reasons
+
+
+def _fused_kv_cache_support(backend):
+    def check(inputs):
+        q, v_cache = inputs["q"], inputs["v_cache"]
+        reasons = _checks.kernel_dtype_reasons(backend, q=q)
+        reasons += _head_dim_reasons(backend, q.shape[-1], v_cache.shape[-1])
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in inputs.values()
+        ):
+            reasons.append(f"{backend} decoding is inference only (an input requires grad)")
+        return reasons
+
+    return check
+
+
+def _fused_masked_softmax_support(backend):
+    def check(inputs):
+        scores, mask = inputs["scores"], inputs.get("mask")
+        reasons = _checks.kernel_dtype_reasons(backend, scores=scores)
+        if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+            reasons.append(f"{backend} does not compute the gradient of a float mask")
+        return reasons
+
+    return check
+
+
+backends.register("attention_with_kv_cache", "triton", _fused_kv_cache_support("triton"))
+backends.register("masked_softmax", "triton", _fused_masked_softmax_support("triton"))
 
 
 def _allow_tf32(dtype: torch.dtype) -> bool:
@@ -494,7 +528,10 @@ def attention_with_kv_cache(
         return reference.attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale)
     if name == "torch":
         return _torch_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale)
-    raise backends.BackendError(f"attention_with_kv_cache: no {name} implementation yet")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _decode_op.attention_with_kv_cache(
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, _allow_tf32(q.dtype), name
+    )
 
 
 # ---- masked_softmax
@@ -543,7 +580,22 @@ def masked_softmax(scores, mask=None, *, scale=1.0, is_causal=False, dropout_p=0
                 x = x + combined
         probs = _zero_dead_rows_softmax(x)
         return F.dropout(probs, dropout_p) if dropout_p > 0.0 else probs
-    raise backends.BackendError(f"masked_softmax: no {name} implementation yet")
+    return _fused_masked_softmax(name, scores, mask, scale, is_causal, dropout_p)
+
+
+def _fused_masked_softmax(name, scores, mask, scale, is_causal, dropout_p):
+    """Run a fused backend on a 4-D (B, H, Lq, Lk) view of the scores."""
+    shape = scores.shape
+    four_d = (1,) * (4 - scores.dim()) + tuple(shape) if scores.dim() <= 4 else (-1, *shape[-3:])
+    scores4 = scores.reshape(four_d)
+    mask4 = None
+    if mask is not None:
+        mask4 = mask.expand(shape).reshape(scores4.shape)
+        if mask4.is_floating_point() and mask4.dtype != scores.dtype:
+            mask4 = mask4.to(scores.dtype)
+    rng = philox.new_rng(scores.device) if dropout_p > 0.0 else None
+    out = _masked_softmax_op.masked_softmax(scores4, mask4, scale, is_causal, dropout_p, rng, name)
+    return out.reshape(shape)
 
 
 # ---- feed_forward

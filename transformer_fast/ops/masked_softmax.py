@@ -1,0 +1,81 @@
+"""Fused scale + mask + softmax (+ dropout) as torch.library custom ops: autograd + fake kernels.
+
+Launcher contract (transformer_fast.kernels.masked_softmax), on 4-D scores (B, H, Lq, Lk):
+  fwd(scores, mask?, scale, is_causal, dropout_p, rng?) -> (out, probs)
+      mask expanded to (B, H, Lq, Lk): bool True = takes part, float added after scaling;
+      out = dropout(softmax(...)); probs = the pre-dropout probabilities when dropout_p > 0,
+      else an empty tensor (out is then the probabilities). Fully masked rows are zeros.
+  bwd(dout, probs, scale, dropout_p, rng?) -> dscores
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_EMPTY_SHAPE = (0,)
+
+
+def _launcher(backend: str):
+    if backend == "triton":
+        from transformer_fast.kernels import masked_softmax
+
+        return masked_softmax.masked_softmax_fwd, masked_softmax.masked_softmax_bwd
+    raise ValueError(f"masked_softmax op: no fused implementation named {backend!r}")
+
+
+@torch.library.custom_op("transformer_fast::masked_softmax_fwd", mutates_args=())
+def masked_softmax_fwd(
+    scores: Tensor,
+    mask: Optional[Tensor],
+    scale: float,
+    is_causal: bool,
+    dropout_p: float,
+    rng: Optional[Tensor],
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    fwd, _ = _launcher(backend)
+    return fwd(scores, mask, scale, is_causal, dropout_p, rng)
+
+
+@masked_softmax_fwd.register_fake
+def _(scores, mask, scale, is_causal, dropout_p, rng, backend):
+    out = torch.empty_like(scores, memory_format=torch.contiguous_format)
+    probs = torch.empty_like(out) if dropout_p > 0.0 else scores.new_empty(_EMPTY_SHAPE)
+    return out, probs
+
+
+@torch.library.custom_op("transformer_fast::masked_softmax_bwd", mutates_args=())
+def masked_softmax_bwd(
+    dout: Tensor, probs: Tensor, scale: float, dropout_p: float, rng: Optional[Tensor], backend: str
+) -> Tensor:
+    _, bwd = _launcher(backend)
+    return bwd(dout, probs, scale, dropout_p, rng)
+
+
+@masked_softmax_bwd.register_fake
+def _(dout, probs, scale, dropout_p, rng, backend):
+    return torch.empty_like(probs, dtype=dout.dtype, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    scores, mask, scale, is_causal, dropout_p, rng, backend = inputs
+    out, probs = output
+    ctx.save_for_backward(probs if dropout_p > 0.0 else out, rng)
+    ctx.flags = (scale, dropout_p, backend)
+
+
+def _backward(ctx, dout, dprobs):
+    probs, rng = ctx.saved_tensors
+    scale, dropout_p, backend = ctx.flags
+    dscores = masked_softmax_bwd(dout, probs, scale, dropout_p, rng, backend)
+    return dscores, None, None, None, None, None, None
+
+
+masked_softmax_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def masked_softmax(scores, mask, scale, is_causal, dropout_p, rng, backend):
+    out, _ = masked_softmax_fwd(scores, mask, scale, is_causal, dropout_p, rng, backend)
+    return out
