@@ -1,0 +1,515 @@
+"""Attention over a KV cache (incremental decoding), flash-decoding style: Triton kernels and
+launchers (inference only, no autograd).
+
+Contract (the ``triton`` backend of attention_with_kv_cache builds on it):
+
+  attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, allow_tf32,
+                              *, num_splits=None) -> out
+
+* q (B, H, L_new, D); k_cache (B, Hkv, L_max, D), v_cache (B, Hkv, L_max, Dv), Hkv divides H
+  (query head h reads kv head h // (H // Hkv)); cache_seqlens int32 (B,) on q's device;
+  k_new (B, Hkv, L_new, D) and v_new (B, Hkv, L_new, Dv), or both None.  Any strides with
+  stride(-1) == 1: everything is read through its strides and the caches are written through
+  theirs (a cache whose last stride is not 1 takes a slow torch path; q / k_new / v_new are then
+  made contiguous).  D, Dv <= 256 (padded to a power of two inside the kernels with masked
+  loads).  fp16 / bf16 / fp32; fp32 dots run in tf32 when ``allow_tf32`` else in exact fp32.
+* Semantics (transformer_fast.reference.attention_with_kv_cache): with k_new / v_new, first write
+  them into the caches in place at positions cache_seqlens[b] + t, t < L_new (a small Triton
+  kernel that reads cache_seqlens on the device: no host sync); the caller advances
+  cache_seqlens.  Then row b has n_b = cache_seqlens[b] + (L_new if k_new is given else 0) valid
+  keys and query t sees key j iff j <= n_b - L_new + t (causal, bottom-right aligned among the
+  new tokens).  s = scale * q.k, fp32 online softmax in base 2 (log2(e) folded into the scale),
+  out = p @ v.  A query with no visible key returns 0.  out: (B, H, L_new, Dv) contiguous in q's
+  dtype.  Positions outside [0, L_max) are never read or written (an out-of-range
+  cache_seqlens, which the functional layer rejects, cannot make the kernels touch memory
+  outside the caches).
+* num_splits: None = the heuristic below; an int forces that many key splits (tests).
+
+Kernel plan (bandwidth bound: the floor is the bytes of each row's valid K/V prefix):
+  * GQA packing: one program owns one KV head of one batch row and a tile of BLOCK_M packed
+    query rows r = t * GROUP + g (query position t, head hk * GROUP + g of the KV group).  For a
+    decoding step (L_new = 1) the GROUP query heads of a KV group share every K/V tile, so K/V
+    is streamed once per KV head instead of once per query head (MQA/GQA decoding reaches
+    bandwidth); for a prefill chunk the tile also spans consecutive positions, which keeps the
+    causal range of a tile tight.
+  * Per tile the key range is [0, hi) with hi = n_b - L_new + t_last + 1 (t_last: the tile's
+    last real query); keys below n_b - L_new + t_first + 1 are seen by every row of the tile and
+    run a loop without masks, the rest (the causal staircase, the ragged last block) a masked
+    loop.  Nothing beyond a row's valid length is loaded.
+  * Split-K (flash-decoding): when B * Hkv * ceil(L_new * GROUP / BLOCK_M) programs would not
+    fill the GPU, the key range of every tile is split over NUM_SPLITS programs (grid axis 1).
+    The split count is chosen on the host from shapes only (L_max, never the actual lengths:
+    no host sync), with FlashAttention-2's wave-efficiency rule over 2 programs per SM.  On the
+    device each tile divides ITS OWN valid block range evenly among the splits (so a short row
+    in a long cache still spreads its work); a split that starts beyond the range runs no
+    iteration and writes a neutral partial (out 0, lse -inf).  Partials (out normalised, lse in
+    base 2, fp32) are merged by a small combine kernel with the log-sum-exp rule.  Without
+    splitting, the main kernel writes the output directly.
+
+Configuration: fixed per shape class (no autotuning; see ``_config``): BLOCK_M = 16/32/64 from
+the packed row count (128 with 8 warps for long prefill chunks), BLOCK_N 64-128, 4 warps, 2-3
+stages.  Under TRITON_INTERPRET=1 small blocks (``INTERPRETER_BLOCK_N``) and bf16 dot operands
+cast to fp32 (bf16 tl.dot is wrong in the interpreter; triton-lang/triton#11584).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from transformer_fast.kernels.common import cast_out, is_interpreting
+
+LOG2E = 1.4426950408889634
+
+_INTERPRET = is_interpreting()
+
+# Under the interpreter: key block length (small, so that short test caches span several
+# blocks) and the number of "program slots" the split heuristic assumes.  Tests may change them.
+INTERPRETER_BLOCK_N = 16
+INTERPRETER_SLOTS = 4
+# Tests may force the int64 in-head offsets path.
+FORCE_OFF64 = False
+# Most splits per tile (also bounds the combine kernel's lse tile).
+MAX_SPLITS = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _imin(a, b):
+    # min / max of two int32 scalars by arithmetic only: usable in loop bounds on Triton 3.6,
+    # which rejects loop bounds computed with tl.minimum / tl.maximum.
+    d = a - b
+    return b + (d & (d >> 31))
+
+
+@triton.jit
+def _imax(a, b):
+    d = a - b
+    return a - (d & (d >> 31))
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Append k_new / v_new into the cache
+
+
+@triton.jit
+def _kv_append_kernel(SRC, DST, SEQLENS, ssb, ssh, ssn, sdb, sdh, sdn, Hkv, L_new, L_max,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    pid = tl.program_id(0)
+    tb = tl.program_id(1)
+    b = pid // Hkv
+    h = pid % Hkv
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    start = tl.load(SEQLENS + b)
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = start + offs_t
+    ok = (offs_t < L_new) & (pos >= 0) & (pos < L_max)
+    mask = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    src = SRC + b64 * ssb + h64 * ssh + offs_t[:, None].to(tl.int64) * ssn + offs_d[None, :]
+    dst = DST + b64 * sdb + h64 * sdh + pos[:, None].to(tl.int64) * sdn + offs_d[None, :]
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over the cache (one split of the key range per program)
+
+
+@triton.jit
+def _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, hi, hi_keys, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                  OFF64: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_nb = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DV
+    for nb in range(lo, hi):
+        n0 = nb * BLOCK_N
+        offs_n = n0 + offs_nb
+        if OFF64:  # in-head offsets may exceed int32
+            n064 = n0.to(tl.int64)
+            kt_ptrs = Kh + n064 * skn + offs_nb[None, :] * skn + offs_d[:, None]
+            v_ptrs = Vh + n064 * svn + offs_nb[:, None] * svn + offs_dv[None, :]
+        else:  # int32 offsets: cheaper address math
+            kt_ptrs = Kh + offs_n[None, :] * skn + offs_d[:, None]
+            v_ptrs = Vh + offs_n[:, None] * svn + offs_dv[None, :]
+        if MASKED:
+            kT = tl.load(kt_ptrs, mask=(offs_n[None, :] < hi_keys) & d_ok[:, None], other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            kT = tl.load(kt_ptrs)
+        else:
+            kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+        s = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
+        s = s * qk_scale
+        if MASKED:
+            s = tl.where(offs_n[None, :] <= last_vis[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < hi_keys) & dv_ok[None, :], other=0.0)
+        elif HEAD_DV == BLOCK_DV:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+        acc = _dot(p.to(v.dtype), v, acc, DOT_FP32, IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_fwd_kernel(
+    Q, K, V, O, OP, LSEP, SEQLENS,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+    sps, spb, sph, spm, sls, slb, slh,
+    Hkv, GROUP, L_new, L_max, N_EXTRA, NUM_SPLITS, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    m_total = L_new * GROUP
+    n_mt = tl.cdiv(m_total, BLOCK_M)
+    mt = n_mt - 1 - pid % n_mt  # the last (heaviest) query tiles first
+    bhk = pid // n_mt
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    m0 = mt * BLOCK_M
+
+    # Packed query rows: r = t * GROUP + g -> position t, query head hk * GROUP + g.
+    offs_r = m0 + tl.arange(0, BLOCK_M)
+    r_ok = offs_r < m_total
+    t = offs_r // GROUP
+    h = hk * GROUP + offs_r % GROUP
+    t64 = t.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = Q + b64 * sqb + h64[:, None] * sqh + t64[:, None] * sqm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+    # Key ranges of this tile (all int32 scalars, clamped into [0, L_max]).
+    n_keys = _imin(_imax(tl.load(SEQLENS + b) + N_EXTRA, 0), L_max)
+    base = n_keys - L_new  # query t sees keys j <= base + t
+    last_vis = base + t
+    t_first = m0 // GROUP
+    t_last = (_imin(m0 + BLOCK_M, m_total) - 1) // GROUP
+    hi_keys = _imax(_imin(base + t_last + 1, n_keys), 0)  # keys [0, hi_keys) are loaded
+    full_keys = _imax(_imin(base + t_first + 1, n_keys), 0)  # seen by every row of the tile
+    n_blk = tl.cdiv(hi_keys, BLOCK_N)
+    full_blk = full_keys // BLOCK_N
+    if SPLIT:
+        per = tl.cdiv(n_blk, NUM_SPLITS)
+        lo = split * per
+        hi = _imin(lo + per, n_blk)
+    else:
+        lo = 0
+        hi = n_blk
+    # [lo, mid) needs no mask; [mid2, hi) is masked (empty ranges run no iteration).
+    mid = _imin(hi, full_blk)
+    mid2 = _imax(lo, full_blk)
+
+    Kh = K + b64 * skb + hk64 * skh
+    Vh = V + b64 * svb + hk64 * svh
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, mid, hi_keys,
+                                  qk_scale, HEAD_DIM, BLOCK_D, HEAD_DV, BLOCK_DV, BLOCK_M, BLOCK_N,
+                                  False, DOT_FP32, IEEE, OFF64)
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, mid2, hi, hi_keys,
+                                  qk_scale, HEAD_DIM, BLOCK_D, HEAD_DV, BLOCK_DV, BLOCK_M, BLOCK_N,
+                                  True, DOT_FP32, IEEE, OFF64)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (1.0 / l_safe)[:, None]
+    o_mask = r_ok[:, None] & (offs_dv < HEAD_DV)[None, :]
+    if SPLIT:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        split64 = split.to(tl.int64)
+        op_ptrs = (OP + split64 * sps + b64 * spb + h64[:, None] * sph + t64[:, None] * spm
+                   + offs_dv[None, :])
+        tl.store(op_ptrs, out, mask=o_mask)
+        tl.store(LSEP + split64 * sls + b64 * slb + h64 * slh + t64, lse, mask=r_ok)
+    else:
+        o_ptrs = O + b64 * sob + h64[:, None] * soh + t64[:, None] * som + offs_dv[None, :]
+        tl.store(o_ptrs, cast_out(out, O.dtype.element_ty, INTERPRET), mask=o_mask)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    OP, LSEP, O, sps, spb, sph, spm, sls, slb, slh, sob, soh, som,
+    H, L_new, NUM_SPLITS,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tb = tl.cdiv(L_new, BLOCK_T)
+    bh = pid // n_tb
+    tb = pid % n_tb
+    b64 = (bh // H).to(tl.int64)
+    h64 = (bh % H).to(tl.int64)
+    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    t_ok = offs_t < L_new
+    t64 = offs_t.to(tl.int64)
+    lse_base = LSEP + b64 * slb + h64 * slh
+    lses = tl.load(lse_base + offs_s[None, :].to(tl.int64) * sls + t64[:, None],
+                   mask=t_ok[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"))
+    m = tl.max(lses, 1)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    tot = tl.sum(tl.exp2(lses - m_use[:, None]), 1)
+    inv_tot = 1.0 / tl.where(tot == 0.0, 1.0, tot)
+    acc = tl.zeros([BLOCK_T, BLOCK_DV], dtype=tl.float32)
+    dv_ok = offs_dv < HEAD_DV
+    l_ptrs = lse_base + t64
+    p_ptrs = OP + b64 * spb + h64 * sph + t64[:, None] * spm + offs_dv[None, :]
+    for _ in range(0, NUM_SPLITS):  # pointers advance by one split per step (64-bit math)
+        ls = tl.load(l_ptrs, mask=t_ok, other=float("-inf"))
+        w = tl.exp2(ls - m_use) * inv_tot  # exactly 0 for an empty split
+        part = tl.load(p_ptrs, mask=(w > 0.0)[:, None] & dv_ok[None, :], other=0.0)
+        acc += w[:, None] * part
+        l_ptrs += sls
+        p_ptrs += sps
+    o_ptrs = O + b64 * sob + h64 * soh + t64[:, None] * som + offs_dv[None, :]
+    tl.store(o_ptrs, cast_out(acc, O.dtype.element_ty, INTERPRET), mask=t_ok[:, None] & dv_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+def _config(m_total: int, block_d: int, block_dv: int, dtype: torch.dtype, ieee: bool):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``m_total`` packed query rows.
+
+    From ptxas reports of Triton 3.6 for sm_90a (with the 16-divisibility specialisation a real
+    launch gets, which is what lets the loads pipeline through shared memory): every 16-bit
+    entry compiles without register spills, 128-240 registers, 57-164 KB of shared memory; the
+    decoding entries (BLOCK_M 16/32) use ~70-86 KB, so 2-3 programs fit on an SM."""
+    wide = max(block_d, block_dv)
+    if _INTERPRET:
+        bm = 16 if m_total <= 16 else 32
+        return bm, INTERPRETER_BLOCK_N, 4, 1
+    if ieee:
+        # Exact fp32 dots are FMA loops: register-hungry, keep tiles small.
+        if wide <= 64:
+            return (16 if m_total <= 16 else 32), 32, 4, 2
+        return 16, (64 if wide <= 128 else 16), 4, 2
+    if dtype == torch.float32:  # tf32: fp32 operands double the registers / shared memory
+        bm = 16 if m_total <= 16 else 32
+        if wide <= 128:
+            return bm, 64, 4, 2
+        return bm, 32, (4 if bm == 16 else 8), 2
+    if m_total <= 32:
+        # Decoding (and GQA groups / short chunks): few rows, stream K/V.
+        bm = 16 if m_total <= 16 else 32
+        if wide <= 64:
+            return bm, 128, 4, 3
+        if wide <= 128:
+            return bm, 64, 4, 3
+        return bm, 64, (4 if bm == 16 else 8), 2
+    if m_total <= 64:
+        if wide <= 64:
+            return 64, 64, 4, 3
+        if wide <= 128:
+            return 64, 32, 4, 3
+        return 64, 32, 8, 2
+    # Prefill chunks: the flash-attention forward's shapes.
+    if wide <= 128:
+        return 128, 64, 8, 3
+    return 64, 64, 8, 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _slots(device: torch.device) -> int:
+    """Programs that run concurrently on the device (2 per SM for 4-warp programs)."""
+    if device.type != "cuda":
+        return INTERPRETER_SLOTS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 2 * _sm_count(index)
+
+
+def num_splits_heuristic(programs: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """FlashAttention-2's rule: no split when the programs already fill ~80% of one wave;
+    otherwise the smallest split count whose wave efficiency is within 85% of the best, among
+    counts that change the number of key blocks per split."""
+    if programs >= 0.8 * slots or n_blocks <= 1:
+        return 1
+    max_splits = max(1, min(max_splits, slots, n_blocks))
+
+    def eligible(s):
+        return s == 1 or triton.cdiv(n_blocks, s) != triton.cdiv(n_blocks, s - 1)
+
+    effs = []
+    for s in range(1, max_splits + 1):
+        if not eligible(s):
+            effs.append(0.0)
+            continue
+        waves = programs * s / slots
+        effs.append(waves / -(-waves // 1))
+    best = max(effs)
+    for s in range(1, max_splits + 1):
+        if eligible(s) and effs[s - 1] >= 0.85 * best:
+            return s
+    return 1
+
+
+def _span(t: torch.Tensor, dim: int) -> int:
+    """Largest element offset inside one slice ``t[i0, ..., i_{dim-1}]`` (dims ``dim`` onward)."""
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape[dim:], t.stride()[dim:]))
+
+
+def _unit_last(t):
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _append(src: torch.Tensor, dst: torch.Tensor, seqlens: torch.Tensor) -> None:
+    B, Hkv, L_new, D = src.shape
+    L_max = dst.shape[2]
+    block_d = max(16, triton.next_power_of_2(D))
+    block_t = max(1, min(triton.next_power_of_2(L_new), max(1, 4096 // block_d)))
+    grid = (B * Hkv, triton.cdiv(L_new, block_t))
+    _kv_append_kernel[grid](
+        src, dst, seqlens, *src.stride()[:3], *dst.stride()[:3], Hkv, L_new, L_max,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4,
+    )
+
+
+def _torch_append(src: torch.Tensor, dst: torch.Tensor, seqlens: torch.Tensor) -> None:
+    # Caches whose last stride is not 1: one index_put_ per cache, no host sync.
+    B, _, L_new, _ = src.shape
+    pos = seqlens.to(torch.int64).unsqueeze(1) + torch.arange(L_new, device=src.device)
+    rows = torch.arange(B, device=src.device).unsqueeze(1)
+    dst.transpose(1, 2)[rows, pos] = src.transpose(1, 2)
+
+
+def attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale: float,
+                                allow_tf32: bool, *, num_splits=None):
+    """Returns out (B, H, L_new, Dv), contiguous, q's dtype.  Writes k_new / v_new (when given)
+    into the caches in place at positions cache_seqlens[b] + t."""
+    assert q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4, "q and caches must be 4-D"
+    B, H, L_new, D = q.shape
+    Bk, Hkv, L_max, Dk = k_cache.shape
+    Dv = v_cache.shape[3]
+    assert Bk == B and Dk == D and tuple(v_cache.shape[:3]) == (B, Hkv, L_max), "cache shapes"
+    assert Hkv >= 1 and H % Hkv == 0, "Hkv must divide H"
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and caches must share a dtype"
+    assert 1 <= D <= 256 and 1 <= Dv <= 256, "head dims must be in 1..256"
+    assert tuple(cache_seqlens.shape) == (B,) and cache_seqlens.dtype == torch.int32
+    assert (k_new is None) == (v_new is None), "k_new and v_new go together"
+    for t in (k_cache, v_cache, cache_seqlens):
+        assert t.device == q.device, "all tensors must be on q's device"
+    seqlens = cache_seqlens.contiguous()
+    has_new = k_new is not None
+    out = torch.empty((B, H, L_new, Dv), dtype=q.dtype, device=q.device)
+
+    with _device_guard(q):
+        # 1. Append the new keys / values.
+        if has_new:
+            assert tuple(k_new.shape) == (B, Hkv, L_new, D) and tuple(v_new.shape) == (B, Hkv, L_new, Dv)
+            assert k_new.dtype == q.dtype and v_new.dtype == q.dtype
+            assert k_new.device == q.device and v_new.device == q.device
+            if L_new > 0 and B * Hkv > 0:
+                k_new, v_new = _unit_last(k_new), _unit_last(v_new)
+                for src, dst in ((k_new, k_cache), (v_new, v_cache)):
+                    if dst.stride(-1) == 1:
+                        _append(src, dst, seqlens)
+                    else:
+                        _torch_append(src, dst, seqlens)
+        if out.numel() == 0:
+            return out
+        if L_max == 0:
+            return out.zero_()
+        q = _unit_last(q)
+        k_cache = _unit_last(k_cache)  # a copy only for the slow last-stride != 1 case
+        v_cache = _unit_last(v_cache)
+
+        # 2. Attention.
+        group = H // Hkv
+        m_total = L_new * group
+        block_d = max(16, triton.next_power_of_2(D))
+        block_dv = max(16, triton.next_power_of_2(Dv))
+        ieee = q.dtype == torch.float32 and not allow_tf32
+        bm, bn, warps, stages = _config(m_total, block_d, block_dv, q.dtype, ieee)
+        programs = B * Hkv * triton.cdiv(m_total, bm)
+        n_blocks = triton.cdiv(L_max, bn)
+        if num_splits is None:
+            nsplit = num_splits_heuristic(programs, _slots(q.device), n_blocks)
+        else:
+            nsplit = max(1, min(int(num_splits), MAX_SPLITS))
+        split = nsplit > 1
+        off64 = FORCE_OFF64 or max(_span(k_cache, 2), _span(v_cache, 2)) >= 2**31 - 1
+        if split:
+            op = torch.empty((nsplit, B, H, L_new, Dv), dtype=torch.float32, device=q.device)
+            lsep = torch.empty((nsplit, B, H, L_new), dtype=torch.float32, device=q.device)
+            op_strides = op.stride()[:4]
+            lse_strides = lsep.stride()[:3]
+        else:
+            op, lsep = out, out  # unused
+            op_strides, lse_strides = (0, 0, 0, 0), (0, 0, 0)
+        _decode_fwd_kernel[(programs, nsplit)](
+            q, k_cache, v_cache, out, op, lsep, seqlens,
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
+            *op_strides, *lse_strides,
+            Hkv, group, L_new, L_max, L_new if has_new else 0, nsplit, float(scale) * LOG2E,
+            HEAD_DIM=D, BLOCK_D=block_d, HEAD_DV=Dv, BLOCK_DV=block_dv, SPLIT=split,
+            DOT_FP32=_INTERPRET and q.dtype == torch.bfloat16,
+            IEEE=ieee, OFF64=off64, INTERPRET=_INTERPRET,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+        )
+        if split:
+            block_t = min(16, triton.next_power_of_2(L_new))
+            block_s = max(2, triton.next_power_of_2(nsplit))
+            _decode_combine_kernel[(B * H * triton.cdiv(L_new, block_t),)](
+                op, lsep, out, *op_strides, *lse_strides, *out.stride()[:3],
+                H, L_new, nsplit,
+                HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_T=block_t, BLOCK_S=block_s,
+                INTERPRET=_INTERPRET, num_warps=4,
+            )
+    return out
