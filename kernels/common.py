@@ -30,3 +30,18 @@ def cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     else:
         y = x.to(dtype)
     return y
+
+
+@triton.jit
+def imin(a, b):
+    """min of two int32 scalars by arithmetic only: usable in loop bounds on Triton 3.6, which
+    rejects loop bounds computed with tl.minimum / tl.maximum."""
+    d = a - b
+    return b + (d & (d >> 31))
+
+
+@triton.jit
+def imax(a, b):
+    """max of two int32 scalars by arithmetic only (see imin)."""
+    d = a - b
+    return a - (d & (d >> 31))

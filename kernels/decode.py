@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, is_interpreting
+from transformer_fast.kernels.common import cast_out, imax, imin, is_interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -78,20 +78,6 @@ MAX_SPLITS = 128
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers
-
-
-@triton.jit
-def _imin(a, b):
-    # min / max of two int32 scalars by arithmetic only: usable in loop bounds on Triton 3.6,
-    # which rejects loop bounds computed with tl.minimum / tl.maximum.
-    d = a - b
-    return b + (d & (d >> 31))
-
-
-@triton.jit
-def _imax(a, b):
-    d = a - b
-    return a - (d & (d >> 31))
 
 
 @triton.jit
@@ -220,25 +206,25 @@ def _decode_fwd_kernel(
     q = tl.load(q_ptrs, mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
 
     # Key ranges of this tile (all int32 scalars, clamped into [0, L_max]).
-    n_keys = _imin(_imax(tl.load(SEQLENS + b) + N_EXTRA, 0), L_max)
+    n_keys = imin(imax(tl.load(SEQLENS + b) + N_EXTRA, 0), L_max)
     base = n_keys - L_new  # query t sees keys j <= base + t
     last_vis = base + t
     t_first = m0 // GROUP
-    t_last = (_imin(m0 + BLOCK_M, m_total) - 1) // GROUP
-    hi_keys = _imax(_imin(base + t_last + 1, n_keys), 0)  # keys [0, hi_keys) are loaded
-    full_keys = _imax(_imin(base + t_first + 1, n_keys), 0)  # seen by every row of the tile
+    t_last = (imin(m0 + BLOCK_M, m_total) - 1) // GROUP
+    hi_keys = imax(imin(base + t_last + 1, n_keys), 0)  # keys [0, hi_keys) are loaded
+    full_keys = imax(imin(base + t_first + 1, n_keys), 0)  # seen by every row of the tile
     n_blk = tl.cdiv(hi_keys, BLOCK_N)
     full_blk = full_keys // BLOCK_N
     if SPLIT:
         per = tl.cdiv(n_blk, NUM_SPLITS)
         lo = split * per
-        hi = _imin(lo + per, n_blk)
+        hi = imin(lo + per, n_blk)
     else:
         lo = 0
         hi = n_blk
     # [lo, mid) needs no mask; [mid2, hi) is masked (empty ranges run no iteration).
-    mid = _imin(hi, full_blk)
-    mid2 = _imax(lo, full_blk)
+    mid = imin(hi, full_blk)
+    mid2 = imax(lo, full_blk)
 
     Kh = K + b64 * skb + hk64 * skh
     Vh = V + b64 * svb + hk64 * svh

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from transformer_fast.kernels.common import cast_out, is_interpreting
-from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng
+from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
 
 # Largest row kept whole in registers (elements, a power of two), forward / backward.
 FWD_MAX_FUSED = 16384
@@ -85,18 +85,6 @@ def _load_h(X, R, rows64, cols, mask, N, stride_xm, stride_rm,
     return h
 
 
-@triton.jit
-def _rng_words(RNG, HAS_DROPOUT: tl.constexpr):
-    if HAS_DROPOUT:
-        seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)
-    else:
-        seed_lo = 0
-        seed_hi = 0
-        off_lo = 0
-        off_hi = 0
-    return seed_lo, seed_hi, off_lo, off_hi
-
-
 # ---------------------------------------------------------------------------------------------
 # Forward
 
@@ -111,7 +99,7 @@ def _fwd_stats_kernel(
     (Welford per chunk, merged with Chan's formula: no catastrophic cancellation)."""
     rows = tl.program_id(0) + tl.arange(0, 1)
     rows64 = rows.to(tl.int64)[:, None]
-    seed_lo, seed_hi, off_lo, off_hi = _rng_words(RNG, HAS_DROPOUT)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
     mean = tl.zeros([1], dtype=tl.float32)
     m2 = tl.zeros([1], dtype=tl.float32)
     count = tl.zeros([1], dtype=tl.float32)
@@ -156,7 +144,7 @@ def _fwd_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     cols = cols1[None, :]
-    seed_lo, seed_hi, off_lo, off_hi = _rng_words(RNG, HAS_DROPOUT)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
     h = _load_h(X, R, rows64, cols, mask, N, stride_xm, stride_rm,
                 seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, HAS_DROPOUT)
     if COMPUTE_STATS:
@@ -196,7 +184,7 @@ def _bwd_stats_kernel(
     g = dy * weight."""
     rows = tl.program_id(0) + tl.arange(0, 1)
     rows64 = rows.to(tl.int64)[:, None]
-    seed_lo, seed_hi, off_lo, off_hi = _rng_words(RNG, HAS_DROPOUT)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
     mean = tl.load(MEAN + rows)
     rstd = tl.load(RSTD + rows)
     acc1 = tl.zeros([1, BLOCK_N], dtype=tl.float32)
@@ -235,7 +223,7 @@ def _bwd_kernel(
     cols1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols1 < N
     cols = cols1[None, :]
-    seed_lo, seed_hi, off_lo, off_hi = _rng_words(RNG, HAS_DROPOUT)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
     if HAS_W:
         w = tl.load(W + cols1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, is_interpreting
-from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng
+from transformer_fast.kernels.common import cast_out, imin, is_interpreting
+from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng, load_rng_if
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -80,26 +80,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers
-
-
-@triton.jit
-def _imin(a, b):
-    # min of two non-negative int32 scalars by arithmetic only: usable as a loop bound on
-    # Triton 3.6, which rejects loop bounds computed with tl.minimum.
-    d = a - b
-    return b + (d & (d >> 31))
-
-
-@triton.jit
-def _rng_words(RNG, HAS_DROPOUT: tl.constexpr):
-    if HAS_DROPOUT:
-        seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)
-    else:
-        seed_lo = 0
-        seed_hi = 0
-        off_lo = 0
-        off_hi = 0
-    return seed_lo, seed_hi, off_lo, off_hi
 
 
 @triton.jit
@@ -210,9 +190,9 @@ def _fwd_stats_kernel(
                                    MASK_KIND, ALIGN_S, ALIGN_A)
     qi = row % Lq  # a scalar: usable in the loop bound
     lo = split * span
-    hi = _imin(lo + span, Lk)
+    hi = imin(lo + span, Lk)
     if CAUSAL:
-        hi = _imin(hi, qi + 1)  # keys past the diagonal: not even visited
+        hi = imin(hi, qi + 1)  # keys past the diagonal: not even visited
     m_i = tl.full([1], float("-inf"), tl.float32)
     l_i = tl.zeros([1], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
@@ -295,7 +275,7 @@ def _bwd_fused_kernel(
     do_off = tl.multiple_of(_row_offset(rows, H, Lq, s_db, s_dh, s_dm), ALIGN_D)[:, None]
     p_off = tl.multiple_of(_row_offset(rows, H, Lq, s_pb, s_ph, s_pm), ALIGN_P)[:, None]
     out_off = tl.multiple_of(rows.to(tl.int64) * Lk, ALIGN_O)[:, None] + cols
-    seed_lo, seed_hi, off_lo, off_hi = _rng_words(RNG, HAS_DROPOUT)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
     p, g = _load_p_dp(P, DO, p_off, do_off, out_off, cols, ok,
                       seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, HAS_DROPOUT)
     delta = tl.sum(g * p, axis=1)
@@ -316,9 +296,9 @@ def _bwd_stats_kernel(
     nsplit = tl.num_programs(1)
     do_off, p_off = _row_offsets_1(row, H, Lq, s_db, s_dh, s_dm, s_pb, s_ph, s_pm, 1, ALIGN_D, ALIGN_P)
     row_out = _out_row_1(row, Lk, ALIGN_O)
-    seed_lo, seed_hi, off_lo, off_hi = _rng_words(RNG, HAS_DROPOUT)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
     lo = split * span
-    hi = _imin(lo + span, Lk)
+    hi = imin(lo + span, Lk)
     acc = tl.zeros([1, BLOCK_N], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         cols = (start + tl.arange(0, BLOCK_N))[None, :]
@@ -345,7 +325,7 @@ def _bwd_apply_kernel(
     cols = (chunk * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
     ok = cols < Lk
     out_off = _out_row_1(row, Lk, ALIGN_O) + cols
-    seed_lo, seed_hi, off_lo, off_hi = _rng_words(RNG, HAS_DROPOUT)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
     p, g = _load_p_dp(P, DO, p_off, do_off, out_off, cols, ok,
                       seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, HAS_DROPOUT)
     ds = scale * (p * (g - delta))

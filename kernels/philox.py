@@ -51,6 +51,19 @@ def load_rng(RNG):
 
 
 @triton.jit
+def load_rng_if(RNG, HAS_DROPOUT: tl.constexpr):
+    """load_rng when the kernel drops, else zeros (RNG may then be a dummy pointer)."""
+    if HAS_DROPOUT:
+        seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)
+    else:
+        seed_lo = 0
+        seed_hi = 0
+        off_lo = 0
+        off_hi = 0
+    return seed_lo, seed_hi, off_lo, off_hi
+
+
+@triton.jit
 def philox_word_u32(seed_lo, seed_hi, c0, c1, off_lo, off_hi):
     """Philox4x32-10 first output word for counters (c0, c1, off_lo, off_hi), key (seed_lo, seed_hi).
     c0/c1 are uint32 tensors (lo/hi halves of the element index); the rest uint32 scalars."""
