@@ -23,12 +23,43 @@ def layer_norm_cases(backend, device):
                 yield f"add_layer_norm {dtype} {m}x{n}", outs + (x.grad, r.grad)
 
 
+def attention_cases(backend, device):
+    """Odd shapes for the attention kernels (skipped by backends that do not implement them)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        for b, h, hkv, lq, lk, d in ((1, 2, 1, 1, 1, 16), (2, 4, 2, 7, 33, 80), (1, 2, 2, 129, 67, 256)):
+            q = torch.randn(b, h, lq, d, device=device, dtype=dtype, requires_grad=True)
+            k = torch.randn(b, hkv, lk, d, device=device, dtype=dtype, requires_grad=True)
+            v = torch.randn(b, hkv, lk, d, device=device, dtype=dtype, requires_grad=True)
+            pad = torch.rand(b, lk, device=device) < 0.3
+            out = F.scaled_dot_product_attention(q, k, v, None, 0.1, True, enable_gqa=h != hkv,
+                                                 key_padding_mask=pad, backend=backend)
+            out.backward(torch.randn_like(out))
+            yield f"sdpa {dtype} {b}x{h}x{hkv}x{lq}x{lk}x{d}", (out, q.grad, k.grad, v.grad)
+            scores = torch.randn(b, h, lq, lk, device=device, dtype=dtype, requires_grad=True)
+            probs = F.masked_softmax(scores, pad[:, None, None, :].logical_not(), is_causal=True,
+                                     dropout_p=0.1, backend=backend)
+            probs.backward(torch.randn_like(probs))
+            yield f"masked_softmax {dtype} {b}x{h}x{lq}x{lk}", (probs, scores.grad)
+            with torch.no_grad():
+                l_max = lk + 5
+                kc = torch.randn(b, hkv, l_max, d, device=device, dtype=dtype)
+                vc = torch.randn_like(kc)
+                lens = torch.randint(0, l_max - 2, (b,), device=device, dtype=torch.int32)
+                kn = torch.randn(b, hkv, 2, d, device=device, dtype=dtype)
+                q_new = torch.randn(b, h, 2, d, device=device, dtype=dtype)
+                out = F.attention_with_kv_cache(q_new, kc, vc, lens, kn, torch.randn_like(kn), backend=backend)
+            yield f"kv_cache {dtype} {b}x{h}x{hkv}x{l_max}x{d}", (out,)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="cuda")
     args = parser.parse_args()
     bad = 0
-    for name, tensors in layer_norm_cases(args.backend, "cuda"):
+    cases = [layer_norm_cases(args.backend, "cuda")]
+    if args.backend == "triton":
+        cases.append(attention_cases(args.backend, "cuda"))
+    for name, tensors in (case for group in cases for case in group):
         torch.cuda.synchronize()
         if not all(torch.isfinite(t).all() for t in tensors if t is not None):
             print(f"non-finite result: {args.backend} {name}")
