@@ -54,13 +54,15 @@ def attention_cases(backend, device):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="cuda")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run (triton under TRITON_INTERPRET=1)")
     args = parser.parse_args()
     bad = 0
-    cases = [layer_norm_cases(args.backend, "cuda")]
+    cases = [layer_norm_cases(args.backend, args.device)]
     if args.backend == "triton":
-        cases.append(attention_cases(args.backend, "cuda"))
+        cases.append(attention_cases(args.backend, args.device))
     for name, tensors in (case for group in cases for case in group):
-        torch.cuda.synchronize()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         if not all(torch.isfinite(t).all() for t in tensors if t is not None):
             print(f"non-finite result: {args.backend} {name}")
             bad += 1
