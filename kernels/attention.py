@@ -21,10 +21,10 @@ Contract (the ``triton`` backend of scaled_dot_product_attention builds on it):
   stream of transformer_fast.philox, via kernels/philox.py; rng = int64 [seed, offset] on the
   device, read in-kernel, None when dropout_p == 0) and scales kept elements by 1/(1-p);
   out = dropout(p) @ v.
-* out (B, H, Lq, D) contiguous, q's dtype.  lse (B, H, Lq) fp32 in BASE 2 and in the log2-scaled
-  domain: lse[b,h,i] = log2(sum_j 2^(s_ij * log2(e))) = logsumexp_j(s_ij) * log2(e); multiply by
-  ln(2) for the natural-log logsumexp.  A row with nothing to attend to has lse = -inf and output
-  0; backward gives it zero gradient (its probabilities are recomputed as exactly 0).
+* out (B, H, Lq, D) contiguous, q's dtype.  lse (B, H, Lq) fp32, the NATURAL-log logsumexp of
+  the scaled scores: lse[b,h,i] = log(sum_j exp(s_ij)) (as torch's own SDPA kernels return it).
+  A row with nothing to attend to has lse = -inf and output 0; backward gives it zero gradient
+  (its probabilities are recomputed as exactly 0).
 * dq, dk, dv: contiguous with the shapes (and dtypes) of q, k, v.  Backward is deterministic (no
   atomics): delta = rowsum(do * out) in a small kernel; one kernel over key blocks computes dk, dv
   (looping over the query heads of its GQA group; when that leaves too few programs for the GPU,
@@ -38,6 +38,19 @@ in the dk/dv kernel.  (Blocks of padding strictly inside a row's valid range are
 Tiles that need no masking at all (full blocks before the causal diagonal, no attn_mask / padding
 mask) run a loop without any mask code; the causal diagonal and the ragged last block run a
 second, masked loop.  Masks are loaded only when present (constexpr flags).
+
+Numerics.  Exact fp32 (fp32 inputs without tf32: PRECISE, where the oracle bound is tightest):
+the head-dim contractions (q.k, do.v) are batched dots over 32-wide chunks of D whose partial sums
+are added afterwards, and each block's p@v / ds@k / ... product is summed on its own before it is
+added to the accumulator (a plain dot accumulates sequentially: the GPU's exact-fp32 FMA dot, and
+numpy's matmul under the interpreter, err ~1.5-2x more than torch's CPU matmul for D = 256, which
+made 14% of fresh draws fail the oracle on grad q/k/v); scores stay in natural units and
+exponentials are exp2((s - m) * log2(e)) (difference first); delta accumulates in fp64.  fp16 /
+bf16 (and tf32) keep FlashAttention-2 arithmetic (log2(e) folded into the scale, one FMA per score
+when compiled): their error is dominated by the fp16 / bf16 roundings.  Values rounded to the
+input dtype (the stores of out, dq, dk, dv; p and ds as dot operands) go through
+kernels/common.py's ``cast_out``: round to nearest even under the interpreter too (its fp32 ->
+bf16 cast truncates, which biased bf16 results by up to 1 ulp), so the interpreter models the GPU.
 
 Configuration: on a GPU a small autotuned list per head-dim class (BLOCK_M 128 x BLOCK_N 64 and
 neighbours for the forward, num_warps 4-8, num_stages 2-4); under TRITON_INTERPRET=1 one fixed
@@ -53,9 +66,11 @@ import torch
 import triton
 import triton.language as tl
 
+from transformer_fast.kernels.common import cast_out
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -66,6 +81,13 @@ INTERPRETER_CONFIG = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 # Tests may force the GQA split of the dk/dv kernel (None: heuristic) and the int64 offsets path.
 FORCE_GQA_SPLIT = None
 FORCE_OFF64 = False
+# Tests may force the arithmetic: True = PRECISE (natural-unit scores, the max / lse subtracted
+# before the conversion to base 2, head-dim contractions in chunks, per-block products summed
+# before accumulation), False = FlashAttention-2 style; None: PRECISE for exact fp32 (fp32 inputs
+# without tf32), whose oracle bound is tight.
+FORCE_PRECISE = None
+# Head-dim chunk of the PRECISE contractions over D (see _dot_hd).
+PRECISE_DCHUNK = 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,19 +115,74 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _dot_hd(a, b, M: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr, DCHUNK: tl.constexpr,
+            DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """a (M, BLOCK_D) @ b (BLOCK_D, N) -> fp32 (M, N), a contraction over the head dim.  With
+    DCHUNK < BLOCK_D (PRECISE): a batched dot over BLOCK_D / DCHUNK chunks of the head dim, whose
+    partial sums are added afterwards.  A dot accumulates sequentially along its inner dimension
+    (the FMA dot of exact fp32 on the GPU; numpy's matmul under the interpreter): for D = 256 its
+    rounding error is ~1.5-2x that of torch's CPU matmul and dominated the oracle failures."""
+    if DCHUNK < BLOCK_D:
+        NC: tl.constexpr = BLOCK_D // DCHUNK
+        a3 = tl.permute(tl.reshape(a, [M, NC, DCHUNK]), (1, 0, 2))
+        b3 = tl.reshape(b, [NC, DCHUNK, N])
+        c3 = _dot(a3, b3, tl.zeros([NC, M, N], dtype=tl.float32), DOT_FP32, IEEE)
+        return tl.sum(c3, 0)
+    else:
+        return _dot(a, b, tl.zeros([M, N], dtype=tl.float32), DOT_FP32, IEEE)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, PRECISE: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b.  PRECISE: the block's product is summed on its own and then added (two-level
+    summation over the sequence; a dot chained through ``acc`` accumulates the whole sequence
+    sequentially)."""
+    if PRECISE:
+        return acc + _dot(a, b, tl.zeros_like(acc), DOT_FP32, IEEE)
+    else:
+        return _dot(a, b, acc, DOT_FP32, IEEE)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    # x.to(dtype), rounding to nearest even also under the interpreter (whose fp32 -> bf16 cast
+    # truncates), so that what the interpreter computes models the GPU.
+    return cast_out(x, dtype, INTERPRET)
+
+
+@triton.jit
+def _exp_sub(s, m, PRECISE: tl.constexpr):
+    """exp(s - m) for scores and a row max / logsumexp ``m`` in the kernel's units.
+
+    PRECISE (fp32 inputs): natural units; the difference is taken first, then converted to base
+    2, so the large terms cancel before any rounding: for the dominant probabilities
+    |s - m| is small and so is the error of exp2((s - m) * log2(e)).  Otherwise (fp16 / bf16,
+    FlashAttention-2 style) s and m are already in the log2 domain (log2(e) folded into the
+    scale): one subtraction, or a single FMA with the scaling when compiled."""
+    if PRECISE:
+        return tl.exp2((s - m) * 1.4426950408889634)
+    else:
+        return tl.exp2(s - m)
+
+
+@triton.jit
 def _mask_scores(s, om, on, Lq, Lk, AMh, s_amm, s_amn, KPMb, s_kpn,
                  BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
-                 MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, OFF64: tl.constexpr):
-    """Apply the masks to scores ``s`` (log2 domain).  ``om`` / ``on`` are the query / key indices
+                 MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, OFF64: tl.constexpr,
+                 PRECISE: tl.constexpr):
+    """Apply the masks to scores ``s`` (natural units if PRECISE, else log2 domain).  ``om`` / ``on`` are the query / key indices
     broadcastable to s's shape (either orientation: (M,1)/(1,N) or (1,M)/(N,1))."""
     if MASK_KIND != 0:
         if OFF64:
             am_ptrs = AMh + om.to(tl.int64) * s_amm + on.to(tl.int64) * s_amn
         else:
             am_ptrs = AMh + om * s_amm + on * s_amn
-    if MASK_KIND == 2:  # float, added (scaled into the log2 domain)
+    if MASK_KIND == 2:  # float, added (scaled into the log2 domain unless PRECISE)
         am = tl.load(am_ptrs, mask=(om < Lq) & (on < Lk), other=0.0)
-        s = s + am.to(tl.float32) * 1.4426950408889634
+        if PRECISE:
+            s = s + am.to(tl.float32)
+        else:
+            s = s + am.to(tl.float32) * 1.4426950408889634
     if MASK_KIND == 1:  # bool (as uint8), True = takes part
         am = tl.load(am_ptrs, mask=(om < Lq) & (on < Lk), other=0)
         s = tl.where(am != 0, s, float("-inf"))
@@ -130,7 +207,8 @@ def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_sc
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-               DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr):
+               DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_nb = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -150,18 +228,18 @@ def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_sc
             kT = tl.load(kt_ptrs)
         else:
             kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-        s = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
+        s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
         s = s * qk_scale
         if DIAG or (MASK_KIND != 0) or HAS_KPM:
             s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
-                             KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64)
+                             KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64, PRECISE)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
+        p = _exp_sub(s, m_use[:, None], PRECISE)
+        alpha = _exp_sub(m_i, m_use, PRECISE)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
@@ -174,7 +252,7 @@ def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_sc
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        acc = _dot(p.to(v.dtype), v, acc, DOT_FP32, IEEE)
+        acc = _dot_acc(_cast(p, v.dtype, INTERPRET), v, acc, PRECISE, DOT_FP32, IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -189,6 +267,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -247,27 +326,32 @@ def _attn_fwd_kernel(
                                    qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
     else:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, 0, full, Lq, Lk,
                                    qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk,
                                    qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (1.0 / l_safe)[:, None]
     if HAS_DROPOUT:
         out = out * drop_scale
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+    # lse in natural units (the logsumexp of the scaled scores).
+    if PRECISE:
+        lse = m_i + tl.log(l_safe)
+    else:
+        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+    lse = tl.where(empty, float("-inf"), lse)
     o_ptrs = O + b64 * sob + h64 * soh + offs_m[:, None].to(tl.int64) * som + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptrs, _cast(out, O.dtype.element_ty, INTERPRET), mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + row_base + offs_m, lse, mask=m_ok)
 
 
@@ -277,7 +361,8 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _attn_bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, H, Lq,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                           PRECISE: tl.constexpr):
     pid = tl.program_id(0)
     n_mb = tl.cdiv(Lq, BLOCK_M)
     bh = pid // n_mb
@@ -290,15 +375,21 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, H, Lq,
     rows = offs_m[:, None].to(tl.int64)
     o = tl.load(O + b64 * sob + h64 * soh + rows * som + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b64 * sdob + h64 * sdoh + rows * sdom + offs_d[None, :], mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if PRECISE:  # fp64 accumulation (a memory-bound kernel): only out's rounding remains
+        delta = tl.sum(o.to(tl.float64) * do.to(tl.float64), 1).to(tl.float32)
+    else:
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
 
 
 @triton.jit
-def _load_lse(LSEh, offs, ok):
+def _load_lse(LSEh, offs, ok, PRECISE: tl.constexpr):
+    # The stored (natural-log) lse in the kernel's units: natural if PRECISE, else log2 domain.
     # Rows with nothing to attend to (lse = -inf) and rows past Lq get +inf, so that their
-    # recomputed probabilities exp2(s - lse) are exactly 0.
+    # recomputed probabilities exp(s - lse) are exactly 0.
     lse = tl.load(LSEh + offs, mask=ok, other=float("-inf"))
+    if not PRECISE:
+        lse = lse * 1.4426950408889634
     return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
@@ -309,7 +400,8 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n, lo, hi, 
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr):
+                DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_mb = tl.arange(0, BLOCK_M)
     d_ok = offs_d < HEAD_DIM
@@ -326,28 +418,28 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n, lo, hi, 
             do_ptrs = DOh + offs_m[:, None] * sdom + offs_d[None, :]
         qT = tl.load(qT_ptrs, mask=m_ok[None, :] & d_ok[:, None], other=0.0)
         do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        lse = _load_lse(LSEh, offs_m, m_ok)
+        lse = _load_lse(LSEh, offs_m, m_ok, PRECISE)
         Di = tl.load(DELTAh + offs_m, mask=m_ok, other=0.0)
-        sT = _dot(k, qT, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_FP32, IEEE)
+        sT = _dot_hd(k, qT, BLOCK_N, BLOCK_M, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
         sT = sT * qk_scale
         if DIAG or (MASK_KIND != 0) or HAS_KPM:
             # No bounds mask: rows past Lq have lse = +inf (p = 0); columns past Lk only feed
             # rows of dk/dv that are not stored.
             sT = _mask_scores(sT, offs_m[None, :], offs_n[:, None], Lq, Lk, AMh, s_amm, s_amn,
-                              KPMb, s_kpn, False, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64)
-        pT = tl.exp2(sT - lse[None, :])
+                              KPMb, s_kpn, False, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64, PRECISE)
+        pT = _exp_sub(sT, lse[None, :], PRECISE)
         if HAS_DROPOUT:
             idx = (row_base + offs_m[None, :].to(tl.int64)) * Lk + offs_n[:, None]
             keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
             pdT = tl.where(keep, pT * drop_scale, 0.0)
         else:
             pdT = pT
-        dv = _dot(pdT.to(do.dtype), do, dv, DOT_FP32, IEEE)
-        dpT = _dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_FP32, IEEE)
+        dv = _dot_acc(_cast(pdT, do.dtype, INTERPRET), do, dv, PRECISE, DOT_FP32, IEEE)
+        dpT = _dot_hd(v, tl.trans(do), BLOCK_N, BLOCK_M, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
         if HAS_DROPOUT:
             dpT = tl.where(keep, dpT * drop_scale, 0.0)
         dsT = pT * (dpT - Di[None, :])
-        dk = _dot(dsT.to(qT.dtype), tl.trans(qT), dk, DOT_FP32, IEEE)
+        dk = _dot_acc(_cast(dsT, qT.dtype, INTERPRET), tl.trans(qT), dk, PRECISE, DOT_FP32, IEEE)
     return dk, dv
 
 
@@ -362,6 +454,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -429,18 +522,18 @@ def _attn_bwd_dkdv_kernel(
                                  diag_lo, full_lo, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                  seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                                  HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                 HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+                                 HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
         dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n,
                              full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
 
     split64 = split.to(tl.int64)
     dk_ptrs = DK + split64 * sdks + b64 * sdkb + hk64 * sdkh + rows_n * sdkn + offs_d[None, :]
     dv_ptrs = DV + split64 * sdvs + b64 * sdvb + hk64 * sdvh + rows_n * sdvn + offs_d[None, :]
-    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=nd_mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=nd_mask)
+    tl.store(dk_ptrs, _cast(dk * scale, DK.dtype.element_ty, INTERPRET), mask=nd_mask)
+    tl.store(dv_ptrs, _cast(dv, DV.dtype.element_ty, INTERPRET), mask=nd_mask)
 
 
 @triton.jit
@@ -450,7 +543,8 @@ def _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_s
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
               MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr):
+              DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_nb = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -474,19 +568,19 @@ def _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_s
         else:
             kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
             vT = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
-        s = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
+        s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
         s = s * qk_scale
         if DIAG or (MASK_KIND != 0) or HAS_KPM:
             s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
-                             KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64)
-        p = tl.exp2(s - lse[:, None])
-        dp = _dot(do, vT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
+                             KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64, PRECISE)
+        p = _exp_sub(s, lse[:, None], PRECISE)
+        dp = _dot_hd(do, vT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
         if HAS_DROPOUT:
             idx = (row_base + offs_m[:, None].to(tl.int64)) * Lk + offs_n[None, :]
             keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - Di[:, None])
-        dq = _dot(ds.to(kT.dtype), tl.trans(kT), dq, DOT_FP32, IEEE)
+        dq = _dot_acc(_cast(ds, kT.dtype, INTERPRET), tl.trans(kT), dq, PRECISE, DOT_FP32, IEEE)
     return dq
 
 
@@ -500,6 +594,7 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -522,7 +617,7 @@ def _attn_bwd_dq_kernel(
     q = tl.load(Q + b64 * sqb + h64 * sqh + rows * sqm + offs_d[None, :], mask=md_mask, other=0.0)
     do = tl.load(DO + b64 * sdob + h64 * sdoh + rows * sdom + offs_d[None, :], mask=md_mask, other=0.0)
     row_base = (b64 * H + h64) * Lq
-    lse = _load_lse(LSE + row_base, offs_m, m_ok)
+    lse = _load_lse(LSE + row_base, offs_m, m_ok, PRECISE)
     Di = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
 
     Kh = K + b64 * skb + hk64 * skh
@@ -556,21 +651,21 @@ def _attn_bwd_dq_kernel(
                        AMh, s_amm, s_amn, KPMb, s_kpn,
                        seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
     else:
         dq = _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, 0, full, Lq, Lk, qk_scale,
                        AMh, s_amm, s_amn, KPMb, s_kpn,
                        seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
         dq = _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk, qk_scale,
                        AMh, s_amm, s_amn, KPMb, s_kpn,
                        seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64)
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
 
     dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + rows * sdqm + offs_d[None, :]
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=md_mask)
+    tl.store(dq_ptrs, _cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=md_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,7 +765,7 @@ def _prune_dq(configs, nargs, **kwargs):
 
 
 _TUNE_KEY = ["LQ_KEY", "LK_KEY", "HEAD_DIM", "IS_CAUSAL", "MASK_KIND", "HAS_KPM", "HAS_DROPOUT", "IEEE",
-             "OFF64"]
+             "OFF64", "PRECISE"]
 
 if _INTERPRET:
     _fwd = _attn_fwd_kernel
@@ -736,9 +831,12 @@ class _Common:
         self.group = H // Hkv
         self.block_d = max(16, triton.next_power_of_2(D))
         self.scale = float(scale)
-        self.qk_scale = float(scale) * LOG2E
-        self.is_causal = bool(is_causal)
         self.ieee = q.dtype == torch.float32 and not allow_tf32
+        self.precise = self.ieee if FORCE_PRECISE is None else bool(FORCE_PRECISE)
+        self.dchunk = min(PRECISE_DCHUNK, self.block_d) if self.precise else self.block_d
+        # Scores in the kernels: natural units when precise, else log2(e) folded into the scale.
+        self.qk_scale = float(scale) if self.precise else float(scale) * LOG2E
+        self.is_causal = bool(is_causal)
         self.dot_fp32 = _INTERPRET and q.dtype == torch.bfloat16
         dummy = q
 
@@ -804,13 +902,14 @@ class _Common:
         return dict(HEAD_DIM=self.D, BLOCK_D=self.block_d, IS_CAUSAL=self.is_causal,
                     MASK_KIND=self.mask_kind, HAS_KPM=self.has_kpm, HAS_DROPOUT=self.has_dropout,
                     DOT_FP32=self.dot_fp32, IEEE=self.ieee,
-                    OFF64=FORCE_OFF64 or self.max_offset >= 2**31 - 1)
+                    OFF64=FORCE_OFF64 or self.max_offset >= 2**31 - 1,
+                    PRECISE=self.precise, DCHUNK=self.dchunk, INTERPRET=_INTERPRET)
 
 
 def attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal: bool, scale: float,
                   dropout_p: float, rng, allow_tf32: bool):
-    """Returns ``(out, lse)``: out (B, H, Lq, D) contiguous in q's dtype, lse (B, H, Lq) fp32 in
-    base 2 (logsumexp of the scaled scores times log2(e); -inf for rows with no key)."""
+    """Returns ``(out, lse)``: out (B, H, Lq, D) contiguous in q's dtype, lse (B, H, Lq) fp32, the
+    natural-log logsumexp of the scaled scores (-inf for rows with no key)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     c = _Common(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32)
     B, H, Lq, D = q.shape
@@ -878,7 +977,7 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
         bm_delta = 64 if c.block_d <= 128 else 32
         _attn_bwd_delta_kernel[(triton.cdiv(Lq, bm_delta) * B * H,)](
             out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Lq,
-            HEAD_DIM=D, BLOCK_D=c.block_d, BLOCK_M=bm_delta, num_warps=4,
+            HEAD_DIM=D, BLOCK_D=c.block_d, BLOCK_M=bm_delta, PRECISE=c.precise, num_warps=4,
         )
 
         nsplit = _gqa_split(c, q.device)
