@@ -350,7 +350,7 @@ void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double d
 template <typename T>
 void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tensor& r, Params p,
                 const Tensor& mean, const Tensor& rstd, double dropout_p, const int64_t* rng,
-                Tensor* dx, Tensor& dres, float* dw_part, float* db_part, int64_t groups) {
+                Tensor* dx, Tensor& dres, double* dw_part, double* db_part, int64_t groups) {
   const int64_t M = x.size(0), N = x.size(1);
   const int64_t sx = x.stride(0), sr = r.stride(0), sdy = dy.stride(0);
   const int64_t sdh = dh ? dh->stride(0) : 0;
@@ -383,10 +383,10 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
     float* mbuf = dybuf + N;     // dropout factors
     (void)reduced;
     for (int64_t g = gbegin; g < gend; ++g) {
-      float* dwp = dw_part ? dw_part + g * N : nullptr;
-      float* dbp = db_part ? db_part + g * N : nullptr;
-      if (dwp) std::fill(dwp, dwp + N, 0.0f);
-      if (dbp) std::fill(dbp, dbp + N, 0.0f);
+      double* dwp = dw_part ? dw_part + g * N : nullptr;
+      double* dbp = db_part ? db_part + g * N : nullptr;
+      if (dwp) std::fill(dwp, dwp + N, 0.0);
+      if (dbp) std::fill(dbp, dbp + N, 0.0);
       const int64_t rbegin = M * g / groups, rend = M * (g + 1) / groups;
       for (int64_t i = rbegin; i < rend; ++i) {
         const float* xf = row_as_float(xp + i * sx, N, xbuf);
@@ -407,8 +407,6 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
           gv.store(gbuf + j);
           sg = sg + gv;
           sgx = at::vec::fmadd(gv, xh, sgx);
-          if (dwp) at::vec::fmadd(d, xh, Vec::loadu(dwp + j)).store(dwp + j);
-          if (dbp) (Vec::loadu(dbp + j) + d).store(dbp + j);
         }
         float sum_g = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, sg);
         float sum_gx = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, sgx);
@@ -420,8 +418,14 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
           gbuf[j] = gv;
           sum_g += gv;
           sum_gx += gv * xh;
-          if (dwp) dwp[j] += d * xh;
-          if (dbp) dbp[j] += d;
+        }
+        // dweight/dbias partials in double: an fp32 running sum over many rows drifts past
+        // the oracle's bound (measured); the rows are in cache, so this pass is cheap.
+        if (dwp) {
+          for (j = 0; j < N; ++j) dwp[j] += static_cast<double>(dyf[j]) * hbuf[j];
+        }
+        if (dbp) {
+          for (j = 0; j < N; ++j) dbp[j] += dyf[j];
         }
         const float a = sum_g * inv_n, b = sum_gx * inv_n;
         // dsum = rstd * (g - a - xhat * b) (+ dh)
@@ -448,17 +452,18 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
 }
 
 // out[j] = sum_g part[g, j] in a fixed order, written in out's dtype.
-void reduce_partials(const float* part, int64_t groups, int64_t N, Tensor& out) {
+void reduce_partials(const double* part, int64_t groups, int64_t N, Tensor& out) {
   dispatch_dtype(out.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(static_cast<size_t>(end - begin), 0.0f);
+      std::vector<double> acc(static_cast<size_t>(end - begin), 0.0);
       for (int64_t g = 0; g < groups; ++g) {
-        const float* src = part + g * N + begin;
+        const double* src = part + g * N + begin;
         for (int64_t j = 0; j < end - begin; ++j) acc[j] += src[j];
       }
-      at::vec::convert(acc.data(), o + begin, end - begin);
+      std::vector<float> acc32(acc.begin(), acc.end());
+      at::vec::convert(acc32.data(), o + begin, end - begin);
     });
   });
 }
@@ -473,7 +478,7 @@ void run_fwd(const Tensor& x, const Tensor& r, Params p, double eps, double drop
 
 void run_bwd(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tensor& r, Params p,
              const Tensor& mean, const Tensor& rstd, double dropout_p, const int64_t* rng,
-             Tensor* dx, Tensor& dres, float* dw_part, float* db_part, int64_t groups) {
+             Tensor* dx, Tensor& dres, double* dw_part, double* db_part, int64_t groups) {
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     bwd_kernel<decltype(tag)>(dy, dh, x, r, p, mean, rstd, dropout_p, rng, dx, dres, dw_part,
                               db_part, groups);
@@ -561,8 +566,8 @@ Tensor4 add_layer_norm_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& dh
   const int64_t* rngp = rng_c.defined() ? rng_c.const_data_ptr<int64_t>() : nullptr;
   const Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
   const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
-  std::vector<float> dw_part(has(weight) ? static_cast<size_t>(groups * N) : 0);
-  std::vector<float> db_part(has(bias) ? static_cast<size_t>(groups * N) : 0);
+  std::vector<double> dw_part(has(weight) ? static_cast<size_t>(groups * N) : 0);
+  std::vector<double> db_part(has(bias) ? static_cast<size_t>(groups * N) : 0);
   const Tensor* dhp = has(dh) ? &*dh : nullptr;
   run_bwd(dy, dhp, x, residual, p, mean_c, rstd_c, dropout_p, rngp, drop ? &dx : nullptr, dres,
           dw_part.empty() ? nullptr : dw_part.data(), db_part.empty() ? nullptr : db_part.data(),

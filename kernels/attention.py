@@ -66,8 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out
-from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng
+from transformer_fast.kernels.common import cast_out, imin
+from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -92,14 +92,6 @@ PRECISE_DCHUNK = 32
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers
-
-
-@triton.jit
-def _imin(a, b):
-    # min of two non-negative int32 scalars by arithmetic only: usable as a loop bound on
-    # Triton 3.6, which rejects loop bounds computed with tl.minimum.
-    d = a - b
-    return b + (d & (d >> 31))
 
 
 @triton.jit
@@ -298,20 +290,15 @@ def _attn_fwd_kernel(
     if HAS_KPM:
         KPMb = KPM + b64 * s_kpb
     row_base = (b64 * H + h64) * Lq
-    seed_lo = 0
-    seed_hi = 0
-    off_lo = 0
-    off_hi = 0
-    if HAS_DROPOUT:
-        seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
 
     # Key-block ranges: [0, full) needs no mask at all, [full, hi) is masked (causal diagonal and
     # the ragged last block).  Blocks beyond the diagonal are never visited.
     hi = tl.cdiv(Lk, BLOCK_N)
     full = Lk // BLOCK_N
     if IS_CAUSAL:
-        hi = tl.cdiv(_imin(_imin(Lk, Lq), m0 + BLOCK_M), BLOCK_N)
-        full = _imin(full, (m0 + 1) // BLOCK_N)
+        hi = tl.cdiv(imin(imin(Lk, Lq), m0 + BLOCK_M), BLOCK_N)
+        full = imin(full, (m0 + 1) // BLOCK_N)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -321,7 +308,7 @@ def _attn_fwd_kernel(
         kv_lo = tl.load(KVR + 2 * b)
         kv_hi = tl.load(KVR + 2 * b + 1)
         lo = kv_lo // BLOCK_N
-        hi = _imin(hi, tl.cdiv(kv_hi, BLOCK_N))
+        hi = imin(hi, tl.cdiv(kv_hi, BLOCK_N))
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk,
                                    qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
@@ -485,24 +472,19 @@ def _attn_bwd_dkdv_kernel(
     diag_lo = 0
     full_lo = 0
     if IS_CAUSAL:
-        diag_lo = _imin(n0 // BLOCK_M, n_mb)
-        full_lo = _imin(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M), n_mb)
+        diag_lo = imin(n0 // BLOCK_M, n_mb)
+        full_lo = imin(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M), n_mb)
     KPMb = KPM
     if HAS_KPM:
         KPMb = KPM + b64 * s_kpb
         cnt_base = KCNT + b64 * (Lk + 1)
-        n_valid = tl.load(cnt_base + _imin(n0 + BLOCK_N, Lk)) - tl.load(cnt_base + n0)
+        n_valid = tl.load(cnt_base + imin(n0 + BLOCK_N, Lk)) - tl.load(cnt_base + n0)
         active = (n_valid > 0).to(tl.int32)  # a block of padding only: no work, zero gradient
         hi = hi * active
         diag_lo = diag_lo * active
         full_lo = full_lo * active
 
-    seed_lo = 0
-    seed_hi = 0
-    off_lo = 0
-    off_hi = 0
-    if HAS_DROPOUT:
-        seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -628,25 +610,20 @@ def _attn_bwd_dq_kernel(
     KPMb = KPM
     if HAS_KPM:
         KPMb = KPM + b64 * s_kpb
-    seed_lo = 0
-    seed_hi = 0
-    off_lo = 0
-    off_hi = 0
-    if HAS_DROPOUT:
-        seed_lo, seed_hi, off_lo, off_hi = load_rng(RNG)
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
 
     hi = tl.cdiv(Lk, BLOCK_N)
     full = Lk // BLOCK_N
     if IS_CAUSAL:
-        hi = tl.cdiv(_imin(_imin(Lk, Lq), m0 + BLOCK_M), BLOCK_N)
-        full = _imin(full, (m0 + 1) // BLOCK_N)
+        hi = tl.cdiv(imin(imin(Lk, Lq), m0 + BLOCK_M), BLOCK_N)
+        full = imin(full, (m0 + 1) // BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_KPM:
         kv_lo = tl.load(KVR + 2 * b)
         kv_hi = tl.load(KVR + 2 * b + 1)
         lo = kv_lo // BLOCK_N
-        hi = _imin(hi, tl.cdiv(kv_hi, BLOCK_N))
+        hi = imin(hi, tl.cdiv(kv_hi, BLOCK_N))
         dq = _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
                        AMh, s_amm, s_amn, KPMb, s_kpn,
                        seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
