@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, imin
+from transformer_fast.kernels.common import cast_out, dot, imin
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
 
 LOG2E = 1.4426950408889634
@@ -95,18 +95,6 @@ PRECISE_DCHUNK = 32
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    if DOT_FP32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _dot_hd(a, b, M: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr, DCHUNK: tl.constexpr,
             DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     """a (M, BLOCK_D) @ b (BLOCK_D, N) -> fp32 (M, N), a contraction over the head dim.  With
@@ -118,10 +106,10 @@ def _dot_hd(a, b, M: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr, DCHUN
         NC: tl.constexpr = BLOCK_D // DCHUNK
         a3 = tl.permute(tl.reshape(a, [M, NC, DCHUNK]), (1, 0, 2))
         b3 = tl.reshape(b, [NC, DCHUNK, N])
-        c3 = _dot(a3, b3, tl.zeros([NC, M, N], dtype=tl.float32), DOT_FP32, IEEE)
+        c3 = dot(a3, b3, tl.zeros([NC, M, N], dtype=tl.float32), DOT_FP32, IEEE)
         return tl.sum(c3, 0)
     else:
-        return _dot(a, b, tl.zeros([M, N], dtype=tl.float32), DOT_FP32, IEEE)
+        return dot(a, b, tl.zeros([M, N], dtype=tl.float32), DOT_FP32, IEEE)
 
 
 @triton.jit
@@ -130,9 +118,9 @@ def _dot_acc(a, b, acc, PRECISE: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.
     summation over the sequence; a dot chained through ``acc`` accumulates the whole sequence
     sequentially)."""
     if PRECISE:
-        return acc + _dot(a, b, tl.zeros_like(acc), DOT_FP32, IEEE)
+        return acc + dot(a, b, tl.zeros_like(acc), DOT_FP32, IEEE)
     else:
-        return _dot(a, b, acc, DOT_FP32, IEEE)
+        return dot(a, b, acc, DOT_FP32, IEEE)
 
 
 @triton.jit

@@ -45,3 +45,17 @@ def imax(a, b):
     """max of two int32 scalars by arithmetic only (see imin)."""
     d = a - b
     return a - (d & (d >> 31))
+
+
+@triton.jit
+def dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + a @ b``. DOT_FP32 casts the operands to fp32 first (the interpreter multiplies
+    bf16 bit patterns otherwise); IEEE forces exact fp32 products instead of tf32."""
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc

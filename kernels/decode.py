@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, imax, imin, is_interpreting
+from transformer_fast.kernels.common import cast_out, dot, imax, imin, is_interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -78,18 +78,6 @@ MAX_SPLITS = 128
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    if DOT_FP32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +135,7 @@ def _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, hi, hi_keys,
             kT = tl.load(kt_ptrs)
         else:
             kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-        s = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
+        s = dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
         s = s * qk_scale
         if MASKED:
             s = tl.where(offs_n[None, :] <= last_vis[:, None], s, float("-inf"))
@@ -166,7 +154,7 @@ def _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, hi, hi_keys,
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
-        acc = _dot(p.to(v.dtype), v, acc, DOT_FP32, IEEE)
+        acc = dot(p.to(v.dtype), v, acc, DOT_FP32, IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
