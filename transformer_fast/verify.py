@@ -144,6 +144,82 @@ def _sdpa_runner(shape, dtype, device, mask_kind, dropout_p):
     return run
 
 
+@cases("masked_softmax")
+def _masked_softmax_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
+    shapes = [(2, 2, 7, 1), (2, 4, 33, 127), (1, 2, 5, 1000)]
+    if device != "cpu":
+        shapes += [(2, 8, 128, 4096), (1, 1, 4, 70000)]
+    for shape in shapes:
+        for causal, dropout_p in ((True, 0.0), (False, 0.1)):
+            yield Case(
+                f"{'x'.join(map(str, shape))}{' causal' if causal else ''} p={dropout_p}",
+                _masked_softmax_runner(shape, dtype, device, causal, dropout_p),
+                philox_dropout=dropout_p > 0,
+            )
+
+
+def _masked_softmax_runner(shape, dtype, device, causal, dropout_p):
+    def run(backend):
+        g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+        scores = 3 * _randn(*shape, dtype=dtype, device=device, generator=g)
+        mask = torch.rand(shape[0], 1, shape[2], shape[3], generator=g) < 0.8
+        mask[0, 0, 0] = False  # a fully masked row
+        mask = mask.to(device)
+        seed = int(torch.randint(0, 2**31, ()))
+        keep = None
+        if dropout_p > 0:
+            torch.manual_seed(seed)
+            keep = philox.dropout_keep_mask(philox.new_rng(device), shape, dropout_p)
+
+        def kernel(scores):
+            torch.manual_seed(seed)
+            return functional.masked_softmax(
+                scores, mask, scale=0.5, is_causal=causal, dropout_p=dropout_p, backend=backend
+            )
+
+        def ref(scores):
+            return reference.masked_softmax(scores, mask, 0.5, causal, dropout_p, keep=keep)
+
+        return reference.run_oracle(kernel, ref, {"scores": scores}, ["scores"])
+
+    return run
+
+
+@cases("attention_with_kv_cache")
+def _kv_cache_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
+    shapes = [(2, 4, 2, 1, 40, 64), (3, 2, 2, 5, 33, 128)]  # (B, H, Hkv, L_new, L_max, D)
+    if device != "cpu":
+        shapes += [(1, 32, 8, 1, 8192, 128), (64, 8, 8, 1, 1024, 64), (4, 8, 2, 129, 2048, 128)]
+    for shape in shapes:
+        yield Case("x".join(map(str, shape)), _kv_cache_runner(shape, dtype, device))
+
+
+def _kv_cache_runner(shape, dtype, device):
+    b, h, hkv, l_new, l_max, d = shape
+
+    def run(backend):
+        g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+        q = _randn(b, h, l_new, d, dtype=dtype, device=device, generator=g)
+        caches = [_randn(b, hkv, l_max, d, dtype=dtype, device=device, generator=g) for _ in range(2)]
+        new = [_randn(b, hkv, l_new, d, dtype=dtype, device=device, generator=g) for _ in range(2)]
+        lengths = torch.randint(0, l_max - l_new + 1, (b,), generator=g).to(device=device, dtype=torch.int32)
+        ours = [c.clone() for c in caches]
+        with reference.poisoned_outputs(), torch.no_grad():
+            out = functional.attention_with_kv_cache(q, *ours, lengths, *new, backend=backend)
+        lp = [c.clone() for c in caches]
+        ref_lp = reference.attention_with_kv_cache(q, *lp, lengths, *new)
+        ref64 = reference.attention_with_kv_cache(
+            q.double(), *(c.double() for c in caches), lengths, *(t.double() for t in new)
+        )
+        results = [reference.oracle_compare("out", out, ref_lp, ref64, dtype)]
+        for name, mine, theirs in (("k_cache", ours[0], lp[0]), ("v_cache", ours[1], lp[1])):
+            same = torch.equal(mine, theirs)
+            results.append(reference.OracleResult(name, 0.0 if same else float("inf"), 0.0, same))
+        return results
+
+    return run
+
+
 # Backends whose dropout draws from transformer_fast.philox (so the oracle can check it exactly).
 PHILOX_BACKENDS = ("triton", "cuda", "cpu")
 # Our kernels must pass; "torch" is PyTorch's own path, the peer we compare against: its rows are
@@ -194,7 +270,7 @@ def verify(device: str, ops=None, dtypes=DTYPES, backend_names=None, log=print) 
                         break
                     row.cases += 1
                     for r in results:
-                        ratio = r.error / r.bound if r.bound > 0 else float("inf")
+                        ratio = r.error / r.bound if r.bound > 0 else (0.0 if r.ok else float("inf"))
                         if ratio > row.ratio or row.worst == "":
                             row.ratio, row.worst = ratio, f"{case.name} {r.name}"
                         if not r.ok:
