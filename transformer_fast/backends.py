@@ -17,7 +17,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -251,9 +251,3 @@ def resolve(op: str, backend: str | None, inputs: Mapping[str, object]) -> str:
         collected.append(f"{candidate}: {'; '.join(reasons)}")
     raise BackendError(f"{op}: no backend supports these inputs ({' | '.join(collected)})")
 
-
-def first_supported(op: str, candidates: Iterable[str], inputs: Mapping[str, object]) -> str | None:
-    for candidate in candidates:
-        if not not_supported_reasons(candidate, op, inputs):
-            return candidate
-    return None
