@@ -38,6 +38,18 @@ def _describe(dtype: torch.dtype) -> str:
 # Validation
 
 
+def _check_kind(name: str, mask: object, dtype: torch.dtype, bool_meaning: str) -> None:
+    """A mask is a tensor of bool or of a float dtype (``dtype`` or float32)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(mask).__name__}")
+    allowed = {torch.bool, dtype, torch.float32}
+    if mask.dtype not in allowed:
+        names = ", ".join(sorted(_describe(d) for d in allowed))
+        raise TypeError(
+            f"{name} must have dtype {bool_meaning} or a float dtype ({names}); got {mask.dtype}"
+        )
+
+
 def check_mask(
     name: str,
     mask: object,
@@ -53,12 +65,7 @@ def check_mask(
     """
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(mask).__name__}")
-    allowed = {torch.bool, dtype, torch.float32}
-    if mask.dtype not in allowed:
-        names = ", ".join(sorted(_describe(d) for d in allowed))
-        raise TypeError(f"{name} must have dtype bool or a float dtype ({names}); got {mask.dtype}")
+    _check_kind(name, mask, dtype, "bool")
     target_shape = tuple(target_shape)
     ok = mask.dim() <= len(target_shape)
     if ok:
@@ -79,14 +86,7 @@ def check_key_padding_mask(
     """Validate a ``(B, Lk)`` key padding mask: bool (True = padding) or float (added)."""
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(mask).__name__}")
-    allowed = {torch.bool, dtype, torch.float32}
-    if mask.dtype not in allowed:
-        names = ", ".join(sorted(_describe(d) for d in allowed))
-        raise TypeError(
-            f"{name} must have dtype bool (True = padding) or a float dtype ({names}); got {mask.dtype}"
-        )
+    _check_kind(name, mask, dtype, "bool (True = padding)")
     if tuple(mask.shape) != (batch, lk):
         raise ValueError(
             f"{name} must have shape (batch, key length) = {(batch, lk)}; got {tuple(mask.shape)}"

@@ -66,13 +66,27 @@ def add_layer_norm_fwd(
     return y, h, mean, rstd
 
 
-@add_layer_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend):
+def _fwd_outputs(x, prenorm):
+    """Empty (y, h, mean, rstd) shaped as the forward contract says (for the fake kernels)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     h = torch.empty_like(y) if prenorm else x.new_empty(_EMPTY_SHAPE)
     stats = x.new_empty((rows,), dtype=torch.float32)
     return y, h, stats, torch.empty_like(stats)
+
+
+def _bwd_outputs(x, weight, bias, dropout_p):
+    """Empty (dx, dresidual, dweight, dbias) shaped as the backward contract says."""
+    dres = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dx = torch.empty_like(dres) if dropout_p > 0.0 else x.new_empty(_EMPTY_SHAPE)
+    dw = torch.empty_like(weight) if weight is not None else x.new_empty(_EMPTY_SHAPE)
+    db = torch.empty_like(bias) if bias is not None else x.new_empty(_EMPTY_SHAPE)
+    return dx, dres, dw, db
+
+
+@add_layer_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend):
+    return _fwd_outputs(x, prenorm)
 
 
 @torch.library.custom_op("transformer_fast::add_layer_norm_bwd", mutates_args=())
@@ -110,11 +124,7 @@ def add_layer_norm_bwd(
 
 @add_layer_norm_bwd.register_fake
 def _(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p, rng, backend):
-    dres = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dx = torch.empty_like(dres) if dropout_p > 0.0 else x.new_empty(_EMPTY_SHAPE)
-    dw = torch.empty_like(weight) if weight is not None else x.new_empty(_EMPTY_SHAPE)
-    db = torch.empty_like(bias) if bias is not None else x.new_empty(_EMPTY_SHAPE)
-    return dx, dres, dw, db
+    return _bwd_outputs(x, weight, bias, dropout_p)
 
 
 def _setup_context(ctx, inputs, output):
@@ -151,18 +161,11 @@ def _register_cxx_fakes():
 
     @torch.library.register_fake("transformer_fast_C::add_layer_norm_fwd")
     def _(x, residual, weight, bias, eps, dropout_p, rng, prenorm):
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
-        h = torch.empty_like(y) if prenorm else x.new_empty(_EMPTY_SHAPE)
-        stats = x.new_empty((x.shape[0],), dtype=torch.float32)
-        return y, h, stats, torch.empty_like(stats)
+        return _fwd_outputs(x, prenorm)
 
     @torch.library.register_fake("transformer_fast_C::add_layer_norm_bwd")
     def _(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p, rng):
-        dres = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dx = torch.empty_like(dres) if dropout_p > 0.0 else x.new_empty(_EMPTY_SHAPE)
-        dw = torch.empty_like(weight) if weight is not None else x.new_empty(_EMPTY_SHAPE)
-        db = torch.empty_like(bias) if bias is not None else x.new_empty(_EMPTY_SHAPE)
-        return dx, dres, dw, db
+        return _bwd_outputs(x, weight, bias, dropout_p)
 
 
 _register_cxx_fakes()
