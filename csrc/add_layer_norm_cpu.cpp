@@ -237,47 +237,66 @@ void dropout_factors(uint64_t seed, uint64_t offset, uint64_t first_index, int64
   }
 }
 
-// h = r + x (* m) into hbuf; returns sum(h).
-float residual_add(const float* x, const float* r, const float* m, float* h, int64_t n) {
-  Vec s0(0.0f), s1(0.0f);
-  int64_t j = 0;
-  for (; j + 2 * kV <= n; j += 2 * kV) {
-    Vec a = Vec::loadu(x + j), b = Vec::loadu(x + j + kV);
-    if (m) {
-      a = a * Vec::loadu(m + j);
-      b = b * Vec::loadu(m + j + kV);
-    }
-    a = a + Vec::loadu(r + j);
-    b = b + Vec::loadu(r + j + kV);
-    a.store(h + j);
-    b.store(h + j + kV);
-    s0 = s0 + a;
-    s1 = s1 + b;
+// A row sum in fp32 vector lanes, flushed into a double every kFlush vectors: a plain fp32
+// running sum over a 64k-wide row drifted past the oracle's bound (measured on dweight).
+struct RowSum {
+  static constexpr int kFlush = 32;
+  Vec acc{0.0f};
+  double total = 0.0;
+  int pending = 0;
+  void add(const Vec& v) {
+    acc = acc + v;
+    if (++pending == kFlush) flush();
   }
-  float s = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, s0 + s1);
+  void add_product(const Vec& a, const Vec& b) {
+    acc = at::vec::fmadd(a, b, acc);
+    if (++pending == kFlush) flush();
+  }
+  void flush() {
+    total += at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, acc);
+    acc = Vec(0.0f);
+    pending = 0;
+  }
+  double value() {
+    flush();
+    return total;
+  }
+};
+
+// h = r + x (* m) into hbuf; returns sum(h).
+double residual_add(const float* x, const float* r, const float* m, float* h, int64_t n) {
+  RowSum s;
+  int64_t j = 0;
+  for (; j + kV <= n; j += kV) {
+    Vec a = Vec::loadu(x + j);
+    if (m) a = a * Vec::loadu(m + j);
+    a = a + Vec::loadu(r + j);
+    a.store(h + j);
+    s.add(a);
+  }
+  double tail = 0.0;
   for (; j < n; ++j) {
     h[j] = r[j] + (m ? x[j] * m[j] : x[j]);
-    s += h[j];
+    tail += h[j];
   }
-  return s;
+  return s.value() + tail;
 }
 
 // sum((h - mean)^2), exact two-pass on the cached row.
-float centered_sq_sum(const float* h, float mean, int64_t n) {
+double centered_sq_sum(const float* h, float mean, int64_t n) {
   const Vec vm(mean);
-  Vec s0(0.0f), s1(0.0f);
+  RowSum s;
   int64_t j = 0;
-  for (; j + 2 * kV <= n; j += 2 * kV) {
-    Vec a = Vec::loadu(h + j) - vm, b = Vec::loadu(h + j + kV) - vm;
-    s0 = at::vec::fmadd(a, a, s0);
-    s1 = at::vec::fmadd(b, b, s1);
+  for (; j + kV <= n; j += kV) {
+    const Vec a = Vec::loadu(h + j) - vm;
+    s.add_product(a, a);
   }
-  float s = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, s0 + s1);
+  double tail = 0.0;
   for (; j < n; ++j) {
-    const float d = h[j] - mean;
-    s += d * d;
+    const double d = h[j] - mean;
+    tail += d * d;
   }
-  return s;
+  return s.value() + tail;
 }
 
 struct Params {
@@ -301,8 +320,6 @@ void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double d
   const uint64_t offset = drop ? static_cast<uint64_t>(rng[1]) : 0;
   const uint32_t threshold = dropout_threshold(dropout_p);
   const float scale = dropout_scale(dropout_p);
-  const float feps = static_cast<float>(eps);
-  const float inv_n = 1.0f / static_cast<float>(N);
   // ~64 KiB of row data per task at least, so small problems are not split across threads.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
 
@@ -318,9 +335,9 @@ void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double d
       const float* xf = row_as_float(xp + i * sx, N, xbuf);
       const float* rf = row_as_float(rp + i * sr, N, rbuf);
       if (drop) dropout_factors(seed, offset, static_cast<uint64_t>(i) * N, N, threshold, scale, mbuf);
-      const float mu = residual_add(xf, rf, mbuf, hbuf, N) * inv_n;
-      const float var = centered_sq_sum(hbuf, mu, N) * inv_n;
-      const float rs = 1.0f / std::sqrt(var + feps);
+      const float mu = static_cast<float>(residual_add(xf, rf, mbuf, hbuf, N) / N);
+      const double var = centered_sq_sum(hbuf, mu, N) / N;
+      const float rs = static_cast<float>(1.0 / std::sqrt(var + eps));
       meanp[i] = mu;
       rstdp[i] = rs;
       // y = (h - mean) * rstd * w + b  =  h * a + c  (per column a = rstd*w, c = b - mean*a)
@@ -367,7 +384,6 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
   const uint64_t offset = drop ? static_cast<uint64_t>(rng[1]) : 0;
   const uint32_t threshold = dropout_threshold(dropout_p);
   const float scale = dropout_scale(dropout_p);
-  const float inv_n = 1.0f / static_cast<float>(N);
 
   // Fixed row groups (one partial dweight/dbias row each), summed in a fixed order afterwards:
   // deterministic for a given thread count, no atomics.
@@ -397,7 +413,7 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
         const float mu = meanp[i], rs = rstdp[i];
         const Vec vmu(mu), vrs(rs);
         // xhat, g = dy*w, sum(g), sum(g*xhat); dweight/dbias partials.
-        Vec sg(0.0f), sgx(0.0f);
+        RowSum sg, sgx;
         int64_t j = 0;
         for (; j + kV <= N; j += kV) {
           const Vec xh = (Vec::loadu(hbuf + j) - vmu) * vrs;
@@ -405,11 +421,10 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
           const Vec gv = p.w ? d * Vec::loadu(p.w + j) : d;
           xh.store(hbuf + j);
           gv.store(gbuf + j);
-          sg = sg + gv;
-          sgx = at::vec::fmadd(gv, xh, sgx);
+          sg.add(gv);
+          sgx.add_product(gv, xh);
         }
-        float sum_g = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, sg);
-        float sum_gx = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, sgx);
+        double sum_g = sg.value(), sum_gx = sgx.value();
         for (; j < N; ++j) {
           const float xh = (hbuf[j] - mu) * rs;
           const float d = dyf[j];
@@ -427,7 +442,7 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
         if (dbp) {
           for (j = 0; j < N; ++j) dbp[j] += dyf[j];
         }
-        const float a = sum_g * inv_n, b = sum_gx * inv_n;
+        const float a = static_cast<float>(sum_g / N), b = static_cast<float>(sum_gx / N);
         // dsum = rstd * (g - a - xhat * b) (+ dh)
         const float* dhf = dhp ? row_as_float(dhp + i * sdh, N, dybuf) : nullptr;  // dy no longer needed
         const Vec va(a), vb(b);
