@@ -50,8 +50,10 @@ _current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
-class BackendError(RuntimeError):
-    """An explicitly requested backend cannot run the given inputs."""
+class BackendError(ValueError, RuntimeError):
+    """An explicitly requested backend cannot run the given inputs.
+
+    A ValueError: the inputs are bad for that backend (DESIGN section 9)."""
 
 
 # --------------------------------------------------------------------------------------------
