@@ -299,7 +299,7 @@ def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale,
     if query.dim() == 3:  # (N, L, D): one head
         q4, k4, v4 = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     else:  # (..., H, L, D): fold the leading dims into one batch (a view when strides allow)
-        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+        q4, k4, v4 = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
     b4, h = q4.shape[0], q4.shape[1]
 
     padding = None
