@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from . import _checks, backends, masks, philox, reference
 from .ops import attention as _attention_op
 from .ops import decode as _decode_op
+from .ops import ffn as _ffn_op
 from .ops import layer_norm as _layer_norm_op
 from .ops import masked_softmax as _masked_softmax_op
 
@@ -27,6 +28,7 @@ __all__ = [
     "masked_softmax",
     "add_layer_norm",
     "feed_forward",
+    "linear_bias_act",
 ]
 
 
@@ -598,26 +600,81 @@ def _fused_masked_softmax(name, scores, mask, scale, is_causal, dropout_p):
     return out.reshape(shape)
 
 
-# ---- feed_forward
+# ---- feed_forward and linear_bias_act
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+_LBA_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh")
+
+
+# Whether _C holds the FFN kernels (an extension built before them lacks them).  Read once at
+# import, so that backend selection traced by torch.compile reads plain values.
+_FFN_CXX = {
+    name: backends.extension_status()[0] and backends.cxx_op_has_kernel("ffn_linear_fwd", key)
+    for name, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+}
+
+
+def _fused_ffn_support(backend):
+    def check(inputs):
+        reasons = _checks.kernel_dtype_reasons(backend, x=inputs["x"])
+        if backend in _FFN_CXX and not _FFN_CXX[backend]:
+            reasons.append(f"transformer_fast._C has no {backend} FFN kernels (rebuild the extension)")
+        return reasons
+
+    return check
+
+
+for _op in ("feed_forward", "linear_bias_act"):
+    for _name in ("triton", "cuda", "cpu"):
+        backends.register(_op, _name, _fused_ffn_support(_name))
+backends.register("linear_bias_act", "reference")
+backends.register("linear_bias_act", "torch")
+
+
+def _torch_activation(hidden, activation):
+    if activation == "relu":
+        return F.relu(hidden)
+    if activation == "gelu":
+        return F.gelu(hidden)
+    if activation == "gelu_tanh":
+        return F.gelu(hidden, approximate="tanh")
+    return hidden
 
 
 def _torch_feed_forward(x, w1, b1, w2, b2, activation, dropout_p):
-    hidden = F.linear(x, w1, b1)
-    if activation == "relu":
-        hidden = F.relu(hidden)
-    elif activation == "gelu":
-        hidden = F.gelu(hidden)
-    else:
-        hidden = F.gelu(hidden, approximate="tanh")
+    hidden = _torch_activation(F.linear(x, w1, b1), activation)
     if dropout_p > 0.0:
         hidden = F.dropout(hidden, dropout_p)
     return F.linear(hidden, w2, b2)
 
 
+def _reference_linear_bias_act(x, w, b, activation, dropout_p):
+    """The naive steps: matmul, bias add, activation, dropout (F.dropout's own mask)."""
+    out = x @ w.transpose(0, 1)
+    if b is not None:
+        out = out + b
+    if activation is not None:
+        out = reference._ACTIVATIONS[activation](out)
+    return F.dropout(out, dropout_p) if dropout_p > 0.0 else out
+
+
+def _check_linear(xname, x, wname, w, bname, b):
+    """x (..., in), w (out, in) as nn.Linear stores it, b (out,) or None: one dtype and device."""
+    _checks.tensor(wname, w, ndim=2)
+    _checks.optional_tensor(bname, b, ndim=1)
+    _checks.shape(wname, w, (w.shape[0], x.shape[-1]),
+                  f"(out_features, in_features) with in_features = {xname}.shape[-1]")
+    if b is not None:
+        _checks.shape(bname, b, (w.shape[0],), f"(out_features,) = {wname}.shape[0]")
+
+
 def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, backend=None):
     """Position-wise feed-forward ``dropout(act(x W1^T + b1)) W2^T + b2``.
+
+    The fused backends (triton, cuda, cpu) add b1, apply the activation and dropout in the first
+    GEMM's epilogue and b2 in the second's; backward applies act' and the dropout mask
+    (regenerated from the Philox stream, never stored) in the epilogue of the GEMM that produces
+    d(hidden).
 
     Args:
         x: (..., d_model) float16/bfloat16/float32/float64, any strides.
@@ -627,7 +684,9 @@ def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, backend
         b2: (d_out,) or None.
         activation: "relu", "gelu" (erf) or "gelu_tanh" (tanh approximation).
         dropout_p: dropout on the activations, in [0, 1); applied whenever > 0.
-        backend: "auto", "reference" or "torch" (fused backends arrive later).
+        backend: "auto", "reference", "torch", "triton", "cuda" or "cpu" (None: the current
+            default, see transformer_fast.use_backend).  The fused backends take fp16/bf16/fp32;
+            fp32 matmuls use tf32 only where torch's own setting allows it.
 
     Returns:
         (..., d_out) in x's dtype.
@@ -657,4 +716,50 @@ def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, backend
         return reference.feed_forward(x, w1, b1, w2, b2, activation, dropout_p)
     if name == "torch":
         return _torch_feed_forward(x, w1, b1, w2, b2, activation, dropout_p)
-    raise backends.BackendError(f"feed_forward: no {name} implementation yet")
+    rng = philox.new_rng(x.device) if dropout_p > 0.0 else None
+    return _ffn_op.feed_forward(
+        x, w1, b1, w2, b2, activation, dropout_p, rng, _allow_tf32(x.dtype), name
+    )
+
+
+def linear_bias_act(x, w, b=None, *, activation=None, dropout_p=0.0, backend=None):
+    """``dropout(act(x W^T + b))``: one GEMM with bias, activation and dropout in its epilogue.
+
+    The building block of feed_forward, for any Linear followed by an activation.
+
+    Args:
+        x: (..., in_features) float16/bfloat16/float32/float64, any strides.
+        w: (out_features, in_features), as nn.Linear stores it; x's dtype and device.
+        b: (out_features,) or None.
+        activation: None, "relu", "gelu" (erf) or "gelu_tanh" (tanh approximation).
+        dropout_p: dropout on the output, in [0, 1); applied whenever > 0.  The mask is the
+            Philox stream of transformer_fast.philox over the row-major index of the
+            (rows, out_features) output, regenerated (not stored) in backward.
+        backend: "auto", "reference", "torch", "triton", "cuda" or "cpu" (None: the current
+            default, see transformer_fast.use_backend).
+
+    Returns:
+        (..., out_features) in x's dtype.
+
+    Raises:
+        TypeError / ValueError naming the argument for any malformed input, before computing.
+    """
+    _checks.tensor("x", x, min_ndim=1)
+    _check_linear("x", x, "w", w, "b", b)
+    _checks.same_dtype(x=x, w=w, b=b)
+    _checks.same_device(x=x, w=w, b=b)
+    if activation is not None:
+        _checks.choice("activation", activation, ACTIVATIONS)
+    dropout_p = _checks.dropout_p(dropout_p)
+
+    inputs = {"x": x, "w": w, "b": b}
+    name = backends.resolve("linear_bias_act", backend, inputs)
+    if name == "reference":
+        return _reference_linear_bias_act(x, w, b, activation, dropout_p)
+    if name == "torch":
+        out = _torch_activation(F.linear(x, w, b), activation)
+        return F.dropout(out, dropout_p) if dropout_p > 0.0 else out
+    rng = philox.new_rng(x.device) if dropout_p > 0.0 else None
+    return _ffn_op.linear_bias_act(
+        x, w, b, activation or "none", dropout_p, rng, _allow_tf32(x.dtype), name
+    )

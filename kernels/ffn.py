@@ -1,0 +1,471 @@
+"""Position-wise FFN building blocks: GEMMs with fused epilogues (Triton kernels + launchers).
+
+Contract (shared with the C++ CPU and CUDA backends; autograd lives in transformer_fast/ops/ffn.py).
+All matrices are 2-D; x, dy may have any strides; w is (out_features, in_features) as nn.Linear
+stores it, any strides; outputs are contiguous, in x's dtype.
+
+  linear_fwd(x, w, b, activation, dropout_p, rng, store_pre, allow_tf32) -> (y, pre)
+      pre = x @ w^T + b                         (M, N), stored only when store_pre, else (0,)
+      y   = dropout(act(pre))                   (M, N)
+  linear_dgrad(dy, w, aux, activation, dropout_p, rng, want_dbias, allow_tf32) -> (d, dbias)
+      d = (dy @ w) * act'(pre) * keep / (1 - p)  (M, N): the gradient of the pre-activation of
+          the layer whose output feeds ``w``'s layer; aux is pre (gelu / gelu_tanh), y (relu:
+          y > 0 iff pre > 0 and the element was kept, so neither pre nor the mask is needed)
+          or None ("none": no activation factor).  With activation "none" and p = 0 it is the
+          plain input gradient dy @ w.
+      dbias = column sums of d (N,) when want_dbias, else (0,)
+  linear_wgrad(dy, x, want_dbias, allow_tf32) -> (dw, dbias)
+      dw = dy^T @ x (N, K); dbias = column sums of dy (N,) or (0,)
+  act_bwd(dy, aux, activation, dropout_p, rng, want_dbias) -> (d, dbias)
+      the elementwise d = dy * act'(pre) * keep / (1 - p) (for linear_bias_act's backward, where
+      no GEMM produces dy), with its column sums.
+
+Dropout follows transformer_fast.philox over the row-major element index m * N + n of the (M, N)
+activation: the forward and the backward (any backend) regenerate the same mask from rng.
+
+Kernel plan.  One GEMM kernel ``_gemm_kernel`` computes C = A @ B for A (M, K) and B (K, N)
+given by strides (so x @ w^T, dy @ w and dy^T @ x are all the same kernel with no copies),
+fp32 accumulation, grouped tile order (GROUP_M row tiles share the B columns they sweep: L2
+reuse), @triton.autotune over a short list pruned by shape and shared memory on a GPU (a single
+config under the interpreter).  Its epilogue is one of
+  EPI_FWD:  + bias, store pre (optional), activation, dropout, store y;
+  EPI_DACT: * act'(aux), dropout mask, store d, and the tile's column sums into a (tiles_m, N)
+            fp32 buffer (db without atomics: torch.sum over the tiles finishes it).
+``_act_bwd_kernel`` is the same dact epilogue as an elementwise pass (and, with nothing to
+multiply, the column-sum kernel for dbias = sum(dy)).
+
+Why pre is stored (gelu) instead of recomputed: see benchmarks/NOTES.md (FFN section).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from transformer_fast.kernels.common import cast_out, dot, is_interpreting
+from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
+
+ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
+EPI_FWD = 0
+EPI_DACT = 1
+
+_EMPTY = (0,)
+_SQRT1_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_C = 0.044715
+
+# Elementwise kernel tile.
+EW_BLOCK_M = 32
+EW_BLOCK_N = 128
+
+
+def needs_pre(activation: str) -> bool:
+    """Whether backward needs the pre-activation (relu recovers its gradient from y)."""
+    return activation in ("gelu", "gelu_tanh")
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers
+
+
+@triton.jit
+def _tanh(u):
+    # 1 - 2 / (e^{2u} + 1) without libdevice; |u| is clamped to 20, where tanh is +-1 in fp32
+    # already (and e^{2u} stays finite).
+    u = tl.minimum(tl.maximum(u, -20.0), 20.0)
+    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """act(x) in fp32."""
+    if ACT == 1:
+        y = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        y = 0.5 * x * (1.0 + tl.erf(x * _SQRT1_2))
+    elif ACT == 3:
+        u = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)
+        y = 0.5 * x * (1.0 + _tanh(u))
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _act_grad(x, ACT: tl.constexpr):
+    """act'(x) at the pre-activation x (fp32); relu' at 0 is 0, as torch."""
+    if ACT == 1:
+        g = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 2:
+        cdf = 0.5 * (1.0 + tl.erf(x * _SQRT1_2))
+        g = cdf + x * (tl.exp(-0.5 * x * x) * _INV_SQRT_2PI)
+    elif ACT == 3:
+        x2 = x * x
+        t = _tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x2 * x))
+        g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (_SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x2))
+    else:
+        g = x * 0.0 + 1.0
+    return g
+
+
+@triton.jit
+def _dact(g, AUX, rows64, cols, mask, N, stride_auxm,
+          seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale,
+          ACT: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """g * act'(pre) * keep * scale, with pre (or y for relu) loaded from AUX (fp32 math)."""
+    if ACT == 1:
+        # AUX holds y = keep * relu(pre) * scale: y > 0 iff pre > 0 and the element was kept.
+        y = tl.load(AUX + rows64 * stride_auxm + cols, mask=mask, other=0.0)
+        d = tl.where(y > 0, g * drop_scale, 0.0)
+    else:
+        if ACT != 0:
+            pre = tl.load(AUX + rows64 * stride_auxm + cols, mask=mask, other=0.0).to(tl.float32)
+            g = g * _act_grad(pre, ACT)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed_lo, seed_hi, rows64 * N + cols, off_lo, off_hi, drop_thr)
+            g = tl.where(keep, g * drop_scale, 0.0)
+        d = g
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM with fused epilogues
+
+
+def _gemm_configs():
+    if is_interpreting():
+        # One config: the interpreter cannot autotune over several.  Big K blocks: fewer steps.
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4},
+                              num_warps=4, num_stages=1)]
+    cfg = lambda bm, bn, bk, w, s: triton.Config(  # noqa: E731
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+    return [
+        # 16-bit on H100: the large tiles win at FFN sizes; the small ones serve short M / N.
+        cfg(128, 256, 64, 8, 3),
+        cfg(256, 128, 64, 8, 3),
+        cfg(128, 128, 64, 8, 4),
+        cfg(128, 128, 64, 4, 4),
+        cfg(64, 128, 64, 4, 4),
+        cfg(128, 64, 64, 4, 4),
+        cfg(64, 64, 64, 4, 4),
+        cfg(32, 64, 64, 4, 4),
+        # fp32 (tf32 or exact FMA): smaller K steps fit shared memory.
+        cfg(128, 128, 32, 8, 3),
+        cfg(64, 64, 32, 4, 3),
+    ]
+
+
+# Dynamic shared memory a config may use (H100: 227 KiB; leave room for the epilogue's layout
+# conversion scratch).
+_SMEM_BUDGET = 200 * 1024
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep configs whose tiles are not much larger than the problem and whose pipeline fits
+    shared memory; always keep at least the smallest."""
+    m, n = named_args["M"], named_args["N"]
+    esize = named_args["A"].element_size()
+    kept = []
+    for c in configs:
+        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        if bm > max(32, triton.next_power_of_2(m)) or bn > max(64, triton.next_power_of_2(n)):
+            continue
+        if (bm * bk + bk * bn) * esize * max(1, c.num_stages) > _SMEM_BUDGET:
+            continue
+        if esize == 4 and bk > 32:  # fp32: 64-wide K blocks double the smem for no gain
+            continue
+        if esize < 4 and bk < 64:
+            continue
+        kept.append(c)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+@triton.autotune(
+    configs=_gemm_configs(),
+    key=["M", "N", "K", "EPILOGUE", "ACT", "HAS_DROPOUT", "IEEE"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+    # The dact epilogue's column-sum partials are indexed by row tile, whose count depends on
+    # the config: zero them between benchmark runs so that no stale row survives.
+    reset_to_zero=["PART"],
+)
+@triton.jit
+def _gemm_kernel(
+    A, B, C, BIAS, AUX, RNG, PART,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_auxm,
+    drop_thr, drop_scale,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_AUX: tl.constexpr, HAS_PART: tl.constexpr,
+    DOT_FP32: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C (M, N) = epilogue(A (M, K) @ B (K, N)); see the module docstring for the epilogues."""
+    # Grouped order: consecutive programs walk GROUP_M row tiles down one column tile, so the
+    # B tile (weights) and the GROUP_M A tiles stay in L2 while the group sweeps the columns.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < M
+    col_ok = rn < N
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    a_ptrs = A + rm64[:, None] * stride_am + rk[None, :].to(tl.int64) * stride_ak  # (BM, BK)
+    b_ptrs = B + rk[:, None].to(tl.int64) * stride_bk + rn64[None, :] * stride_bn  # (BK, BN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = rk < K - k
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = dot(a, b, acc, DOT_FP32, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows = rm64[:, None]
+    cols = rn[None, :]
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
+    if EPILOGUE == 0:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if STORE_AUX:
+            tl.store(AUX + rows * stride_auxm + cols, cast_out(acc, AUX.dtype.element_ty, INTERPRET), mask=mask)
+        out = _act(acc, ACT)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed_lo, seed_hi, rows * N + cols, off_lo, off_hi, drop_thr)
+            out = tl.where(keep, out * drop_scale, 0.0)
+    else:
+        out = _dact(acc, AUX, rows, cols, mask, N, stride_auxm,
+                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, ACT, HAS_DROPOUT)
+        if HAS_PART:
+            # This tile's column sums: one row of the (tiles_m, N) partials, no atomics.
+            part = tl.sum(tl.where(mask, out, 0.0), axis=0)
+            tl.store(PART + pid_m.to(tl.int64) * N + rn, part, mask=col_ok)
+    tl.store(C + rows * stride_cm + cols, cast_out(out, C.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _act_bwd_kernel(
+    DY, AUX, D, RNG, PART,
+    M, N, stride_dym, stride_auxm, drop_thr, drop_scale,
+    ACT: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_D: tl.constexpr, HAS_PART: tl.constexpr,
+    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Tile (row block program_id(0), column block program_id(1)): d = dy * act'(aux) * keep *
+    scale (stored when STORE_D) and the tile's column sums (when HAS_PART)."""
+    pid_m = tl.program_id(0)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = rn < N
+    mask = (rm < M)[:, None] & col_ok[None, :]
+    rows = rm.to(tl.int64)[:, None]
+    cols = rn[None, :]
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
+    g = tl.load(DY + rows * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
+    d = _dact(g, AUX, rows, cols, mask, N, stride_auxm,
+              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, ACT, HAS_DROPOUT)
+    if STORE_D:
+        tl.store(D + rows * N + cols, cast_out(d, D.dtype.element_ty, INTERPRET), mask=mask)
+    if HAS_PART:
+        tl.store(PART + pid_m.to(tl.int64) * N + rn, tl.sum(tl.where(mask, d, 0.0), axis=0), mask=col_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _device_guard(t: torch.Tensor):
+    import contextlib
+
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _check_matrix(name: str, t, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError(f"ffn: {name} must be a 2-D tensor, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"ffn: {name} must have dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"ffn: {name} must be on {device}, got {t.device}")
+
+
+def _activation_code(activation: str) -> int:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"ffn: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    return ACTIVATIONS[activation]
+
+
+def _dropout_args(dropout_p: float, rng, x: torch.Tensor):
+    """(has_dropout, rng tensor or dummy, threshold, scale)."""
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"ffn: dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p == 0.0:
+        return False, x, 0, 1.0
+    if rng is None or rng.dtype != torch.int64 or rng.numel() != 2 or rng.device != x.device:
+        raise ValueError(f"ffn: rng must be an int64 tensor [seed, offset] on {x.device} when dropout_p > 0")
+    return True, rng.contiguous(), dropout_threshold(dropout_p), dropout_scale(dropout_p)
+
+
+def _dot_flags(dtype: torch.dtype, allow_tf32: bool):
+    """(DOT_FP32, IEEE): fp32 operands under the interpreter (bf16 dots are wrong there), exact
+    fp32 products unless torch's setting allows tf32."""
+    return is_interpreting(), dtype == torch.float32 and not allow_tf32
+
+
+def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bias=None, aux=None,
+                 stride_auxm=0, store_aux=False, drop=(False, None, 0, 1.0), part=None, allow_tf32=False):
+    has_dropout, rng_t, thr, scale = drop
+    dot_fp32, ieee = _dot_flags(a.dtype, allow_tf32)
+    dummy = c
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    with _device_guard(c):
+        _gemm_kernel[grid](
+            a, b, c,
+            bias if bias is not None else dummy,
+            aux if aux is not None else dummy,
+            rng_t if has_dropout else dummy,
+            part if part is not None else dummy,
+            m, n, k,
+            strides_a[0], strides_a[1], strides_b[0], strides_b[1], c.stride(0), stride_auxm,
+            thr, scale,
+            EPILOGUE=epilogue, ACT=act, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
+            STORE_AUX=store_aux, HAS_PART=part is not None,
+            DOT_FP32=dot_fp32, IEEE=ieee, INTERPRET=is_interpreting(),
+        )
+
+
+# The launch's BLOCK_M is chosen by the autotuner, so the column-sum partials of the dact
+# epilogue get a row per tile of the smallest BLOCK_M of any config (zeroed: unused rows add 0).
+_MIN_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in _gemm_configs())
+
+
+def _part_rows(m: int) -> int:
+    return triton.cdiv(m, _MIN_BLOCK_M)
+
+
+def _unit_cols(t):
+    """The epilogue and elementwise kernels address rows by stride and columns by 1."""
+    return t if t is None or t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
+
+
+def _finish_colsum(part: torch.Tensor, n: int, dtype) -> torch.Tensor:
+    # Stage 2 of the bias gradient: a deterministic torch sum over the row tiles.
+    return part.sum(dim=0).to(dtype) if part.shape[0] else torch.zeros(n, dtype=dtype, device=part.device)
+
+
+def linear_fwd(x, w, b, activation: str, dropout_p: float, rng, store_pre: bool, allow_tf32: bool):
+    """-> (y, pre); see the module docstring."""
+    _check_matrix("x", x, x.dtype, x.device)
+    _check_matrix("w", w, x.dtype, x.device)
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"ffn: w must have shape (N, {k}), got {tuple(w.shape)}")
+    if b is not None and (b.shape != (n,) or b.dtype != x.dtype or b.device != x.device):
+        raise ValueError(f"ffn: b must be a ({n},) {x.dtype} tensor on {x.device}")
+    act = _activation_code(activation)
+    drop = _dropout_args(dropout_p, rng, x)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    pre = torch.empty((m, n), dtype=x.dtype, device=x.device) if store_pre else x.new_empty(_EMPTY)
+    if m == 0 or n == 0:
+        return y, pre
+    # x @ w^T: B[k, j] = w[j, k], read through w's strides (no transpose copy).
+    _launch_gemm(x, w, y, m, n, k, (x.stride(0), x.stride(1)), (w.stride(1), w.stride(0)),
+                 epilogue=EPI_FWD, act=act, bias=b, aux=pre if store_pre else None,
+                 stride_auxm=n if store_pre else 0, store_aux=store_pre, drop=drop, allow_tf32=allow_tf32)
+    return y, pre
+
+
+def linear_dgrad(dy, w, aux, activation: str, dropout_p: float, rng, want_dbias: bool, allow_tf32: bool):
+    """-> (d, dbias); see the module docstring."""
+    _check_matrix("dy", dy, dy.dtype, dy.device)
+    _check_matrix("w", w, dy.dtype, dy.device)
+    m, k = dy.shape
+    n = w.shape[1]
+    if w.shape[0] != k:
+        raise ValueError(f"ffn: w must have shape ({k}, N), got {tuple(w.shape)}")
+    act = _activation_code(activation)
+    if act != 0:
+        _check_matrix("aux", aux, dy.dtype, dy.device)
+        if tuple(aux.shape) != (m, n):
+            raise ValueError(f"ffn: aux must have shape ({m}, {n}), got {tuple(aux.shape)}")
+        aux = _unit_cols(aux)
+    drop = _dropout_args(dropout_p, rng, dy)
+    d = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
+    part = torch.empty((_part_rows(m), n), dtype=torch.float32, device=dy.device) if want_dbias else None
+    if m > 0 and n > 0:
+        if part is not None:
+            part.zero_()  # rows past the launch's tile count stay zero
+        _launch_gemm(dy, w, d, m, n, k, (dy.stride(0), dy.stride(1)), (w.stride(0), w.stride(1)),
+                     epilogue=EPI_DACT, act=act, aux=aux, stride_auxm=aux.stride(0) if act else 0,
+                     drop=drop, part=part, allow_tf32=allow_tf32)
+    dbias = _finish_colsum(part, n, dy.dtype) if want_dbias else dy.new_empty(_EMPTY)
+    if want_dbias and m == 0:
+        dbias = torch.zeros(n, dtype=dy.dtype, device=dy.device)
+    return d, dbias
+
+
+def colsum(dy) -> torch.Tensor:
+    """sum over rows of dy (M, N) -> (N,) in dy's dtype (fp32 partials, no atomics)."""
+    _, db = act_bwd(dy, None, "none", 0.0, None, True, store=False)
+    return db
+
+
+def linear_wgrad(dy, x, want_dbias: bool, allow_tf32: bool):
+    """-> (dw, dbias); see the module docstring."""
+    _check_matrix("dy", dy, dy.dtype, dy.device)
+    _check_matrix("x", x, dy.dtype, dy.device)
+    m, n = dy.shape
+    k = x.shape[1]
+    if x.shape[0] != m:
+        raise ValueError(f"ffn: x must have {m} rows, got {tuple(x.shape)}")
+    dw = torch.empty((n, k), dtype=dy.dtype, device=dy.device)
+    if n > 0 and k > 0:
+        if m == 0:
+            dw.zero_()
+        else:
+            # dy^T @ x: A[i, r] = dy[r, i] through dy's strides; the reduction runs over the rows.
+            _launch_gemm(dy, x, dw, n, k, m, (dy.stride(1), dy.stride(0)), (x.stride(0), x.stride(1)),
+                         epilogue=EPI_FWD, allow_tf32=allow_tf32)
+    dbias = colsum(dy) if want_dbias else dy.new_empty(_EMPTY)
+    return dw, dbias
+
+
+def act_bwd(dy, aux, activation: str, dropout_p: float, rng, want_dbias: bool, store: bool = True):
+    """-> (d, dbias); see the module docstring (``store=False``: column sums only)."""
+    _check_matrix("dy", dy, dy.dtype, dy.device)
+    m, n = dy.shape
+    act = _activation_code(activation)
+    if act != 0:
+        _check_matrix("aux", aux, dy.dtype, dy.device)
+        if tuple(aux.shape) != (m, n):
+            raise ValueError(f"ffn: aux must have shape ({m}, {n}), got {tuple(aux.shape)}")
+        aux = _unit_cols(aux)
+    dy = _unit_cols(dy)
+    drop = _dropout_args(dropout_p, rng, dy)
+    has_dropout, rng_t, thr, scale = drop
+    d = torch.empty((m, n), dtype=dy.dtype, device=dy.device) if store else dy.new_empty(_EMPTY)
+    tiles_m = triton.cdiv(m, EW_BLOCK_M)
+    part = torch.empty((tiles_m, n), dtype=torch.float32, device=dy.device) if want_dbias else None
+    if m > 0 and n > 0:
+        with _device_guard(dy):
+            _act_bwd_kernel[(tiles_m, triton.cdiv(n, EW_BLOCK_N))](
+                dy, aux if act else dy, d if store else dy, rng_t if has_dropout else dy,
+                part if part is not None else dy,
+                m, n, dy.stride(0), aux.stride(0) if act else 0, thr, scale,
+                ACT=act, HAS_DROPOUT=has_dropout, STORE_D=store, HAS_PART=part is not None,
+                INTERPRET=is_interpreting(), BLOCK_M=EW_BLOCK_M, BLOCK_N=EW_BLOCK_N, num_warps=4,
+            )
+    dbias = _finish_colsum(part, n, dy.dtype) if want_dbias else dy.new_empty(_EMPTY)
+    return d, dbias
