@@ -1,0 +1,155 @@
+"""torch.nn's input rules for the Transformer modules, in one place.
+
+The modules must accept exactly what torch's accept and reject what torch's reject.  torch
+raises AssertionError / RuntimeError for malformed inputs; our project contract (DESIGN section 9)
+is ValueError / TypeError naming the argument.  The error classes below are both at once, so
+code written against either convention keeps working.
+
+Mask polarity: torch.nn's masks say True = NOT allowed (bool attn_mask) and True = padding (bool
+key_padding_mask); float masks are added.  The functional ops take SDPA polarity for attn_mask
+(True = takes part), so the modules invert bool attention masks once, here.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+
+class InputError(ValueError, AssertionError):
+    """A malformed module input (torch raises AssertionError for these)."""
+
+
+class InputRuntimeError(ValueError, RuntimeError):
+    """A malformed module input (torch raises RuntimeError for these)."""
+
+
+class MaskTypeError(TypeError, AssertionError):
+    """A mask of a dtype torch rejects (neither bool nor floating point)."""
+
+
+def check_mask_kind(mask, name: str, other=None, other_name: str = "") -> None:
+    """torch's ``F._canonical_mask`` checks: bool or floating point; a mismatch of the two masks'
+    dtypes is deprecated (warned) but accepted."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not torch.is_floating_point(mask):
+        raise MaskTypeError(f"only bool and floating types of {name} are supported; got {mask.dtype}")
+    if other is not None and isinstance(other, torch.Tensor) and other.dtype != mask.dtype:
+        warnings.warn(
+            f"Support for mismatched {name} and {other_name} is deprecated. Use same type for "
+            "both instead.",
+            stacklevel=3,
+        )
+
+
+def to_additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """torch.nn polarity -> additive float (bool True = not allowed -> -inf), as torch's
+    ``_canonical_mask``."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
+
+
+def canonical_pair(mask, key_padding_mask, dtype, mask_name, kpm_name):
+    """Check both masks as torch does.  When their dtypes differ (deprecated in torch, which then
+    turns both into float masks) both become additive, so that the layers below see one kind
+    and do not warn again; otherwise they pass through unchanged (bool stays bool: cheaper)."""
+    check_mask_kind(key_padding_mask, kpm_name, mask, mask_name)
+    check_mask_kind(mask, mask_name)
+    if mask is not None and key_padding_mask is not None and mask.dtype != key_padding_mask.dtype:
+        return to_additive(mask, dtype), to_additive(key_padding_mask, dtype)
+    return mask, key_padding_mask
+
+
+def square_subsequent_mask(sz: int, device=None, dtype=None) -> torch.Tensor:
+    """torch.nn.Transformer.generate_square_subsequent_mask: -inf above the diagonal, 0 elsewhere."""
+    return torch.triu(torch.full((sz, sz), float("-inf"), dtype=dtype, device=device), diagonal=1)
+
+
+def seq_len(src: torch.Tensor, batch_first: bool) -> int | None:
+    """torch's ``_get_seq_len``."""
+    if src.is_nested:
+        return None
+    if src.dim() == 2:
+        return src.shape[0]
+    return src.shape[1 if batch_first else 0]
+
+
+def detect_is_causal_mask(mask, is_causal=None, size=None) -> bool:
+    """torch's ``_detect_is_causal_mask``: an explicit hint wins; with ``is_causal=None`` a mask
+    equal to the square subsequent mask counts as causal.  Bool masks (True = not allowed) are
+    compared with their float meaning, as torch compares them after ``_canonical_mask``.  Like
+    torch this reads the mask's values (a host sync on a GPU); pass ``is_causal`` to avoid it."""
+    make_causal = is_causal is True
+    if is_causal is None and mask is not None:
+        sz = size if size is not None else mask.size(-2)
+        if tuple(mask.shape) != (sz, sz):
+            return False
+        if mask.dtype == torch.bool:
+            causal = torch.ones(sz, sz, dtype=torch.bool, device=mask.device).triu_(1)
+        else:
+            causal = square_subsequent_mask(sz, device=mask.device, dtype=mask.dtype)
+        make_causal = bool((mask == causal).all())
+    return make_causal
+
+
+def fused_activation(activation) -> str | None:
+    """The functional.feed_forward name of an activation torch's layers accept, or None when
+    it is some other callable (which then runs unfused)."""
+    if activation is F.relu or isinstance(activation, torch.nn.ReLU):
+        return "relu"
+    if activation is F.gelu:
+        return "gelu"
+    if isinstance(activation, torch.nn.GELU):
+        return "gelu" if activation.approximate == "none" else "gelu_tanh"
+    func = getattr(activation, "func", None)  # functools.partial(F.gelu, approximate="tanh")
+    if func is F.gelu and not getattr(activation, "args", ()):
+        approximate = activation.keywords.get("approximate", "none")
+        if set(activation.keywords) <= {"approximate"} and approximate in ("none", "tanh"):
+            return "gelu" if approximate == "none" else "gelu_tanh"
+    return None
+
+
+def activation_from_string(activation: str):
+    """torch's ``_get_activation_fn``."""
+    if activation == "relu":
+        return F.relu
+    if activation == "gelu":
+        return F.gelu
+    raise RuntimeError(f"activation should be relu/gelu, not {activation}")
+
+
+def dropout_p(module) -> float | None:
+    """The rate a torch.nn.Dropout applies now (0 in eval); None when it is not a plain Dropout
+    (a replaced module is called as is, unfused)."""
+    if type(module) is not torch.nn.Dropout:
+        return None
+    return float(module.p) if module.training else 0.0
+
+
+def has_hooks(root: torch.nn.Module) -> bool:
+    """Any forward (pre-)hook on ``root`` or below: the fused path would skip them, so the
+    layers then call their submodules one by one (torch's fast path makes the same check)."""
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in root.modules())
+
+
+def backend_for(op: str) -> str | None:
+    """The ``backend=`` a module passes to a functional op.
+
+    Modules follow ``transformer_fast.use_backend`` / TRANSFORMER_FAST_BACKEND (None lets the
+    functional op read them).  A layer runs several ops, and a backend need not implement all of
+    them (e.g. the C++ ``cpu`` backend has add_layer_norm but no attention yet): such an op runs
+    on ``auto`` instead of failing the whole layer.  An op the backend implements but cannot run
+    on these inputs still raises, as an explicit choice should."""
+    from .. import backends
+
+    name = backends.requested_backend()
+    if name != "auto" and name not in backends.implemented_backends(op):
+        return "auto"
+    return None

@@ -1,0 +1,365 @@
+"""MultiheadAttention: torch.nn.MultiheadAttention's interface on the fused functional ops.
+
+Same constructor, parameters (names, shapes, init), state_dict and forward (arguments, mask
+rules, return values) as the installed torch.  The forward differs in how it computes:
+
+* self-attention (query is key is value) runs ONE in-projection GEMM; q, k and v are strided
+  views of its output, ``(.., 3, H, D)`` permuted to ``(B, H, L, D)``, passed straight to
+  functional.scaled_dot_product_attention (the kernels read strides; nothing is copied).
+  Encoder-decoder attention (key is value) runs one GEMM for q and one for k/v together.
+* need_weights=False -> functional.scaled_dot_product_attention (flash attention: the scores
+  are never materialised); need_weights=True -> the scores are materialised once and go
+  through functional.masked_softmax (fused scale + mask + softmax + dropout).
+* masks are handed to the kernels as given (bool stays bool, a 2-D mask stays 2-D and is
+  broadcast), instead of torch's conversion of every mask to a float tensor per head.
+
+Documented differences from torch (results are otherwise the same up to rounding):
+* A query row whose keys are all masked gives zeros (zero gradients), where torch's
+  need_weights=True path gives NaN (and its SDPA paths NaN or zeros, depending on the kernel).
+* ``is_causal=True`` is taken as true: the causal mask is applied and ``attn_mask`` is not read.
+  torch does the same without key_padding_mask and with need_weights=False, and otherwise reads
+  ``attn_mask``; the two agree whenever the hint is correct, which torch requires of it.
+* The output of a batch_first module is contiguous (torch returns a transposed view).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.modules.module import Module
+from torch.nn.parameter import Parameter
+
+from .. import functional as tf_functional
+from .. import masks as tf_masks
+from ._semantics import InputError, InputRuntimeError, backend_for, check_mask_kind
+
+__all__ = ["MultiheadAttention"]
+
+
+class MultiheadAttention(Module):
+    """Drop-in for torch.nn.MultiheadAttention (see the module docstring for what is fused)."""
+
+    __constants__ = ["batch_first"]
+    bias_k: torch.Tensor | None
+    bias_v: torch.Tensor | None
+
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        dropout=0.0,
+        bias=True,
+        add_bias_kv=False,
+        add_zero_attn=False,
+        kdim=None,
+        vdim=None,
+        batch_first=False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(
+                f"embed_dim and num_heads must be greater than 0,"
+                f" got embed_dim={embed_dim} and num_heads={num_heads} instead"
+            )
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        if self.head_dim * num_heads != self.embed_dim:
+            raise AssertionError("embed_dim must be divisible by num_heads")
+
+        # Parameters created in torch's order, so that the same seed gives the same init.
+        if not self._qkv_same_embed_dim:
+            self.q_proj_weight = Parameter(torch.empty((embed_dim, embed_dim), **factory_kwargs))
+            self.k_proj_weight = Parameter(torch.empty((embed_dim, self.kdim), **factory_kwargs))
+            self.v_proj_weight = Parameter(torch.empty((embed_dim, self.vdim), **factory_kwargs))
+            self.register_parameter("in_proj_weight", None)
+        else:
+            self.in_proj_weight = Parameter(torch.empty((3 * embed_dim, embed_dim), **factory_kwargs))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+
+        if bias:
+            self.in_proj_bias = Parameter(torch.empty(3 * embed_dim, **factory_kwargs))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory_kwargs)
+
+        if add_bias_kv:
+            self.bias_k = Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
+            self.bias_v = Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
+        else:
+            self.bias_k = self.bias_v = None
+
+        self.add_zero_attn = add_zero_attn
+
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        if self._qkv_same_embed_dim:
+            xavier_uniform_(self.in_proj_weight)
+        else:
+            xavier_uniform_(self.q_proj_weight)
+            xavier_uniform_(self.k_proj_weight)
+            xavier_uniform_(self.v_proj_weight)
+
+        if self.in_proj_bias is not None:
+            constant_(self.in_proj_bias, 0.0)
+            constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            xavier_normal_(self.bias_k)
+        if self.bias_v is not None:
+            xavier_normal_(self.bias_v)
+
+    def __setstate__(self, state):
+        # Checkpoints pickled by torch 1.1 lack this flag (as in torch).
+        if "_qkv_same_embed_dim" not in state:
+            state["_qkv_same_embed_dim"] = True
+        super().__setstate__(state)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention of ``query`` over ``key``/``value``; torch.nn.MultiheadAttention.forward's
+        arguments, shapes, mask conventions and return values.
+
+        Shapes (E = embed_dim): query (L, N, E), or (N, L, E) with batch_first, or (L, E)
+        unbatched; key/value likewise with S and kdim/vdim.  key_padding_mask (N, S) ((S,)
+        unbatched): bool True = padding, float added.  attn_mask (L, S) or (N * num_heads, L, S)
+        ((num_heads, L, S) unbatched): bool True = NOT allowed, float added.
+
+        Returns ``(attn_output, attn_weights)``: attn_output shaped like query; attn_weights
+        None unless need_weights, else (N, L, S) averaged over heads or (N, num_heads, L, S)
+        (without N when unbatched), after attention dropout as torch's.
+        """
+        check_mask_kind(key_padding_mask, "key_padding_mask", attn_mask, "attn_mask")
+        check_mask_kind(attn_mask, "attn_mask")
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise InputError(
+                "MultiheadAttention (transformer_fast) does not take NestedTensor inputs; pass a "
+                "padded tensor and key_padding_mask (the kernels skip padded keys)"
+            )
+        if is_causal and attn_mask is None:
+            raise InputRuntimeError(
+                "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
+                "module method `generate_square_subsequent_mask` to create this mask."
+            )
+        is_batched = self._check_shapes(query, key, value, key_padding_mask)
+        seq_dim = (1 if self.batch_first else 0) if is_batched else 0
+        tgt_len, src_len = query.shape[seq_dim], key.shape[seq_dim]
+        bsz = query.shape[1 - seq_dim] if is_batched else 1
+        num_heads, head_dim = self.num_heads, self.head_dim
+
+        # torch drops attn_mask (and checks nothing about it) exactly in this case.
+        use_attn_mask = not (is_causal and key_padding_mask is None and not need_weights)
+        if attn_mask is not None and use_attn_mask:
+            self._check_attn_mask(attn_mask, is_batched, bsz, tgt_len, src_len)
+
+        q, k, v = self._in_projection(query, key, value)  # each (.., H, D) in the input layout
+        q, k, v = (self._heads(t, is_batched) for t in (q, k, v))  # (N, H, L|S, D) views
+
+        extra = 0  # keys appended by add_bias_kv / add_zero_attn
+        if self.bias_k is not None or self.bias_v is not None:
+            if self.bias_k is None or self.bias_v is None:
+                raise AssertionError("bias_k and bias_v must be set together")
+            # (1, 1, E) -> (N, H, 1, D): one more key/value at the end of every sequence.
+            bk = self.bias_k.reshape(1, num_heads, 1, head_dim).expand(bsz, -1, -1, -1)
+            bv = self.bias_v.reshape(1, num_heads, 1, head_dim).expand(bsz, -1, -1, -1)
+            k, v = torch.cat([k, bk], dim=2), torch.cat([v, bv], dim=2)
+            extra += 1
+        if self.add_zero_attn:
+            zeros = k.new_zeros((bsz, num_heads, 1, head_dim))
+            k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
+            extra += 1
+
+        mask = None
+        if attn_mask is not None and not is_causal:
+            mask = self._sdpa_attn_mask(attn_mask, is_batched, bsz, tgt_len, src_len, q.dtype, extra)
+        padding = None
+        if key_padding_mask is not None:
+            padding = key_padding_mask if is_batched else key_padding_mask.unsqueeze(0)  # (N, S)
+            if padding.is_floating_point() and padding.dtype not in (q.dtype, torch.float32):
+                padding = padding.to(q.dtype)
+            if extra:  # the appended keys are not padding
+                padding = F.pad(padding, (0, extra), value=False if padding.dtype == torch.bool else 0.0)
+
+        dropout_p = float(self.dropout) if self.training else 0.0
+        weights = None
+        if not need_weights:
+            out = tf_functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=bool(is_causal),
+                key_padding_mask=padding, backend=backend_for("scaled_dot_product_attention"),
+            )  # (N, H, L, D)
+        else:
+            scores = torch.matmul(q, k.transpose(-2, -1))  # (N, H, L, S + extra)
+            merged = tf_masks.combine(
+                mask, False, padding, tgt_len, scores.shape[-1], 4, q.dtype, q.device
+            )
+            probs = tf_functional.masked_softmax(
+                scores, merged, scale=1.0 / math.sqrt(head_dim), is_causal=bool(is_causal),
+                dropout_p=dropout_p, backend=backend_for("masked_softmax"),
+            )
+            out = torch.matmul(probs, v)  # (N, H, L, D)
+            weights = probs.mean(dim=1) if average_attn_weights else probs
+            if not is_batched:
+                weights = weights.squeeze(0)
+
+        # Merge heads back into the input layout: the one copy of the forward (the kernels write
+        # (N, H, L, D); the out-projection needs (.., H * D) rows).
+        if not is_batched:
+            merged_out = out[0].transpose(0, 1).reshape(tgt_len, self.embed_dim)
+        elif self.batch_first:
+            merged_out = out.transpose(1, 2).reshape(bsz, tgt_len, self.embed_dim)
+        else:
+            merged_out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)
+        attn_output = F.linear(merged_out, self.out_proj.weight, self.out_proj.bias)
+        return attn_output, weights
+
+    # ---- helpers
+
+    def _check_shapes(self, query, key, value, key_padding_mask) -> bool:
+        """torch's _mha_shape_check plus the embedding checks; returns is_batched."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if query.dim() == 3:
+            if key.dim() != 3 or value.dim() != 3:
+                raise InputError(
+                    "For batched (3-D) `query`, expected `key` and `value` to be 3-D"
+                    f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
+                )
+            if key_padding_mask is not None and key_padding_mask.dim() != 2:
+                raise InputError(
+                    "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D"
+                    f" but found {key_padding_mask.dim()}-D tensor instead"
+                )
+            is_batched = True
+        elif query.dim() == 2:
+            if key.dim() != 2 or value.dim() != 2:
+                raise InputError(
+                    "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D"
+                    f" but found {key.dim()}-D and {value.dim()}-D tensors respectively"
+                )
+            if key_padding_mask is not None and key_padding_mask.dim() != 1:
+                raise InputError(
+                    "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D"
+                    f" but found {key_padding_mask.dim()}-D tensor instead"
+                )
+            is_batched = False
+        else:
+            raise InputError(
+                "query should be unbatched 2D or batched 3D tensor but received "
+                f"{query.dim()}-D query tensor"
+            )
+        if query.shape[-1] != self.embed_dim:
+            raise InputError(
+                f"was expecting embedding dimension of {self.embed_dim}, but got {query.shape[-1]} "
+                f"(query shape {tuple(query.shape)})"
+            )
+        if key.shape[-1] != self.kdim or value.shape[-1] != self.vdim:
+            raise InputError(
+                f"key and value must have kdim={self.kdim} and vdim={self.vdim} features; got key "
+                f"{tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+        if key.shape[:-1] != value.shape[:-1]:
+            raise InputError(
+                f"key's sequence and batch dims {tuple(key.shape[:-1])} do not match value's "
+                f"{tuple(value.shape[:-1])}"
+            )
+        if is_batched:
+            bdim = 0 if self.batch_first else 1
+            if key.shape[bdim] != query.shape[bdim]:
+                raise InputError(
+                    f"key must have query's batch size {query.shape[bdim]} (dim {bdim}); got "
+                    f"key {tuple(key.shape)}, query {tuple(query.shape)}"
+                )
+        if key_padding_mask is not None:
+            seq_dim = (1 if self.batch_first else 0) if is_batched else 0
+            expected = (key.shape[1 - seq_dim], key.shape[seq_dim]) if is_batched else (key.shape[0],)
+            if tuple(key_padding_mask.shape) != expected:
+                raise InputError(
+                    f"key_padding_mask must have shape {expected} (batch, key length); got "
+                    f"{tuple(key_padding_mask.shape)}"
+                )
+        return is_batched
+
+    def _check_attn_mask(self, attn_mask, is_batched, bsz, tgt_len, src_len) -> None:
+        if attn_mask.dim() == 2:
+            if tuple(attn_mask.shape) != (tgt_len, src_len):
+                raise InputRuntimeError(
+                    f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be "
+                    f"{(tgt_len, src_len)}."
+                )
+        elif attn_mask.dim() == 3:
+            expected = (bsz * self.num_heads, tgt_len, src_len)
+            if tuple(attn_mask.shape) != expected:
+                cls = InputRuntimeError if is_batched else InputError
+                raise cls(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {expected}.")
+        else:
+            raise InputError(
+                "expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                f"{attn_mask.dim()}-D tensor instead"
+            )
+
+    def _in_projection(self, query, key, value):
+        """q, k, v projections, each (.., num_heads, head_dim) in the input's own layout."""
+        e, h, d = self.embed_dim, self.num_heads, self.head_dim
+        b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight
+            if query is key and key is value:
+                # One GEMM; q/k/v are views of its output (.., 3, H, D).
+                proj = F.linear(query, w, b).unflatten(-1, (3, h, d))
+                return proj.select(-3, 0), proj.select(-3, 1), proj.select(-3, 2)
+            wq, wk, wv = w.chunk(3)
+            q = F.linear(query, wq, bq).unflatten(-1, (h, d))
+            if key is value:  # encoder-decoder attention: k and v from one GEMM
+                kv = F.linear(key, w[e:], None if b is None else b[e:]).unflatten(-1, (2, h, d))
+                return q, kv.select(-3, 0), kv.select(-3, 1)
+            k = F.linear(key, wk, bk).unflatten(-1, (h, d))
+            v = F.linear(value, wv, bv).unflatten(-1, (h, d))
+            return q, k, v
+        q = F.linear(query, self.q_proj_weight, bq).unflatten(-1, (h, d))
+        k = F.linear(key, self.k_proj_weight, bk).unflatten(-1, (h, d))
+        v = F.linear(value, self.v_proj_weight, bv).unflatten(-1, (h, d))
+        return q, k, v
+
+    def _heads(self, t, is_batched):
+        """(.., H, D) projection in the input layout -> (N, H, L, D) view (no copy)."""
+        if not is_batched:
+            return t.unsqueeze(0).transpose(1, 2)  # (L, H, D) -> (1, H, L, D)
+        if self.batch_first:
+            return t.transpose(1, 2)  # (N, L, H, D) -> (N, H, L, D)
+        return t.permute(1, 2, 0, 3)  # (L, N, H, D) -> (N, H, L, D)
+
+    def _sdpa_attn_mask(self, attn_mask, is_batched, bsz, tgt_len, src_len, dtype, extra):
+        """torch.nn polarity -> SDPA polarity, broadcastable to (N, H, L, S + extra)."""
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask.logical_not()  # True = takes part
+        else:
+            mask = attn_mask if attn_mask.dtype in (dtype, torch.float32) else attn_mask.to(dtype)
+        if mask.dim() == 3:  # (N * H, L, S) -> (N, H, L, S)
+            mask = mask.reshape(bsz, self.num_heads, tgt_len, src_len)
+        if extra:  # the appended keys take part
+            mask = F.pad(mask, (0, extra), value=True if mask.dtype == torch.bool else 0.0)
+        return mask

@@ -1,0 +1,580 @@
+"""Transformer layers and stacks: torch.nn's interfaces on the fused functional ops.
+
+TransformerEncoderLayer, TransformerDecoderLayer, TransformerEncoder, TransformerDecoder and
+Transformer have torch's constructor and forward signatures, attributes, submodule names
+(self_attn, multihead_attn, linear1, linear2, norm1..3, dropout*, layers.N, encoder.norm,
+decoder.norm), init and state_dict.  Inside a layer:
+
+* attention: our MultiheadAttention (one QKV GEMM viewed into the flash-attention kernel);
+* residual-add + dropout + LayerNorm: one functional.add_layer_norm call.  Post-LN:
+  ``add_layer_norm(sublayer_out, residual)``; pre-LN: ``add_layer_norm(..., prenorm=True)``
+  returns the next sublayer's normed input and the running residual from one kernel, and the
+  encoder/decoder stacks also fuse each layer's last residual-add with the NEXT layer's norm1
+  (or the stack's final norm);
+* FFN: functional.feed_forward when the activation is relu / gelu / tanh-gelu (F.relu, F.gelu,
+  nn.ReLU, nn.GELU, "relu", "gelu"); any other callable runs unfused.
+
+The fused path is taken when the submodules are the standard ones (nn.Linear, a 1-D LayerNorm,
+nn.Dropout), no forward hooks are registered below the module and autocast is off; otherwise
+the layer calls its submodules exactly as torch's slow path does.  Dropout follows each Dropout
+submodule's ``p`` and ``training`` (0 in eval).
+
+Differences from torch: see MultiheadAttention (fully masked rows -> zeros; is_causal trusted).
+The encoder never converts its input to a NestedTensor (``enable_nested_tensor`` is accepted
+and recorded): torch's inference fast path returns zeros at padded positions, ours returns what
+torch's training path returns there.
+"""
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.init import xavier_uniform_
+from torch.nn.modules.container import ModuleList
+from torch.nn.modules.dropout import Dropout
+from torch.nn.modules.linear import Linear
+from torch.nn.modules.module import Module
+
+from .. import functional as tf_functional
+from . import _semantics as sem
+from .activation import MultiheadAttention
+from .normalization import LayerNorm
+
+__all__ = [
+    "Transformer",
+    "TransformerEncoder",
+    "TransformerDecoder",
+    "TransformerEncoderLayer",
+    "TransformerDecoderLayer",
+]
+
+
+def _get_clones(module, N):
+    return ModuleList([copy.deepcopy(module) for _ in range(N)])
+
+
+# --------------------------------------------------------------------------------------------
+# Fused building blocks shared by the layers
+
+
+def _norm_fusable(norm, x) -> bool:
+    """A LayerNorm (ours or torch's) over x's last dimension with parameters the fused kernel
+    takes (x's dtype or float32)."""
+    if type(norm) not in (LayerNorm, torch.nn.LayerNorm):
+        return False
+    if tuple(norm.normalized_shape) != (x.shape[-1],):
+        return False
+    return all(p is None or p.dtype in (x.dtype, torch.float32) for p in (norm.weight, norm.bias))
+
+
+def _add_norm(sub, residual, norm, p, prenorm=False):
+    """norm(residual + dropout_p(sub)) in one kernel (and the sum when prenorm)."""
+    return tf_functional.add_layer_norm(
+        sub, residual, norm.weight, norm.bias, norm.eps, dropout_p=p, prenorm=prenorm,
+        backend=sem.backend_for("add_layer_norm"),
+    )
+
+
+def _layer_norm(x, norm):
+    """A standalone norm (the first pre-LN norm of a stack): nothing to fuse it with."""
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def _residual_out(f, x, p, next_norm):
+    """The last residual-add of a pre-LN layer: ``x + dropout(f)``, fused with the next layer's
+    norm when there is one.  Returns (x_out, normed x_out or None)."""
+    if next_norm is None:
+        return x + (F.dropout(f, p) if p > 0.0 else f), None
+    normed, summed = _add_norm(f, x, next_norm, p, prenorm=True)
+    return summed, normed
+
+
+class _FusedFFN:
+    """The FFN of a layer (linear1 -> activation -> dropout -> linear2) on functional.feed_forward,
+    mixed into the layer classes."""
+
+    def _ffn(self, x, p):
+        name = sem.fused_activation(self.activation)
+        if name is None:
+            hidden = self.activation(F.linear(x, self.linear1.weight, self.linear1.bias))
+            if p > 0.0:
+                hidden = F.dropout(hidden, p)
+            return F.linear(hidden, self.linear2.weight, self.linear2.bias)
+        return tf_functional.feed_forward(
+            x, self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias,
+            activation=name, dropout_p=p, backend=sem.backend_for("feed_forward"),
+        )
+
+    def _fusable(self, x, norms, dropouts, check_hooks=True) -> bool:
+        if torch.is_autocast_enabled(x.device.type):  # autocast mixes dtypes: torch's path
+            return False
+        if not all(isinstance(m, Linear) for m in (self.linear1, self.linear2)):
+            return False
+        if not all(sem.dropout_p(d) is not None for d in dropouts):
+            return False
+        if not all(_norm_fusable(n, x) for n in norms):
+            return False
+        return not (check_hooks and sem.has_hooks(self))
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+
+
+class TransformerEncoderLayer(_FusedFFN, Module):
+    """Drop-in for torch.nn.TransformerEncoderLayer (self-attention + FFN, post- or pre-LN)."""
+
+    __constants__ = ["norm_first"]
+
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[Tensor], Tensor] = F.relu,
+        layer_norm_eps: float = 1e-5,
+        batch_first: bool = False,
+        norm_first: bool = False,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.self_attn = MultiheadAttention(
+            d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first, **factory_kwargs
+        )
+        self.linear1 = Linear(d_model, dim_feedforward, bias=bias, **factory_kwargs)
+        self.dropout = Dropout(dropout)
+        self.linear2 = Linear(dim_feedforward, d_model, bias=bias, **factory_kwargs)
+
+        self.norm_first = norm_first
+        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory_kwargs)
+        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory_kwargs)
+        self.dropout1 = Dropout(dropout)
+        self.dropout2 = Dropout(dropout)
+
+        if isinstance(activation, str):
+            activation = sem.activation_from_string(activation)
+        # torch's flag (read by torch's fast path and by code inspecting layers).
+        if activation is F.relu or isinstance(activation, torch.nn.ReLU):
+            self.activation_relu_or_gelu = 1
+        elif activation is F.gelu or isinstance(activation, torch.nn.GELU):
+            self.activation_relu_or_gelu = 2
+        else:
+            self.activation_relu_or_gelu = 0
+        self.activation = activation
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if not hasattr(self, "activation"):
+            self.activation = F.relu
+
+    def forward(
+        self,
+        src: Tensor,
+        src_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        """torch.nn.TransformerEncoderLayer.forward: src (S, N, E) / (N, S, E) batch_first /
+        (S, E); src_mask (S, S) or (N * nhead, S, S) (bool True = not allowed, float added);
+        src_key_padding_mask (N, S) (True = padding); is_causal: src_mask is causal (hint)."""
+        src_mask, src_key_padding_mask = sem.canonical_pair(
+            src_mask, src_key_padding_mask, src.dtype, "src_mask", "src_key_padding_mask"
+        )
+        if self._can_fuse(src):
+            out, _ = self._fused(src, src_mask, src_key_padding_mask, is_causal)
+            return out
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+            x = x + self._ff_block(self.norm2(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+            x = self.norm2(x + self._ff_block(x))
+        return x
+
+    def _can_fuse(self, x, check_hooks=True) -> bool:
+        return self._fusable(
+            x, (self.norm1, self.norm2), (self.dropout, self.dropout1, self.dropout2), check_hooks
+        )
+
+    def _fused(self, x, mask, padding, is_causal, normed=None, next_norm=None):
+        """One layer on the fused ops.  Pre-LN: ``normed`` is norm1(x) when the previous layer
+        already computed it; with ``next_norm`` the last residual-add also applies it.
+        Returns (out, next_norm(out) or None)."""
+        p, p1, p2 = (sem.dropout_p(d) for d in (self.dropout, self.dropout1, self.dropout2))
+        if self.norm_first:
+            h = _layer_norm(x, self.norm1) if normed is None else normed
+            a = self.self_attn(h, h, h, attn_mask=mask, key_padding_mask=padding,
+                               need_weights=False, is_causal=is_causal)[0]
+            h, x = _add_norm(a, x, self.norm2, p1, prenorm=True)
+            return _residual_out(self._ffn(h, p), x, p2, next_norm)
+        a = self.self_attn(x, x, x, attn_mask=mask, key_padding_mask=padding,
+                           need_weights=False, is_causal=is_causal)[0]
+        x = _add_norm(a, x, self.norm1, p1)
+        return _add_norm(self._ffn(x, p), x, self.norm2, p2), None
+
+    # torch's slow-path blocks (used when the layer cannot fuse)
+    def _sa_block(self, x, attn_mask, key_padding_mask, is_causal=False):
+        x = self.self_attn(x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                           need_weights=False, is_causal=is_causal)[0]
+        return self.dropout1(x)
+
+    def _ff_block(self, x):
+        x = self.linear2(self.dropout(self.activation(self.linear1(x))))
+        return self.dropout2(x)
+
+
+class TransformerDecoderLayer(_FusedFFN, Module):
+    """Drop-in for torch.nn.TransformerDecoderLayer (self-attention, cross-attention, FFN)."""
+
+    __constants__ = ["norm_first"]
+
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[Tensor], Tensor] = F.relu,
+        layer_norm_eps: float = 1e-5,
+        batch_first: bool = False,
+        norm_first: bool = False,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.self_attn = MultiheadAttention(
+            d_model, nhead, dropout=dropout, batch_first=batch_first, bias=bias, **factory_kwargs
+        )
+        self.multihead_attn = MultiheadAttention(
+            d_model, nhead, dropout=dropout, batch_first=batch_first, bias=bias, **factory_kwargs
+        )
+        self.linear1 = Linear(d_model, dim_feedforward, bias=bias, **factory_kwargs)
+        self.dropout = Dropout(dropout)
+        self.linear2 = Linear(dim_feedforward, d_model, bias=bias, **factory_kwargs)
+
+        self.norm_first = norm_first
+        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory_kwargs)
+        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory_kwargs)
+        self.norm3 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory_kwargs)
+        self.dropout1 = Dropout(dropout)
+        self.dropout2 = Dropout(dropout)
+        self.dropout3 = Dropout(dropout)
+
+        if isinstance(activation, str):
+            self.activation = sem.activation_from_string(activation)
+        else:
+            self.activation = activation
+
+    def __setstate__(self, state):
+        if "activation" not in state:
+            state["activation"] = F.relu
+        super().__setstate__(state)
+
+    def forward(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_is_causal: bool = False,
+        memory_is_causal: bool = False,
+    ) -> Tensor:
+        """torch.nn.TransformerDecoderLayer.forward (masks as torch's: bool True = not allowed /
+        padding, float added; *_is_causal: hints that the mask is causal)."""
+        if self._can_fuse(tgt):
+            out, _ = self._fused(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                 memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+            return out
+        x = tgt
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), tgt_mask, tgt_key_padding_mask, tgt_is_causal)
+            x = x + self._mha_block(self.norm2(x), memory, memory_mask, memory_key_padding_mask,
+                                    memory_is_causal)
+            x = x + self._ff_block(self.norm3(x))
+        else:
+            x = self.norm1(x + self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal))
+            x = self.norm2(x + self._mha_block(x, memory, memory_mask, memory_key_padding_mask,
+                                               memory_is_causal))
+            x = self.norm3(x + self._ff_block(x))
+        return x
+
+    def _can_fuse(self, x, check_hooks=True) -> bool:
+        return self._fusable(
+            x, (self.norm1, self.norm2, self.norm3),
+            (self.dropout, self.dropout1, self.dropout2, self.dropout3), check_hooks,
+        )
+
+    def _fused(self, x, memory, tgt_mask, memory_mask, tgt_padding, memory_padding,
+               tgt_is_causal, memory_is_causal, normed=None, next_norm=None):
+        """One layer on the fused ops; ``normed`` / ``next_norm`` as the encoder layer's."""
+        p, p1, p2, p3 = (
+            sem.dropout_p(d) for d in (self.dropout, self.dropout1, self.dropout2, self.dropout3)
+        )
+        if self.norm_first:
+            h = _layer_norm(x, self.norm1) if normed is None else normed
+            a = self.self_attn(h, h, h, attn_mask=tgt_mask, key_padding_mask=tgt_padding,
+                               is_causal=tgt_is_causal, need_weights=False)[0]
+            h, x = _add_norm(a, x, self.norm2, p1, prenorm=True)
+            c = self.multihead_attn(h, memory, memory, attn_mask=memory_mask,
+                                    key_padding_mask=memory_padding, is_causal=memory_is_causal,
+                                    need_weights=False)[0]
+            h, x = _add_norm(c, x, self.norm3, p2, prenorm=True)
+            return _residual_out(self._ffn(h, p), x, p3, next_norm)
+        a = self.self_attn(x, x, x, attn_mask=tgt_mask, key_padding_mask=tgt_padding,
+                           is_causal=tgt_is_causal, need_weights=False)[0]
+        x = _add_norm(a, x, self.norm1, p1)
+        c = self.multihead_attn(x, memory, memory, attn_mask=memory_mask,
+                                key_padding_mask=memory_padding, is_causal=memory_is_causal,
+                                need_weights=False)[0]
+        x = _add_norm(c, x, self.norm2, p2)
+        return _add_norm(self._ffn(x, p), x, self.norm3, p3), None
+
+    # torch's slow-path blocks (used when the layer cannot fuse)
+    def _sa_block(self, x, attn_mask, key_padding_mask, is_causal=False):
+        x = self.self_attn(x, x, x, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                           is_causal=is_causal, need_weights=False)[0]
+        return self.dropout1(x)
+
+    def _mha_block(self, x, mem, attn_mask, key_padding_mask, is_causal=False):
+        x = self.multihead_attn(x, mem, mem, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                                is_causal=is_causal, need_weights=False)[0]
+        return self.dropout2(x)
+
+    def _ff_block(self, x):
+        x = self.linear2(self.dropout(self.activation(self.linear1(x))))
+        return self.dropout3(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Stacks
+
+
+def _chainable(stack, layer_cls, x) -> bool:
+    """Whether a stack can run its pre-LN layers chained (each layer's last residual-add fused
+    with the next norm): all layers ours, pre-LN and fusable, the final norm fusable, no hooks."""
+    layers = list(stack.layers)
+    if not layers or not all(type(m) is layer_cls and m.norm_first for m in layers):
+        return False
+    if stack.norm is not None and not _norm_fusable(stack.norm, x):
+        return False
+    if sem.has_hooks(stack):
+        return False
+    return all(m._can_fuse(x, check_hooks=False) for m in layers)
+
+
+class TransformerEncoder(Module):
+    """Drop-in for torch.nn.TransformerEncoder (a stack of N encoder layers + optional norm)."""
+
+    __constants__ = ["norm"]
+
+    def __init__(
+        self,
+        encoder_layer: "TransformerEncoderLayer",
+        num_layers: int,
+        norm: Module | None = None,
+        enable_nested_tensor: bool = True,
+        mask_check: bool = True,
+    ) -> None:
+        super().__init__()
+        self.layers = _get_clones(encoder_layer, num_layers)
+        self.num_layers = num_layers
+        self.norm = norm
+        # Accepted and recorded for torch compatibility; padding is handled by the kernels
+        # (key_padding_mask), never by converting to a NestedTensor.
+        self.enable_nested_tensor = enable_nested_tensor
+        self.use_nested_tensor = False
+        self.mask_check = mask_check
+
+    def forward(
+        self,
+        src: Tensor,
+        mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        is_causal: bool | None = None,
+    ) -> Tensor:
+        """torch.nn.TransformerEncoder.forward.  ``is_causal=None`` detects a causal ``mask``
+        (comparing it with the square subsequent mask, as torch; pass the hint to skip that)."""
+        mask, src_key_padding_mask = sem.canonical_pair(
+            mask, src_key_padding_mask, src.dtype, "mask", "src_key_padding_mask"
+        )
+        if src.is_nested:
+            raise sem.InputError(
+                "TransformerEncoder (transformer_fast) does not take NestedTensor inputs; pass a "
+                "padded tensor and src_key_padding_mask"
+            )
+        seq_len = sem.seq_len(src, self.layers[0].self_attn.batch_first)
+        is_causal = sem.detect_is_causal_mask(mask, is_causal, seq_len)
+
+        if _chainable(self, TransformerEncoderLayer, src):
+            x, normed = src, None
+            n = len(self.layers)
+            for i, mod in enumerate(self.layers):
+                next_norm = self.layers[i + 1].norm1 if i + 1 < n else self.norm
+                x, normed = mod._fused(x, mask, src_key_padding_mask, is_causal, normed, next_norm)
+            return normed if self.norm is not None else x
+
+        output = src
+        for mod in self.layers:
+            output = mod(output, src_mask=mask, is_causal=is_causal,
+                         src_key_padding_mask=src_key_padding_mask)
+        if self.norm is not None:
+            output = self.norm(output)
+        return output
+
+
+class TransformerDecoder(Module):
+    """Drop-in for torch.nn.TransformerDecoder (a stack of N decoder layers + optional norm)."""
+
+    __constants__ = ["norm"]
+
+    def __init__(
+        self,
+        decoder_layer: "TransformerDecoderLayer",
+        num_layers: int,
+        norm: Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.layers = _get_clones(decoder_layer, num_layers)
+        self.num_layers = num_layers
+        self.norm = norm
+
+    def forward(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_is_causal: bool | None = None,
+        memory_is_causal: bool = False,
+    ) -> Tensor:
+        """torch.nn.TransformerDecoder.forward (``tgt_is_causal=None`` detects a causal tgt_mask)."""
+        seq_len = sem.seq_len(tgt, self.layers[0].self_attn.batch_first)
+        tgt_is_causal = sem.detect_is_causal_mask(tgt_mask, tgt_is_causal, seq_len)
+
+        if _chainable(self, TransformerDecoderLayer, tgt):
+            x, normed = tgt, None
+            n = len(self.layers)
+            for i, mod in enumerate(self.layers):
+                next_norm = self.layers[i + 1].norm1 if i + 1 < n else self.norm
+                x, normed = mod._fused(x, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                                       memory_key_padding_mask, tgt_is_causal, memory_is_causal,
+                                       normed, next_norm)
+            return normed if self.norm is not None else x
+
+        output = tgt
+        for mod in self.layers:
+            output = mod(output, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                         tgt_key_padding_mask=tgt_key_padding_mask,
+                         memory_key_padding_mask=memory_key_padding_mask,
+                         tgt_is_causal=tgt_is_causal, memory_is_causal=memory_is_causal)
+        if self.norm is not None:
+            output = self.norm(output)
+        return output
+
+
+class Transformer(Module):
+    """Drop-in for torch.nn.Transformer (encoder-decoder of "Attention Is All You Need")."""
+
+    def __init__(
+        self,
+        d_model: int = 512,
+        nhead: int = 8,
+        num_encoder_layers: int = 6,
+        num_decoder_layers: int = 6,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[Tensor], Tensor] = F.relu,
+        custom_encoder: Any | None = None,
+        custom_decoder: Any | None = None,
+        layer_norm_eps: float = 1e-5,
+        batch_first: bool = False,
+        norm_first: bool = False,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        if custom_encoder is not None:
+            self.encoder = custom_encoder
+        else:
+            encoder_layer = TransformerEncoderLayer(
+                d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
+                batch_first, norm_first, bias, **factory_kwargs,
+            )
+            encoder_norm = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory_kwargs)
+            self.encoder = TransformerEncoder(encoder_layer, num_encoder_layers, encoder_norm)
+
+        if custom_decoder is not None:
+            self.decoder = custom_decoder
+        else:
+            decoder_layer = TransformerDecoderLayer(
+                d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
+                batch_first, norm_first, bias, **factory_kwargs,
+            )
+            decoder_norm = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory_kwargs)
+            self.decoder = TransformerDecoder(decoder_layer, num_decoder_layers, decoder_norm)
+
+        self._reset_parameters()
+
+        self.d_model = d_model
+        self.nhead = nhead
+        self.batch_first = batch_first
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        src_is_causal: bool | None = None,
+        tgt_is_causal: bool | None = None,
+        memory_is_causal: bool = False,
+    ) -> Tensor:
+        """torch.nn.Transformer.forward: encode ``src``, decode ``tgt`` against it."""
+        is_batched = src.dim() == 3
+        if not self.batch_first and src.size(1) != tgt.size(1) and is_batched:
+            raise sem.InputRuntimeError("the batch number of src and tgt must be equal")
+        elif self.batch_first and src.size(0) != tgt.size(0) and is_batched:
+            raise sem.InputRuntimeError("the batch number of src and tgt must be equal")
+
+        if src.size(-1) != self.d_model or tgt.size(-1) != self.d_model:
+            raise sem.InputRuntimeError("the feature number of src and tgt must be equal to d_model")
+
+        memory = self.encoder(src, mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+                              is_causal=src_is_causal)
+        return self.decoder(tgt, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                            tgt_key_padding_mask=tgt_key_padding_mask,
+                            memory_key_padding_mask=memory_key_padding_mask,
+                            tgt_is_causal=tgt_is_causal, memory_is_causal=memory_is_causal)
+
+    @staticmethod
+    def generate_square_subsequent_mask(
+        sz: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """A (sz, sz) float mask: -inf above the diagonal (future positions), 0 elsewhere."""
+        return sem.square_subsequent_mask(sz, dtype=dtype, device=device)
+
+    def _reset_parameters(self) -> None:
+        for p in self.parameters():
+            if p.dim() > 1:
+                xavier_uniform_(p)

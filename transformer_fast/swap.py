@@ -1,0 +1,111 @@
+"""swap(model) / unswap(model): torch.nn's Transformer modules <-> transformer_fast.modules.
+
+Swapping is done in place by changing each module's class: our classes keep exactly torch's
+attributes, parameters, buffers and submodule names, so a module keeps its identity (references
+held elsewhere, optimizers, shared use in several places), its parameters (same tensors: device,
+dtype, requires_grad, gradients), hooks and train/eval mode, and only its forward changes.
+Only modules whose type is exactly one of torch's classes are swapped: a subclass may override
+forward or rely on torch internals, so it is left alone with a warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from . import modules as _ours
+
+_PAIRS = (
+    (torch.nn.MultiheadAttention, _ours.MultiheadAttention),
+    (torch.nn.LayerNorm, _ours.LayerNorm),
+    (torch.nn.TransformerEncoderLayer, _ours.TransformerEncoderLayer),
+    (torch.nn.TransformerDecoderLayer, _ours.TransformerDecoderLayer),
+    (torch.nn.TransformerEncoder, _ours.TransformerEncoder),
+    (torch.nn.TransformerDecoder, _ours.TransformerDecoder),
+    (torch.nn.Transformer, _ours.Transformer),
+)
+TORCH_TO_OURS = {t: o for t, o in _PAIRS}
+OURS_TO_TORCH = {o: t for t, o in _PAIRS}
+
+__all__ = ["swap", "unswap", "SwapReport"]
+
+
+@dataclasses.dataclass
+class SwapReport:
+    """What swap/unswap did.  ``swapped``: (qualified name, old class, new class) per module
+    (a module reachable under several names is changed once and listed under its first name;
+    the root is named ""); ``skipped``: (name, class, reason) for subclasses left alone."""
+
+    swapped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.swapped)
+
+    def counts(self) -> dict[str, int]:
+        """Number of swapped modules per original class name."""
+        out: dict[str, int] = {}
+        for _, old, _ in self.swapped:
+            out[old] = out.get(old, 0) + 1
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.swapped)} module(s) swapped"]
+        lines += [f"  {name or '<root>'}: {old} -> {new}" for name, old, new in self.swapped]
+        if self.skipped:
+            lines.append(f"{len(self.skipped)} left alone")
+            lines += [f"  {name or '<root>'}: {cls} ({why})" for name, cls, why in self.skipped]
+        return "\n".join(lines)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _convert(model: torch.nn.Module, table: dict, warn_subclasses: bool) -> SwapReport:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    report = SwapReport()
+    seen: set[int] = set()
+    # named_modules(remove_duplicate=False) visits every path, so a module shared by two parents
+    # is found under both names; `seen` changes it once.  The list is built before any class
+    # changes, so the traversal does not depend on the swap.
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        cls = type(module)
+        new_cls = table.get(cls)
+        if new_cls is not None:
+            module.__class__ = new_cls
+            report.swapped.append((name, _qualname(cls), _qualname(new_cls)))
+            continue
+        base = next((t for t in table if issubclass(cls, t)), None)
+        if base is not None:
+            why = f"subclass of {_qualname(base)}; it may override forward, so it is left alone"
+            report.skipped.append((name, _qualname(cls), why))
+            if warn_subclasses:
+                warnings.warn(
+                    f"transformer_fast.swap: {name or 'the model'} ({_qualname(cls)}) is a {why}",
+                    stacklevel=3,
+                )
+    return report
+
+
+def swap(model: torch.nn.Module) -> SwapReport:
+    """Replace, in place, every torch.nn.MultiheadAttention, LayerNorm, TransformerEncoderLayer,
+    TransformerDecoderLayer, TransformerEncoder, TransformerDecoder and Transformer inside
+    ``model`` (``model`` itself included) by transformer_fast's fused equivalent.
+
+    Parameters, buffers, device, dtype, requires_grad, hooks, train/eval mode and sharing are
+    kept (the module objects stay the same objects).  Subclasses of those torch classes are left
+    alone with a warning.  Returns a SwapReport; ``unswap(model)`` goes back.
+    """
+    return _convert(model, TORCH_TO_OURS, warn_subclasses=True)
+
+
+def unswap(model: torch.nn.Module) -> SwapReport:
+    """Turn every transformer_fast module inside ``model`` back into torch's class (in place;
+    also modules built directly from transformer_fast.modules).  Returns a SwapReport."""
+    return _convert(model, OURS_TO_TORCH, warn_subclasses=False)
