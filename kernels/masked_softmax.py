@@ -162,7 +162,8 @@ def _fwd_fused_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # dead row: exp2(-inf) = 0 everywhere, no NaN
     e = tl.exp2((s - m[:, None]) * LOG2E)
     l = tl.sum(e, axis=1)
-    inv = tl.where(l > 0.0, tl.div_rn(1.0, tl.where(l > 0.0, l, 1.0)), 0.0)
+    # l == 0 only for a dead row; a NaN l (NaN or +inf score) must stay NaN, as in the reference
+    inv = tl.where(l == 0.0, 0.0, tl.div_rn(1.0, tl.where(l == 0.0, 1.0, l)))
     p = e * inv[:, None]
 
     out_off = tl.multiple_of(rows.to(tl.int64) * Lk, ALIGN_O)[:, None] + cols
@@ -227,7 +228,8 @@ def _fwd_apply_kernel(
     m = tl.max(mk, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
     l = tl.sum(lk * tl.exp2((mk - m) * LOG2E), axis=0)
-    inv = tl.where(l > 0.0, tl.div_rn(1.0, tl.where(l > 0.0, l, 1.0)), 0.0)
+    # l == 0 only for a dead row; a NaN l (NaN or +inf score) must stay NaN, as in the reference
+    inv = tl.where(l == 0.0, 0.0, tl.div_rn(1.0, tl.where(l == 0.0, 1.0, l)))
 
     s_off, am_off = _row_offsets_1(row, H, Lq, s_sb, s_sh, s_sm, s_ab, s_ah, s_am,
                                    MASK_KIND, ALIGN_S, ALIGN_A)
