@@ -1,0 +1,106 @@
+"""``python -m benchmarks``: per-op and end-to-end benchmarks (DESIGN section 8).
+
+    python -m benchmarks --quick                       # a few shapes per op, minutes
+    python -m benchmarks                               # the full sweep
+    python -m benchmarks --op scaled_dot_product_attention --providers torch,triton --dtype bf16
+
+Writes results.json, results.md and PNG plots (ops.png, end_to_end.png) to --output, else to
+$OUT when set (as benchmarks/gpu_suite.sh), else benchmarks/results/<device-slug>/<date>-<commit>/.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import common, models, ops
+
+ALL_OPS = ops.OPS + models.MODEL_OPS
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", nargs="+", default=["all"], choices=ALL_OPS + ("all",),
+                   help="ops to run (default all)")
+    p.add_argument("--quick", action="store_true", help="a few shapes per op (minutes)")
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny shapes: tests
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None,
+                   help="comma list of float32/float16/bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--providers", default=None,
+                   help=f"comma list of {', '.join(ops.PROVIDERS)} (default: all that can run); "
+                        "end to end, torch selects torch.nn and ours:torch, <backend> selects ours:<backend>, "
+                        "and torch.nn / torch.nn+compile / ours:<backend> name one")
+    p.add_argument("--output", default=None, type=Path, help="output folder (default: $OUT, else "
+                   "benchmarks/results/<device-slug>/<date>-<commit>/)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    args = p.parse_args(argv)
+    args.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here", file=sys.stderr)
+        return 2
+    if args.dtype:
+        try:
+            dtypes = [common.DTYPES[d.strip()] for d in args.dtype.split(",")]
+        except KeyError as exc:
+            print(f"--dtype: unknown dtype {exc}; expected {', '.join(common.DTYPES)}", file=sys.stderr)
+            return 2
+    else:
+        dtypes = [torch.bfloat16 if device.type == "cuda" else torch.float32]
+    providers = list(ops.PROVIDERS)
+    provider_filter = None
+    if args.providers:
+        provider_filter = [p.strip() for p in args.providers.split(",") if p.strip()]
+        providers = [p for p in provider_filter if p in ops.PROVIDERS]
+    selected = list(ALL_OPS) if "all" in args.op else list(dict.fromkeys(args.op))
+    out_dir = args.output or common.default_output_dir(device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    start = time.perf_counter()
+    common.log(f"benchmarks: {common.device_name(device)}, {args.mode}, dtypes "
+               f"{', '.join(map(common.dtype_name, dtypes))}, ops {', '.join(selected)} -> {out_dir}")
+    peaks = common.measure_peaks(device, args.mode)
+    common.log(f"measured peaks: copy {peaks['copy_gbps']} GB/s, matmul {peaks['matmul_tflops']} TFLOP/s")
+
+    skipped: dict[tuple, str] = {}
+
+    def skip(provider, op, reasons):
+        key = (provider, op, "; ".join(reasons))
+        if key not in skipped:
+            line = f"{op}: skipping {provider}: {'; '.join(reasons)}"
+            skipped[key] = line
+            common.log(line)
+
+    rows: list[dict] = []
+    op_cases = [c for op in selected if op in ops.OPS for c in ops.cases(op, device, dtypes, args.mode)]
+    for case in common.progress(op_cases, "ops"):
+        rows += ops.run_case(case, providers, device, args.mode, peaks, skip)
+    model_ops = [op for op in selected if op in models.MODEL_OPS]
+    for op in common.progress(model_ops, "end to end"):
+        for dtype in dtypes:
+            rows += models.run(op, device, dtype, args.mode, peaks, skip, provider_filter)
+
+    common.fill_speedups(rows)
+    meta = common.collect_meta(device, peaks)
+    argv_text = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
+    common.write_json(out_dir / "results.json", meta, rows)
+    common.write_markdown(out_dir / "results.md", meta, rows, list(skipped.values()), argv_text)
+    plots = [] if args.no_plots else common.write_plots(out_dir, rows, ops.X_KEYS)
+    failed = [r for r in rows if str(r["shape"].get("note", "")).startswith("failed")]
+    common.log(f"{len(rows)} rows ({len(failed)} failed) in {time.perf_counter() - start:.0f} s: "
+               f"{', '.join(str(p) for p in [out_dir / 'results.json', out_dir / 'results.md', *plots])}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

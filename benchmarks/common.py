@@ -1,0 +1,535 @@
+"""What every benchmark shares: timing, measured peaks, peak memory, errors, rows and output.
+
+Timing (DESIGN section 8):
+- GPU: ``triton.testing.do_bench`` (L2 flushed before every call, median and 20/80 quantiles);
+  ``do_bench_cudagraph`` for steps so small that launch overhead would be measured instead.
+- CPU: ``torch.utils.benchmark.Timer``; the quantiles come from the measurement's own per-run
+  times (``Measurement.times``), never from a re-run.
+Warm-up runs outside the timed region (both timers do it, and ``bench`` calls the function once
+before timing: compilation, autotuning and allocator growth stay out of the numbers).
+
+A row of results.json has exactly ROW_KEYS; ``shape`` is a free dict that also carries the
+pass ("fwd" / "fwd+bwd") and, for end-to-end rows, tokens/s and notes.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW_KEYS = (
+    "op", "provider", "dtype", "mask", "shape", "median_ms", "p20_ms", "p80_ms", "tflops",
+    "gbps", "pct_peak", "max_err", "peak_mem_mb", "speedup_vs_reference", "speedup_vs_torch",
+)
+META_KEYS = ("device", "sm_count", "torch", "triton", "cuda", "commit", "date", "peaks")
+QUANTILES = [0.5, 0.2, 0.8]
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def log(msg: str) -> None:
+    """Messages go to stderr so they do not tear the progress bar (tqdm writes there too)."""
+    try:
+        from tqdm import tqdm
+
+        tqdm.write(msg, file=sys.stderr)
+    except ImportError:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def progress(items: Sequence, desc: str):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True)
+    except ImportError:
+        return items
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def cpu_cache_bytes() -> int:
+    """The last-level cache size (inputs smaller than a few of it are rotated)."""
+    for index in (3, 2):
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+            return int(text.rstrip("KM")) * scale
+        except (OSError, ValueError):
+            continue
+    return 32 << 20
+
+
+def cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "L2_cache_size", 50 << 20))
+    return cpu_cache_bytes()
+
+
+def rotation_count(set_bytes: int, device: torch.device, limit: int = 8) -> int:
+    """How many copies of the inputs to cycle through so that a call cannot find its inputs in
+    cache from the previous call: enough to cover twice the cache, at most ``limit``."""
+    if set_bytes <= 0:
+        return 1
+    return max(1, min(limit, math.ceil(2 * cache_bytes(device) / set_bytes)))
+
+
+class Rotator:
+    """Cycles through input sets: ``next(rotator)`` gives the next one."""
+
+    def __init__(self, sets: list):
+        self.sets = sets
+        self.i = 0
+
+    def __next__(self):
+        item = self.sets[self.i]
+        self.i = (self.i + 1) % len(self.sets)
+        return item
+
+    def __iter__(self):
+        return self
+
+
+def _quantiles_ms(times_s: Sequence[float]) -> tuple[float, float, float]:
+    t = torch.tensor(list(times_s), dtype=torch.float64) * 1e3
+    q = torch.quantile(t, torch.tensor(QUANTILES, dtype=torch.float64))
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def time_cpu(fn: Callable[[], object], min_run_time: float) -> tuple[float, float, float]:
+    """(median, p20, p80) in ms from torch.utils.benchmark's per-run times."""
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    start = time.perf_counter()
+    fn()  # warm-up, and an estimate of one call
+    one = time.perf_counter() - start
+    # blocked_autorange times blocks of runs (one run per block for slow calls) until
+    # min_run_time has passed: ask for at least ~4 blocks so the quantiles mean something.
+    times = list(timer.blocked_autorange(min_run_time=max(min_run_time, 4 * one)).times)
+    while len(times) < 4:
+        times += list(timer.blocked_autorange(min_run_time=max(min_run_time, one) / 2).times)
+    return _quantiles_ms(times)
+
+
+def time_gpu(fn: Callable[[], object], cudagraph: bool = False, quick: bool = False):
+    """(median, p20, p80) in ms with Triton's do_bench (L2 flushed) or, for tiny steps, with
+    do_bench_cudagraph (no launch overhead); falls back to do_bench when capture fails."""
+    import triton.testing
+
+    fn()  # warm-up: compile, autotune, grow the caching allocator
+    torch.cuda.synchronize()
+    if cudagraph:
+        try:
+            q = triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 50, quantiles=QUANTILES)
+            return tuple(float(v) for v in q) + ("cudagraph",)
+        except Exception as exc:  # a host sync in fn (e.g. the naive reference) breaks capture
+            torch.cuda.synchronize()
+            reason = f"do_bench (CUDA graph capture failed: {type(exc).__name__})"
+            q = triton.testing.do_bench(fn, warmup=10, rep=50 if quick else 100, quantiles=QUANTILES)
+            return tuple(float(v) for v in q) + (reason,)
+    q = triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=50 if quick else 100,
+                                quantiles=QUANTILES)
+    return tuple(float(v) for v in q) + ("do_bench",)
+
+
+MIN_RUN_TIME = {"full": 1.0, "quick": 0.2, "smoke": 0.01}  # CPU timing budget per row, s
+
+
+def bench(fn: Callable[[], object], device: torch.device, mode: str, cudagraph: bool = False):
+    """(median_ms, p20_ms, p80_ms, timer) for ``fn`` on ``device``; mode full / quick / smoke."""
+    if device.type == "cuda":
+        return time_gpu(fn, cudagraph=cudagraph, quick=mode != "full")
+    return time_cpu(fn, MIN_RUN_TIME[mode]) + ("torch.utils.benchmark",)
+
+
+# --------------------------------------------------------------------------------------------
+# Peak memory of one call
+
+
+_MALLOC_TUNED = False
+
+
+def _tune_malloc() -> None:
+    """Make glibc return large blocks to the OS at free (fixed mmap/trim thresholds turn off
+    its dynamic thresholds), so that the resident set size follows live CPU tensors."""
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED or not sys.platform.startswith("linux"):
+        return
+    _MALLOC_TUNED = True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 256 * 1024)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Memory one call allocates above what was live before it, at its peak, in MB (1e6).
+    GPU: torch.cuda.max_memory_allocated.  CPU: peak resident set size (VmHWM, reset through
+    /proc/self/clear_refs) minus the resident set before the call; None where unavailable."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        del result
+        return (peak - before) / 1e6
+    _tune_malloc()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        return None
+    before = _status_kb("VmRSS")
+    result = fn()
+    peak = _status_kb("VmHWM")
+    del result
+    if before is None or peak is None:
+        return None
+    return max(0.0, (peak - before) * 1024 / 1e6)
+
+
+# --------------------------------------------------------------------------------------------
+# Peaks measured in the same run
+
+
+def measure_peaks(device: torch.device, mode: str) -> dict:
+    """{"copy_gbps", "matmul_tflops"}: a large copy (bytes read + written) and a large matmul
+    (bf16 on GPU, fp32 on CPU), random data."""
+    if device.type == "cuda":
+        n = (1 << 30) // 2  # 1 GiB of bf16 per buffer
+        src = torch.randn(n, device=device, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        copy_ms = bench(lambda: dst.copy_(src), device, mode)[0]
+        copy_gbps = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3) / 1e9
+        del src, dst
+        m = 8192
+        a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+        b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+        mm_ms = bench(lambda: a @ b, device, mode)[0]
+        del a, b
+        torch.cuda.empty_cache()
+    else:
+        n = (64 if mode == "smoke" else 256) * (1 << 20) // 4  # 256 MiB of fp32 per buffer: far beyond the caches
+        src = torch.randn(n)
+        dst = torch.empty_like(src)
+        copy_ms = bench(lambda: dst.copy_(src), device, mode)[0]
+        copy_gbps = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3) / 1e9
+        del src, dst
+        m = 2048 if mode == "full" else 1024
+        a, b = torch.randn(m, m), torch.randn(m, m)
+        mm_ms = bench(lambda: a @ b, device, mode)[0]
+    return {"copy_gbps": round(copy_gbps, 2), "matmul_tflops": round(2 * m**3 / (mm_ms * 1e-3) / 1e12, 4)}
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def max_err(outs: Iterable[torch.Tensor], refs: Iterable[torch.Tensor]) -> float:
+    """max |out - ref64| over every output and gradient (a NaN or Inf counts as inf)."""
+    from transformer_fast import reference
+
+    worst = 0.0
+    for out, ref in zip(outs, refs):
+        worst = max(worst, reference.max_abs_error(out, ref))
+    return worst
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+
+
+def make_row(op, provider, dtype, mask, shape, timing=None, *, flops=None, bytes_moved=None,
+             peaks=None, error=None, peak_mem=None) -> dict:
+    """One results.json row (exactly ROW_KEYS).  ``timing`` is (median, p20, p80, ...) ms or
+    None (a row that could not run: it says why in shape["note"])."""
+    row = dict.fromkeys(ROW_KEYS)
+    row.update(op=op, provider=provider, dtype=dtype if isinstance(dtype, str) else dtype_name(dtype),
+               mask=mask, shape=dict(shape))
+    if timing is not None:
+        median, p20, p80 = timing[:3]
+        row.update(median_ms=_r(median), p20_ms=_r(p20), p80_ms=_r(p80))
+        if flops is not None:
+            row["tflops"] = _r(flops / (median * 1e-3) / 1e12)
+            if peaks and peaks.get("matmul_tflops"):
+                row["pct_peak"] = _r(100 * row["tflops"] / peaks["matmul_tflops"])
+        if bytes_moved is not None:
+            row["gbps"] = _r(bytes_moved / (median * 1e-3) / 1e9)
+            if peaks and peaks.get("copy_gbps"):
+                row["pct_peak"] = _r(100 * row["gbps"] / peaks["copy_gbps"])
+    row["max_err"] = None if error is None else (float(error) if math.isfinite(error) else "inf")
+    row["peak_mem_mb"] = None if peak_mem is None else _r(peak_mem)
+    return row
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def row_group(row: dict) -> tuple:
+    """Rows that measure the same work (for the speedup columns)."""
+    return (row["op"], row["dtype"], row["mask"],
+            json.dumps({k: v for k, v in row["shape"].items() if k not in ("note", "tokens_per_s", "timer")}, sort_keys=True))
+
+
+def fill_speedups(rows: list[dict], reference_name: str = "reference", torch_names=("torch", "torch.nn")) -> None:
+    """speedup_vs_reference / speedup_vs_torch = their median / this row's median."""
+    groups: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        if row["median_ms"]:
+            groups.setdefault(row_group(row), {})[row["provider"]] = row["median_ms"]
+    for row in rows:
+        if not row["median_ms"]:
+            continue
+        medians = groups.get(row_group(row), {})
+        if reference_name in medians:
+            row["speedup_vs_reference"] = _r(medians[reference_name] / row["median_ms"])
+        for name in torch_names:
+            if name in medians:
+                row["speedup_vs_torch"] = _r(medians[name] / row["median_ms"])
+
+
+# --------------------------------------------------------------------------------------------
+# Meta and output
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {model} ({torch.get_num_threads()} threads)"
+
+
+def device_slug(device: torch.device) -> str:
+    """Folder name for a device, as benchmarks/gpu_suite.sh computes it (spaces -> '_')."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = "cpu-" + re.sub(r"\(.*?\)", "", device_name(device)[4:]).strip()
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+
+
+def git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                                capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc", "kernels",
+                                "transformer_fast", "benchmarks/ops.py", "benchmarks/models.py",
+                                "benchmarks/common.py"],
+                               cwd=ROOT, text=True, capture_output=True).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def default_output_dir(device: torch.device) -> Path:
+    """$OUT when set (as benchmarks/gpu_suite.sh), else
+    benchmarks/results/<device-slug>/<date>-<commit>/."""
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"])
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return ROOT / "benchmarks" / "results" / device_slug(device) / f"{date}-{git_commit()}"
+
+
+def collect_meta(device: torch.device, peaks: dict) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    return {
+        "device": device_name(device),
+        "sm_count": props.multi_processor_count if props else None,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "peaks": peaks,
+    }
+
+
+def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _shape_text(shape: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items()
+                    if k not in ("note", "pass", "timer", "config", "tokens_per_s"))
+
+
+def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str], argv: str) -> None:
+    lines = [
+        f"# Benchmarks: {meta['device']}",
+        "",
+        f"`{argv}` — commit {meta['commit']}, {meta['date']}; torch {meta['torch']}, "
+        f"Triton {meta['triton']}, CUDA {meta['cuda']}, SMs {meta['sm_count']}.",
+        f"Peaks measured in this run: copy {meta['peaks'].get('copy_gbps')} GB/s (bytes read + "
+        f"written), matmul {meta['peaks'].get('matmul_tflops')} TFLOP/s "
+        f"({'bf16' if meta['sm_count'] else 'fp32'}).",
+        "",
+        "Times in ms (median, 20%–80%); TFLOP/s (attention 4·B·H·Lq·Lk·D, halved for causal "
+        "masks, x2.5 fwd+bwd; FFN 4·M·d_model·d_ff, x3 fwd+bwd) or GB/s (bytes that must move "
+        "once); % of the measured peak; max |error| vs float64 on the same input (outputs and, "
+        "for fwd+bwd, gradients); memory the call allocates above its inputs at its peak (MB); "
+        "speedups against the naive reference and against PyTorch.",
+        "",
+    ]
+    ops = []
+    for row in rows:
+        if row["op"] not in ops:
+            ops.append(row["op"])
+    for op in ops:
+        configs = sorted({r["shape"]["config"] for r in rows if r["op"] == op and "config" in r["shape"]})
+        lines += [f"## {op}", ""] + [f"Model: {c}." for c in configs] + ([""] if configs else []) + [
+                  "| pass | shape | dtype | mask | provider | median ms | p20–p80 | TFLOP/s | GB/s | % peak | max err | mem MB | vs ref | vs torch | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in rows if r["op"] == op):
+            s = r["shape"]
+            spread = "—" if r["p20_ms"] is None else f"{_fmt(r['p20_ms'])}–{_fmt(r['p80_ms'])}"
+            note = s.get("note", "")
+            if "tokens_per_s" in s:
+                note = (f"{s['tokens_per_s']:.4g} tokens/s; " + note).rstrip("; ")
+            lines.append(
+                f"| {s.get('pass', '')} | {_shape_text(s)} | {r['dtype']} | {r['mask']} | {r['provider']} | "
+                f"{_fmt(r['median_ms'])} | {spread} | {_fmt(r['tflops'])} | {_fmt(r['gbps'])} | "
+                f"{_fmt(r['pct_peak'])} | {_fmt(r['max_err'])} | {_fmt(r['peak_mem_mb'])} | "
+                f"{_fmt(r['speedup_vs_reference'])} | {_fmt(r['speedup_vs_torch'])} | {note} |"
+            )
+        lines.append("")
+    if skipped:
+        lines += ["## Providers not run", ""] + [f"- {s}" for s in skipped] + [""]
+    path.write_text("\n".join(lines))
+
+
+def write_plots(out_dir: Path, rows: list[dict], x_keys: dict[str, str], max_files: int = 2) -> list[Path]:
+    """Multi-panel PNGs (few files: a run keeps to at most 8): ops.png has one panel per op and
+    mask kind (TFLOP/s or GB/s vs the op's size axis, one line per provider, solid fwd, dashed
+    fwd+bwd); end_to_end.png one panel per end-to-end op (tokens/s per provider)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plots")
+        return []
+    written = []
+    op_rows = [r for r in rows if r["op"] in x_keys and r["median_ms"]]
+    panels = []
+    for r in op_rows:
+        key = (r["op"], r["mask"])
+        if key not in panels:
+            panels.append(key)
+    if panels:
+        cols = min(4, len(panels))
+        nrows = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows), squeeze=False)
+        for ax, (op, mask) in zip(axes.flat, panels):
+            sel = [r for r in op_rows if r["op"] == op and r["mask"] == mask]
+            metric = "tflops" if any(r["tflops"] is not None for r in sel) else "gbps"
+            series: dict[tuple, list] = {}
+            for r in sel:
+                s = r["shape"]
+                rest = {k: v for k, v in s.items() if k not in (x_keys[op], "pass", "note", "timer", "B")}
+                label = (r["provider"], s.get("pass", "fwd"), r["dtype"], json.dumps(rest, sort_keys=True))
+                series.setdefault(label, []).append((s.get(x_keys[op]), r[metric]))
+            for (provider, pas, dtype, rest), pts in sorted(series.items()):
+                pts = sorted(p for p in pts if p[0] is not None and p[1] is not None)
+                if not pts:
+                    continue
+                extra = ",".join(f"{k}{v}" for k, v in json.loads(rest).items())
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
+                        linestyle="-" if pas == "fwd" else "--",
+                        label=f"{provider} {pas} {dtype} {extra}".strip())
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{op}\nmask={mask}", fontsize=8)
+            ax.set_xlabel(x_keys[op], fontsize=7)
+            ax.set_ylabel("TFLOP/s" if metric == "tflops" else "GB/s", fontsize=7)
+            ax.tick_params(labelsize=6)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=4.5)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = out_dir / "ops.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    e2e = [r for r in rows if r["op"] not in x_keys and r["shape"].get("tokens_per_s")]
+    if e2e and len(written) < max_files:
+        names = []
+        for r in e2e:
+            if r["op"] not in names:
+                names.append(r["op"])
+        fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+        for ax, op in zip(axes.flat, names):
+            sel = [r for r in e2e if r["op"] == op]
+            labels = [f"{r['provider']}\n{r['shape'].get('pass', '')} {r['mask']}".strip() for r in sel]
+            ax.barh(range(len(sel)), [r["shape"]["tokens_per_s"] for r in sel])
+            ax.set_yticks(range(len(sel)), labels, fontsize=5)
+            ax.set_xlabel("tokens/s", fontsize=7)
+            ax.set_title(op, fontsize=8)
+            ax.tick_params(labelsize=6)
+            ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        path = out_dir / "end_to_end.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
