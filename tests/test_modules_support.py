@@ -1,0 +1,182 @@
+"""Shared helpers of the module tests (tests/test_modules_*.py, tests/test_swap.py), and tests
+that the parity helper itself can fail.
+
+module_parity: DESIGN section 6 for modules.  Torch's module with given weights is the
+reference, run in float64 (ref64) and in the low dtype (ref_lp); ours, holding the same
+weights (loaded with strict=True from torch's state_dict), runs in the low dtype with poisoned
+(NaN-filled) fresh allocations.  Every output and the gradient of every parameter and of the
+floating-point inputs under a random upstream gradient must satisfy
+max|ours - ref64| <= 2 * max|ref_lp - ref64| + atol(dtype).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from transformer_fast import reference
+
+
+def fresh_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+
+
+def randomize_(module: torch.nn.Module, g: torch.Generator | None = None, scale: float = 0.5):
+    """Overwrite every parameter with fresh random values (biases and LayerNorm affine
+    parameters are 0/1 after init: a test with those would not see a bias or gain bug)."""
+    g = g or fresh_generator()
+    with torch.no_grad():
+        for p in module.parameters():
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            r = torch.randn(p.shape, generator=g, dtype=torch.float64) * (scale / fan_in**0.5)
+            if p.dim() == 1 and fan_in == 1:
+                r = torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.2
+            p.copy_(r.to(p.dtype))
+    return module
+
+
+def ours_like(torch_module: torch.nn.Module, our_cls, *args, **kwargs):
+    """Our module built with the same constructor arguments, holding torch's weights."""
+    ours = our_cls(*args, **kwargs)
+    ours.load_state_dict(torch_module.state_dict(), strict=True)
+    ours.train(torch_module.training)
+    return ours
+
+
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().to(dtype)
+    return value
+
+
+def _flatten(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [o for o in out if isinstance(o, torch.Tensor)]
+
+
+def _run(module, args, kwargs, dtype, grad_inputs, upstream, poison=False):
+    m = module.to(dtype)
+    a = [_cast(x, dtype) for x in args]
+    k = {n: _cast(v, dtype) for n, v in kwargs.items()}
+    leaves = {}
+    for i in grad_inputs:
+        if isinstance(i, int):
+            a[i] = a[i].clone().requires_grad_(True)
+            leaves[f"grad input {i}"] = a[i]
+        else:
+            k[i] = k[i].clone().requires_grad_(True)
+            leaves[f"grad {i}"] = k[i]
+    params = {f"grad {n}": p for n, p in m.named_parameters() if p.requires_grad}
+    if poison:
+        with reference.poisoned_outputs():
+            outs = _flatten(m(*a, **k))
+    else:
+        outs = _flatten(m(*a, **k))
+    everything = {**params, **leaves}
+    diff = [o for o in outs if o.requires_grad]
+    grads = {}
+    if diff and everything:
+        if poison:
+            with reference.poisoned_outputs():
+                got = torch.autograd.grad(diff, list(everything.values()),
+                                          [u.to(o.dtype) for u, o in zip(upstream, diff)],
+                                          allow_unused=True)
+        else:
+            got = torch.autograd.grad(diff, list(everything.values()),
+                                      [u.to(o.dtype) for u, o in zip(upstream, diff)],
+                                      allow_unused=True)
+        for (name, leaf), gr in zip(everything.items(), got):
+            grads[name] = gr if gr is not None else torch.zeros_like(leaf)
+    return outs, grads
+
+
+def module_parity(torch_module, our_module, args, kwargs=None, dtype=torch.float32,
+                  grad_inputs=(), atol=None):
+    """Oracle results (list of reference.OracleResult) for ours vs torch's module."""
+    kwargs = kwargs or {}
+    ref64_mod = copy.deepcopy(torch_module)
+    reflp_mod = copy.deepcopy(torch_module)
+    ours = copy.deepcopy(our_module)
+    with torch.no_grad():
+        probe = _flatten(copy.deepcopy(torch_module).double()(
+            *[_cast(x, torch.float64) for x in args],
+            **{n: _cast(v, torch.float64) for n, v in kwargs.items()},
+        ))
+    g = fresh_generator()
+    upstream = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in probe]
+    out64, grads64 = _run(ref64_mod, args, kwargs, torch.float64, grad_inputs, upstream)
+    outlp, gradslp = _run(reflp_mod, args, kwargs, dtype, grad_inputs, upstream)
+    out, grads = _run(ours, args, kwargs, dtype, grad_inputs, upstream, poison=True)
+    if len(out) != len(out64):
+        raise AssertionError(f"ours returned {len(out)} tensors, torch {len(out64)}")
+    results = []
+    for i, (o, lp, r64) in enumerate(zip(out, outlp, out64)):
+        if o.dtype != lp.dtype:
+            raise AssertionError(f"output {i}: dtype {o.dtype} != torch's {lp.dtype}")
+        results.append(reference.oracle_compare(f"out[{i}]", o, lp, r64, dtype, atol))
+    if set(grads) != set(grads64):
+        raise AssertionError(f"gradients {sorted(grads)} != torch's {sorted(grads64)}")
+    for name in grads64:
+        results.append(reference.oracle_compare(name, grads[name], gradslp[name], grads64[name], dtype, atol))
+    return results
+
+
+def assert_parity(torch_module, our_module, args, kwargs=None, dtype=torch.float32,
+                  grad_inputs=(), context=""):
+    results = module_parity(torch_module, our_module, args, kwargs, dtype, grad_inputs)
+    reference.assert_oracle(results, context)
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# The helper must be able to fail
+
+
+def test_parity_helper_catches_a_wrong_weight():
+    import transformer_fast.modules as M
+
+    t = randomize_(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    ours = ours_like(t, M.TransformerEncoderLayer, 16, 2, 32, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    assert_parity(t, ours, (x,), grad_inputs=(0,))  # same weights: passes
+    with torch.no_grad():
+        ours.linear2.bias[3] += 1e-3
+    results = module_parity(t, ours, (x,), grad_inputs=(0,))
+    assert not all(r.ok for r in results)
+    with pytest.raises(AssertionError, match="oracle failed"):
+        reference.assert_oracle(results)
+
+
+def test_parity_helper_catches_a_wrong_gradient():
+    """A module whose forward matches but whose backward is wrong fails on the gradients."""
+
+    class Wrong(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y.detach() + (y - y.detach()) * 1.01  # value exact, gradient 1% off
+
+    t = torch.nn.Sequential()
+    t.add_module("lin", torch.nn.Linear(8, 8))
+    randomize_(t)
+
+    class Ref(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    ref = Ref()
+    ref.load_state_dict(t.state_dict())
+    wrong = Wrong()
+    wrong.load_state_dict(t.state_dict())
+    results = module_parity(ref, wrong, (torch.randn(4, 8),))
+    names = {r.name for r in results if not r.ok}
+    assert "out[0]" not in names and "grad lin.weight" in names
