@@ -1,4 +1,4 @@
-"""Command line: ``python -m transformer_fast {info,verify}``."""
+"""Command line: ``python -m transformer_fast {info,verify,train-demo}``."""
 from __future__ import annotations
 
 import argparse
@@ -66,6 +66,12 @@ def cmd_verify(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_train_demo(args) -> int:
+    from .models import demo
+
+    return demo.main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m transformer_fast")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,8 +82,14 @@ def main(argv=None) -> int:
     p.add_argument("--backend", action="append", help="only this backend (repeatable)")
     p.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--output", help="also write the table as markdown to this file")
+    from .models import demo
+
+    p = sub.add_parser("train-demo", help="train a small Seq2SeqTransformer on copy/reverse/sort "
+                       "and report held-out exact-match accuracy")
+    demo.add_arguments(p)
     args = parser.parse_args(argv)
-    return {"info": cmd_info, "verify": cmd_verify}[args.command](args)
+    commands = {"info": cmd_info, "verify": cmd_verify, "train-demo": cmd_train_demo}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

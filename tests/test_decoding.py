@@ -1,0 +1,271 @@
+"""Decoding (transformer_fast.models.decoding): KV-cached greedy, beam search and sampling.
+
+Cached decoding must give exactly the tokens of uncached decoding (the whole prefix re-run every
+step), and its step logits must pass the DESIGN 6 oracle against a float64 recomputation.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from transformer_fast import reference, use_backend
+from transformer_fast.models import Seq2SeqTransformer, beam_search, greedy_decode, sample
+from transformer_fast.models.decoding import CachedStepper
+
+from conftest import require_backend
+
+PAD, BOS, EOS = 0, 1, 2
+
+VARIANTS = {
+    "post-LN": dict(),
+    "pre-LN gelu": dict(norm_first=True, activation="gelu"),
+}
+
+
+def fresh_seed() -> int:
+    seed = int(torch.randint(0, 2**31, ()))
+    torch.manual_seed(seed)
+    return seed
+
+
+def small_model(vocab=19, d_model=32, nhead=4, layers=2, **kw):
+    return Seq2SeqTransformer(vocab, vocab, d_model=d_model, nhead=nhead, num_encoder_layers=layers,
+                              num_decoder_layers=layers, dim_feedforward=64, dropout=0.1, **kw).eval()
+
+
+def ragged_src(lengths, vocab=19, width=None):
+    """Sources of different lengths in one batch, padded with PAD."""
+    width = width or max(lengths)
+    src = torch.randint(3, vocab, (len(lengths), width))
+    for i, n in enumerate(lengths):
+        src[i, n:] = PAD
+    return src
+
+
+def check_layout(tokens, max_len):
+    """Each row: no pad/bos before its eos, only pad after it; width <= max_len."""
+    assert tokens.dim() == 2 and 1 <= tokens.shape[1] <= max_len
+    for row in tokens.tolist():
+        end = row.index(EOS) + 1 if EOS in row else len(row)
+        assert all(t not in (PAD, BOS, EOS) for t in row[: end - 1]), row
+        assert all(t == PAD for t in row[end:]), row
+
+
+# ---- cached == uncached
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_greedy_equals_uncached(variant):
+    seed = fresh_seed()
+    model = small_model(**VARIANTS[variant])
+    src = ragged_src([9, 4, 1, 6, 2])
+    cached = greedy_decode(model, src, max_len=12)
+    uncached = greedy_decode(model, src, max_len=12, use_cache=False)
+    assert torch.equal(cached, uncached), (seed, cached, uncached)
+    check_layout(cached, 12)
+    assert model.training is False
+
+
+def test_greedy_restores_training_mode():
+    model = small_model().train()
+    model.greedy_decode(ragged_src([3, 2]), max_len=4)
+    assert model.training
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_step_logits_pass_the_oracle(variant):
+    """Teacher-forced cached steps vs the full decoder in float32 (ref_lp) and float64 (ref64)."""
+    seed = fresh_seed()
+    model = small_model(**VARIANTS[variant])
+    model64 = copy.deepcopy(model).double()
+    src = ragged_src([7, 3, 5, 1])
+    steps = 9
+    tgt_in = torch.randint(3, 19, (4, steps))
+    tgt_in[:, 0] = BOS
+    with torch.no_grad():
+        ref_lp = model(src, tgt_in)  # (B, T, V) float32, all positions at once
+        ref64 = model64(src, tgt_in)
+        memory, src_padding = model.encode(src)
+        step = CachedStepper(model, memory, src_padding, max_len=steps)
+        out = torch.stack([step(tgt_in[:, t]) for t in range(steps)], dim=1)  # (B, T, V)
+    result = reference.oracle_compare("step logits", out, ref_lp, ref64, torch.float32)
+    reference.assert_oracle([result], f"seed {seed}")
+    assert step.seqlens.tolist() == [steps] * 4
+    with pytest.raises(ValueError, match="cache holds"):
+        step(tgt_in[:, 0])
+
+
+def test_cached_decoding_in_float64_matches_tightly():
+    seed = fresh_seed()
+    model = small_model().double()
+    src = ragged_src([5, 2, 8])
+    tgt_in = torch.randint(3, 19, (3, 6))
+    tgt_in[:, 0] = BOS
+    with torch.no_grad():
+        full = model(src, tgt_in)
+        memory, pad = model.encode(src)
+        step = CachedStepper(model, memory, pad, max_len=6)
+        out = torch.stack([step(tgt_in[:, t]) for t in range(6)], dim=1)
+    assert (out - full).abs().max() < 1e-10, seed
+
+
+# ---- eos handling and layout
+
+
+def test_each_row_stops_at_its_eos():
+    seed = fresh_seed()
+    model = small_model(vocab=8)
+    src = ragged_src([6, 2, 4, 1, 5, 3], vocab=8)
+    g = torch.Generator().manual_seed(seed)
+    # High temperature over a small vocabulary: rows end at different steps.
+    out = sample(model, src, max_len=10, temperature=3.0, generator=g)
+    check_layout(out, 10)
+    again = sample(model, src, max_len=10, temperature=3.0, generator=torch.Generator().manual_seed(seed),
+                   use_cache=False)
+    assert torch.equal(out, again), seed  # same draws: cached and uncached logits agree
+    ends = [row.index(EOS) if EOS in row else None for row in out.tolist()]
+    width = max(len(out[0]) if e is None else e + 1 for e in ends)
+    assert out.shape[1] == width  # trimmed to the longest row
+
+
+def test_all_rows_stop_immediately_when_eos_wins():
+    model = small_model()
+    with torch.no_grad():
+        model.generator.weight.zero_()  # every logit 0 ...
+    # ... except eos, raised through a hook on the projection's output
+    model.generator.register_forward_hook(lambda m, i, o: o.index_add(
+        -1, torch.tensor([EOS]), torch.full((*o.shape[:-1], 1), 5.0)))
+    src = ragged_src([4, 1, 3])
+    for out in (greedy_decode(model, src, 7), beam_search(model, src, 3, 7),
+                greedy_decode(model, src, 7, use_cache=False)):
+        assert out.tolist() == [[EOS]] * 3
+
+
+# ---- beam search
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+def test_beam_size_one_is_greedy(length_penalty):
+    seed = fresh_seed()
+    model = small_model()
+    src = ragged_src([8, 3, 1, 5])
+    greedy = greedy_decode(model, src, max_len=10)
+    beam = beam_search(model, src, beam_size=1, max_len=10, length_penalty=length_penalty)
+    assert torch.equal(beam, greedy), (seed, beam, greedy)
+
+
+def test_cached_beam_equals_uncached():
+    seed = fresh_seed()
+    model = small_model()
+    src = ragged_src([6, 2, 4])
+    a = beam_search(model, src, beam_size=4, max_len=9)
+    b = beam_search(model, src, beam_size=4, max_len=9, use_cache=False)
+    assert torch.equal(a, b), (seed, a, b)
+    check_layout(a, 9)
+
+
+def _sequence_logprob(model, src_row, seq):
+    """sum log p(seq | src) with pad and bos excluded from the softmax, as the decoders do."""
+    tgt_in = torch.tensor([[BOS] + seq[:-1]])
+    with torch.no_grad():
+        logits = model(src_row, tgt_in)[0].double()
+    logits[:, [PAD, BOS]] = float("-inf")
+    logp = torch.log_softmax(logits, dim=-1)
+    return float(sum(logp[t, s] for t, s in enumerate(seq)))
+
+
+def test_wide_beam_finds_the_exhaustive_best():
+    """With more beams than live prefixes the search is exhaustive: it must return the best of
+    all hypotheses (ending in eos, or max_len long).  length_penalty=0 (raw log-probabilities)."""
+    seed = fresh_seed()
+    model = small_model(vocab=5).double()  # symbols 3, 4 and eos
+    src = ragged_src([4, 2], vocab=5)
+    max_len = 4
+    found = beam_search(model, src, beam_size=8, max_len=max_len, length_penalty=0.0)
+    for b in range(2):
+        hyps = []
+        for n in range(1, max_len + 1):
+            for body in itertools.product([3, 4], repeat=n - 1):
+                hyps.append(list(body) + [EOS])
+            if n == max_len:
+                hyps += [list(body) for body in itertools.product([3, 4], repeat=n)]
+        scores = [_sequence_logprob(model, src[b : b + 1], h) for h in hyps]
+        best = hyps[max(range(len(hyps)), key=scores.__getitem__)]
+        row = [t for t in found[b].tolist()]
+        row = row[: row.index(EOS) + 1] if EOS in row else row
+        assert row == best, (seed, b, row, best)
+
+
+def test_length_penalty_prefers_longer_hypotheses():
+    """A larger length penalty never picks a shorter best hypothesis (same model and source)."""
+    seed = fresh_seed()
+    model = small_model(vocab=9)
+    src = ragged_src([5, 3, 6, 2], vocab=9)
+
+    def lengths(alpha):
+        out = beam_search(model, src, beam_size=4, max_len=8, length_penalty=alpha)
+        return [(row.index(EOS) + 1) if EOS in row else len(row) for row in out.tolist()]
+
+    short, long_ = lengths(0.0), lengths(3.0)
+    assert all(a <= b for a, b in zip(short, long_)), (seed, short, long_)
+
+
+# ---- sampling
+
+
+def test_sampling_top_k_one_is_greedy_and_respects_top_k():
+    seed = fresh_seed()
+    model = small_model()
+    src = ragged_src([5, 2, 7])
+    assert torch.equal(sample(model, src, 8, temperature=0.7, top_k=1), greedy_decode(model, src, 8))
+    g = torch.Generator().manual_seed(seed)
+    out = sample(model, src, 8, temperature=5.0, top_k=3, generator=g)
+    check_layout(out, 8)
+    # Every sampled token is among the 3 most likely at its step (teacher-forced check).
+    with torch.no_grad():
+        tgt_in = torch.cat([torch.full((3, 1), BOS), out[:, :-1].clamp(min=0)], dim=1)
+        tgt_in[tgt_in == PAD] = 3  # rows already finished: any valid id, their steps are skipped
+        logits = model(src, tgt_in)
+        logits[..., [PAD, BOS]] = float("-inf")
+        top3 = logits.topk(3, dim=-1).indices  # (B, T, 3)
+    for b, row in enumerate(out.tolist()):
+        for t, tok in enumerate(row):
+            if tok == PAD:
+                break
+            assert tok in top3[b, t].tolist(), (seed, b, t)
+
+
+# ---- arguments
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda m, s: greedy_decode(m, s, 0), ValueError, "max_len"),
+    (lambda m, s: greedy_decode(m, s, 2.5), TypeError, "max_len"),
+    (lambda m, s: greedy_decode(m, s.float(), 4), TypeError, "src"),
+    (lambda m, s: beam_search(m, s, 0, 4), ValueError, "beam_size"),
+    (lambda m, s: beam_search(m, s, 2, 4, length_penalty=float("nan")), ValueError, "length_penalty"),
+    (lambda m, s: sample(m, s, 4, temperature=0.0), ValueError, "temperature"),
+    (lambda m, s: sample(m, s, 4, top_k=0), ValueError, "top_k"),
+])
+def test_bad_decoding_arguments(call, exc, match):
+    model = small_model()
+    with pytest.raises(exc, match=match):
+        call(model, ragged_src([3, 2]))
+
+
+# ---- the fused Triton kernels behind the cached path (interpreter on CPU)
+
+
+@pytest.mark.triton
+def test_cached_greedy_on_triton_kernels():
+    device = require_backend("triton")
+    seed = fresh_seed()
+    model = small_model(d_model=32, nhead=2, layers=1).to(device)  # head dim 16
+    src = ragged_src([5, 2], vocab=19).to(device)
+    expected = greedy_decode(model, src, max_len=4, use_cache=False)
+    with use_backend("triton"):
+        got = greedy_decode(model, src, max_len=4)
+    assert torch.equal(got, expected), (seed, got, expected)

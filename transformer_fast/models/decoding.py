@@ -1,0 +1,386 @@
+"""Autoregressive decoding for Seq2SeqTransformer: greedy, beam search and sampling.
+
+Every mode runs on a *stepper* that turns the last token of each row into next-token logits:
+
+- ``CachedStepper`` (the default): each decoder layer keeps its self-attention keys/values in a
+  cache (N, H, L_max, D) that grows by one position per step through
+  ``functional.attention_with_kv_cache``; cross-attention keys/values are projected once from
+  the encoder output and attended with ``functional.scaled_dot_product_attention`` under the
+  source padding mask.  The per-step layer math is done from the layers' own parameters
+  (``self_attn.in_proj_weight``, ``out_proj``, ``multihead_attn.*``, ``linear1/2``,
+  ``norm1..3``, ``norm_first``, ``activation``) with the fused functional ops, so it works with
+  torch.nn's layer classes and with transformer_fast.modules alike.
+- ``UncachedStepper``: re-runs the whole decoder on the prefix every step (the baseline that
+  cached decoding must reproduce token for token).
+
+No mode ever emits pad or bos.  Decoding runs in eval mode (the model's mode is restored afterwards) without autograd, in the
+model's parameter dtype (autocast is switched off inside: cast the model, e.g.
+``model.to(torch.bfloat16)``, for half-precision decoding).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import functional as tf
+from . import _validate
+
+__all__ = [
+    "CachedStepper",
+    "UncachedStepper",
+    "greedy_decode",
+    "beam_search",
+    "sample",
+]
+
+
+@contextlib.contextmanager
+def _inference(model: nn.Module, device: torch.device):
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            yield
+    finally:
+        model.train(was_training)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a layer's parameters
+
+
+def _activation_name(activation) -> str | None:
+    """The functional.feed_forward name of a layer's activation, or None for anything else."""
+    if isinstance(activation, str):
+        return activation if activation in ("relu", "gelu") else None
+    if activation is F.relu or activation is torch.relu or isinstance(activation, nn.ReLU):
+        return "relu"
+    if activation is F.gelu:
+        return "gelu"
+    if isinstance(activation, nn.GELU):
+        return "gelu" if activation.approximate == "none" else "gelu_tanh"
+    return None
+
+
+def _projections(mha: nn.Module):
+    """(w_q, w_k, w_v, b_q, b_k, b_v) of a MultiheadAttention, packed or separate weights."""
+    if getattr(mha, "bias_k", None) is not None or getattr(mha, "add_zero_attn", False):
+        raise ValueError("cached decoding does not support add_bias_kv / add_zero_attn attention")
+    d = mha.embed_dim
+    if getattr(mha, "_qkv_same_embed_dim", True):
+        w_q, w_k, w_v = mha.in_proj_weight.split(d, dim=0)
+    else:
+        w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+    b = mha.in_proj_bias
+    b_q, b_k, b_v = (None, None, None) if b is None else b.split(d, dim=0)
+    return w_q, w_k, w_v, b_q, b_k, b_v
+
+
+def _heads(x: torch.Tensor, nhead: int) -> torch.Tensor:
+    # (N, L, d) -> (N, H, L, d / H)
+    n, length, d = x.shape
+    return x.view(n, length, nhead, d // nhead).transpose(1, 2)
+
+
+def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+    # (N, H, L, Dh) -> (N, L, H * Dh)
+    n, h, length, dh = x.shape
+    return x.transpose(1, 2).reshape(n, length, h * dh)
+
+
+def _layer_norm(x, norm):
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def _add_norm(x, residual, norm, prenorm=False):
+    """norm(residual + x) (and residual + x with prenorm) in one fused pass."""
+    return tf.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, prenorm=prenorm)
+
+
+def _feed_forward(layer, x):
+    name = _activation_name(layer.activation)
+    l1, l2 = layer.linear1, layer.linear2
+    if name is not None:
+        return tf.feed_forward(x, l1.weight, l1.bias, l2.weight, l2.bias, activation=name)
+    return l2(layer.activation(l1(x)))  # a custom activation: unfused
+
+
+# --------------------------------------------------------------------------------------------
+# Steppers
+
+
+class CachedStepper:
+    """KV-cached decoder steps for N rows (batch, or batch * beam).
+
+    Args:
+        model: a Seq2SeqTransformer (any object with its tgt_embed, positions, decoder,
+            generator attributes).
+        memory: (N, S, d_model) encoder output.
+        src_padding: (N, S) bool, True = padding.
+        max_len: the most tokens that will be fed (the caches' length L_max).
+    """
+
+    def __init__(self, model, memory: torch.Tensor, src_padding: torch.Tensor, max_len: int):
+        self.model = model
+        self.length = 0  # tokens fed so far (the same for every row)
+        self.max_len = max_len
+        self.src_padding = src_padding
+        n = memory.shape[0]
+        self.seqlens = torch.zeros(n, dtype=torch.int32, device=memory.device)  # (N,)
+        self.layers = []
+        for layer in model.decoder.layers:
+            sa, ca = layer.self_attn, layer.multihead_attn
+            heads, dh = sa.num_heads, sa.embed_dim // sa.num_heads
+            _, w_k, w_v, _, b_k, b_v = _projections(ca)
+            dtype = sa.out_proj.weight.dtype
+            self.layers.append({
+                "k": torch.zeros(n, heads, max_len, dh, dtype=dtype, device=memory.device),
+                "v": torch.zeros(n, heads, max_len, dh, dtype=dtype, device=memory.device),
+                # Cross-attention keys/values: projected once, (N, H, S, Dh).
+                "mem_k": _heads(F.linear(memory, w_k, b_k), ca.num_heads),
+                "mem_v": _heads(F.linear(memory, w_v, b_v), ca.num_heads),
+            })
+
+    def _self_attention(self, layer, cache, h):
+        sa = layer.self_attn
+        w_q, w_k, w_v, b_q, b_k, b_v = _projections(sa)
+        q = _heads(F.linear(h, w_q, b_q), sa.num_heads)  # (N, H, 1, Dh)
+        k = _heads(F.linear(h, w_k, b_k), sa.num_heads)
+        v = _heads(F.linear(h, w_v, b_v), sa.num_heads)
+        out = tf.attention_with_kv_cache(q, cache["k"], cache["v"], self.seqlens, k, v)
+        return sa.out_proj(_merge_heads(out))  # (N, 1, d)
+
+    def _cross_attention(self, layer, cache, h):
+        ca = layer.multihead_attn
+        w_q, _, _, b_q, _, _ = _projections(ca)
+        q = _heads(F.linear(h, w_q, b_q), ca.num_heads)  # (N, H, 1, Dh)
+        out = tf.scaled_dot_product_attention(
+            q, cache["mem_k"], cache["mem_v"], key_padding_mask=self.src_padding
+        )
+        return ca.out_proj(_merge_heads(out))  # (N, 1, d)
+
+    def _layer(self, layer, cache, x):
+        # x: (N, 1, d).  torch.nn.TransformerDecoderLayer's order, dropout off (eval).
+        if layer.norm_first:
+            h = _layer_norm(x, layer.norm1)
+            h, x = _add_norm(self._self_attention(layer, cache, h), x, layer.norm2, prenorm=True)
+            h, x = _add_norm(self._cross_attention(layer, cache, h), x, layer.norm3, prenorm=True)
+            return x + _feed_forward(layer, h)
+        x = _add_norm(self._self_attention(layer, cache, x), x, layer.norm1)
+        x = _add_norm(self._cross_attention(layer, cache, x), x, layer.norm2)
+        return _add_norm(_feed_forward(layer, x), x, layer.norm3)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (N,) at position ``self.length`` -> next-token logits (N, V)."""
+        if self.length >= self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} steps; all are used")
+        model = self.model
+        x = model.tgt_embed(tokens[:, None])  # (N, 1, d)
+        x = x + model.positions.positions(1, self.length, dtype=x.dtype, device=x.device)
+        for layer, cache in zip(model.decoder.layers, self.layers):
+            x = self._layer(layer, cache, x)
+        if model.decoder.norm is not None:
+            x = _layer_norm(x, model.decoder.norm)
+        self.seqlens += 1  # the caller of attention_with_kv_cache advances the lengths
+        self.length += 1
+        return model.generator(x[:, 0])  # (N, V)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (N,) of the self-attention caches (beam search: each new beam's
+        parent).  Cross-attention keys/values stay: a beam never leaves its source row."""
+        for cache in self.layers:
+            cache["k"] = cache["k"].index_select(0, index)
+            cache["v"] = cache["v"].index_select(0, index)
+
+
+class UncachedStepper:
+    """Re-runs the decoder over the whole prefix every step (no cache)."""
+
+    def __init__(self, model, memory: torch.Tensor, src_padding: torch.Tensor, max_len: int):
+        self.model, self.memory, self.src_padding = model, memory, src_padding
+        self.prefix = torch.empty(memory.shape[0], 0, dtype=torch.long, device=memory.device)
+        self.length = 0
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.prefix = torch.cat([self.prefix, tokens[:, None].to(torch.long)], dim=1)  # (N, t+1)
+        self.length += 1
+        return self.model.decode(self.prefix, self.memory, self.src_padding)[:, -1]  # (N, V)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.prefix = self.prefix.index_select(0, index)
+
+
+def _stepper(model, memory, src_padding, max_len, use_cache):
+    cls = CachedStepper if use_cache else UncachedStepper
+    return cls(model, memory, src_padding, max_len)
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy and sampling
+
+
+def _forbid_specials(model, logits: torch.Tensor) -> torch.Tensor:
+    """pad and bos are never a next token (they would read as the end of a row / a restart)."""
+    logits = logits.clone()
+    logits[:, [model.pad_id, model.bos_id]] = float("-inf")
+    return logits
+
+
+def _generate(model, src, max_len, use_cache, pick):
+    """Feed bos, then each row's picked token, until every row has produced eos or max_len
+    tokens.  Returns (B, <= max_len): rows that stopped are padded with pad_id after their eos."""
+    memory, src_padding = model.encode(src)
+    n = src.shape[0]
+    step = _stepper(model, memory, src_padding, max_len, use_cache)
+    out = torch.full((n, max_len), model.pad_id, dtype=torch.long, device=src.device)
+    finished = torch.zeros(n, dtype=torch.bool, device=src.device)
+    tokens = torch.full((n,), model.bos_id, dtype=torch.long, device=src.device)
+    produced = 0
+    for t in range(max_len):
+        logits = step(tokens)  # (N, V)
+        nxt = pick(_forbid_specials(model, logits))
+        nxt = nxt.masked_fill(finished, model.pad_id)  # finished rows only pad
+        out[:, t] = nxt
+        produced = t + 1
+        finished |= nxt == model.eos_id
+        if bool(finished.all()):  # one host sync per step; it ends the loop early
+            break
+        tokens = nxt
+    return out[:, :produced]
+
+
+def _check_decode_args(model, src, max_len):
+    _validate.tokens("src", src, model.src_vocab_size, pad_id=model.pad_id,
+                     device=model.generator.weight.device)
+    _validate.positive_int("max_len", max_len)
+
+
+def greedy_decode(model, src: torch.Tensor, max_len: int, use_cache: bool = True) -> torch.Tensor:
+    """Greedy decoding: (B, S) source ids -> (B, <= max_len) target ids.
+
+    Each row starts after bos and stops at its eos (the eos is kept); rows that stopped are
+    padded with pad_id; the width is the longest row.  ``use_cache=False`` re-runs the whole
+    decoder every step (same tokens, slower).
+    """
+    _check_decode_args(model, src, max_len)
+    with _inference(model, src.device):
+        return _generate(model, src, max_len, use_cache, lambda logits: logits.argmax(dim=-1))
+
+
+def sample(model, src: torch.Tensor, max_len: int, temperature: float = 1.0, top_k: int | None = None,
+           generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
+    """Ancestral sampling from softmax(logits / temperature), restricted to the top_k most
+    likely tokens when top_k is given.  Same output layout as greedy_decode; ``generator``
+    (on the model's device) makes it reproducible."""
+    _check_decode_args(model, src, max_len)
+    temperature = _validate.finite_float("temperature", temperature, positive=True)
+    if top_k is not None:
+        _validate.positive_int("top_k", top_k)
+        top_k = min(top_k, model.tgt_vocab_size)
+
+    def pick(logits):
+        logits = logits.float() / temperature  # (N, V)
+        if top_k is not None:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (N, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    with _inference(model, src.device):
+        return _generate(model, src, max_len, use_cache, pick)
+
+
+# --------------------------------------------------------------------------------------------
+# Beam search
+
+
+def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_penalty: float = 1.0,
+                use_cache: bool = True) -> torch.Tensor:
+    """Beam search: (B, S) source ids -> (B, <= max_len) target ids, the best hypothesis per row.
+
+    Hypotheses are ranked by ``sum(log p) / length ** length_penalty`` (length counts the
+    generated tokens, eos included; 0 ranks by the plain sum, > 0 favours longer outputs).
+    Each step expands the ``beam_size`` live beams of every row, keeps the best ``beam_size``
+    continuations that do not end in eos, and records the best finished hypothesis (an eos
+    among the top ``beam_size`` candidates).  A row stops once its best finished hypothesis
+    scores at least as high as its best live beam would at the current length; at max_len the
+    live beams compete too.  With beam_size=1 this is greedy decoding.  The self-attention
+    caches are reordered to each beam's parent every step (index_select along batch * beam).
+    Output layout as greedy_decode (eos kept, pad after it).
+    """
+    _check_decode_args(model, src, max_len)
+    _validate.positive_int("beam_size", beam_size)
+    length_penalty = _validate.finite_float("length_penalty", length_penalty)
+    with _inference(model, src.device):
+        return _beam_search(model, src, beam_size, max_len, length_penalty, use_cache)
+
+
+def _beam_search(model, src, k, max_len, alpha, use_cache):
+    device = src.device
+    b = src.shape[0]
+    n = b * k
+    vocab = model.tgt_vocab_size
+    memory, src_padding = model.encode(src)  # (B, S, d), (B, S)
+    memory = memory.repeat_interleave(k, dim=0)  # (B*K, S, d): row i*K + j is beam j of row i
+    src_padding = src_padding.repeat_interleave(k, dim=0)
+    step = _stepper(model, memory, src_padding, max_len, use_cache)
+
+    neg_inf = float("-inf")
+    scores = torch.full((b, k), neg_inf, device=device)  # (B, K) sum of log p of live beams
+    scores[:, 0] = 0.0  # one live beam at the start, so the first expansion has no duplicates
+    seqs = torch.empty(n, 0, dtype=torch.long, device=device)  # (B*K, t)
+    tokens = torch.full((n,), model.bos_id, dtype=torch.long, device=device)
+    best = torch.full((b, max_len), model.pad_id, dtype=torch.long, device=device)
+    best_score = torch.full((b,), neg_inf, device=device)  # normalised
+    best_len = torch.zeros(b, dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    rows = torch.arange(b, device=device)
+    n_cand = min(2 * k, k * vocab)
+    rank = torch.arange(n_cand, device=device)
+
+    for t in range(max_len):
+        length = t + 1  # tokens generated once this step's token is appended
+        norm = float(length) ** alpha
+        logp = torch.log_softmax(_forbid_specials(model, step(tokens).float()), dim=-1)  # (B*K, V)
+        cand = (scores.view(n, 1) + logp).view(b, k * vocab)  # (B, K*V)
+        top_s, top_i = cand.topk(n_cand, dim=-1)  # (B, 2K), best first
+        parent_beam = torch.div(top_i, vocab, rounding_mode="floor")
+        tok = top_i % vocab
+        is_eos = tok == model.eos_id
+
+        # Finished hypotheses: an eos among the top K candidates of a row still searching.
+        finishing = is_eos & (rank < k) & ~done[:, None] & torch.isfinite(top_s)
+        fin_score = torch.where(finishing, top_s / norm, torch.full_like(top_s, neg_inf))
+        fs, fj = fin_score.max(dim=-1)  # (B,)
+        better = fs > best_score
+        if bool(better.any()):
+            parent = rows * k + parent_beam[rows, fj]  # (B,)
+            hyp = torch.cat([seqs[parent], tok[rows, fj][:, None]], dim=1)  # (B, length)
+            best[:, :length] = torch.where(better[:, None], hyp, best[:, :length])
+            best[better, length:] = model.pad_id
+            best_score = torch.where(better, fs, best_score)
+            best_len = torch.where(better, torch.full_like(best_len, length), best_len)
+
+        # Live beams: the best K candidates that do not end in eos.
+        live_s, live_j = top_s.masked_fill(is_eos, neg_inf).topk(k, dim=-1)  # (B, K)
+        parent = (rows[:, None] * k + parent_beam.gather(1, live_j)).view(n)  # (B*K,)
+        tokens = tok.gather(1, live_j).view(n)
+        seqs = torch.cat([seqs[parent], tokens[:, None]], dim=1)
+        scores = live_s
+        done |= best_score >= scores.max(dim=-1).values / norm
+        if bool(done.all()) or t == max_len - 1:
+            break
+        step.reorder(parent)
+
+    # Rows still searching at max_len: their live beams are complete hypotheses too.
+    live_best, live_j = (scores / (float(seqs.shape[1]) ** alpha)).max(dim=-1)  # (B,)
+    take_live = ~done & (live_best > best_score)
+    if bool(take_live.any()):
+        width = seqs.shape[1]
+        live_seq = seqs.view(b, k, width)[rows, live_j]  # (B, width)
+        best[take_live, :width] = live_seq[take_live]
+        best_len = torch.where(take_live, torch.full_like(best_len, width), best_len)
+    return best[:, : int(best_len.max())]

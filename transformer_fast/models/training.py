@@ -1,0 +1,124 @@
+"""Training helpers for the paper's model: label-smoothed cross entropy that ignores padding,
+the warm-up learning-rate schedule (paper section 5.3) and teacher forcing."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from . import _validate
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, smoothing: float = 0.1,
+                                 ignore_index: int | None = None, reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy against ``(1 - smoothing) * one_hot(target) + smoothing / V``.
+
+    Per token: ``-(1 - eps) * log p[target] - eps * mean_v log p[v]`` (the same smoothed
+    distribution as ``F.cross_entropy(label_smoothing=eps)``).  Tokens equal to
+    ``ignore_index`` (padding) count for nothing: "mean" divides by the number of the others
+    (0 when there are none), "none" returns zeros there.
+
+    Args:
+        logits: (..., V) float.
+        target: (...) integer class ids in [0, V) (or ignore_index).
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point torch.Tensor; got "
+                        f"{logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    if not isinstance(target, torch.Tensor) or target.dtype not in _validate.INT_DTYPES:
+        raise TypeError(f"target must be an integer torch.Tensor; got "
+                        f"{target.dtype if isinstance(target, torch.Tensor) else type(target).__name__}")
+    if logits.dim() < 1 or tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"target must have logits' shape without the class dimension "
+                         f"{tuple(logits.shape[:-1])}; got {tuple(target.shape)}")
+    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing must be a float in [0, 1); got {smoothing!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
+    vocab = logits.shape[-1]
+    keep = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
+    safe_target = torch.where(keep, target, torch.zeros_like(target)).long()
+    if target.device.type == "cpu" and keep.any():
+        low, high = int(safe_target[keep].min()), int(safe_target[keep].max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"target must hold class ids in [0, {vocab}); got [{low}, {high}]")
+
+    wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    logp = torch.log_softmax(wide, dim=-1)  # (..., V): half-precision logits upcast to float32
+    nll = -logp.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # (...)
+    uniform = -logp.mean(dim=-1)  # (...)
+    loss = ((1.0 - smoothing) * nll + smoothing * uniform) * keep
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / keep.sum().clamp(min=1)
+
+
+class LabelSmoothedCrossEntropy(nn.Module):
+    """Module form of label_smoothed_cross_entropy (``ignore_index`` is usually the pad id)."""
+
+    def __init__(self, smoothing: float = 0.1, ignore_index: int | None = None, reduction: str = "mean"):
+        super().__init__()
+        self.smoothing, self.ignore_index, self.reduction = smoothing, ignore_index, reduction
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return label_smoothed_cross_entropy(logits, target, self.smoothing, self.ignore_index, self.reduction)
+
+
+def warmup_lr_lambda(d_model: int, warmup_steps: int = 4000, scale: float = 1.0):
+    """The paper's rate as a function of the 0-based scheduler step s (update s + 1):
+    ``scale * d_model**-0.5 * min((s + 1)**-0.5, (s + 1) * warmup_steps**-1.5)`` -- linear
+    warm-up for warmup_steps updates, then inverse square root decay."""
+    _validate.positive_int("d_model", d_model)
+    _validate.positive_int("warmup_steps", warmup_steps)
+    scale = _validate.finite_float("scale", scale, positive=True)
+
+    def rate(step: int) -> float:
+        n = step + 1
+        return scale * d_model ** -0.5 * min(n ** -0.5, n * warmup_steps ** -1.5)
+
+    return rate
+
+
+def warmup_scheduler(optimizer: torch.optim.Optimizer, d_model: int, warmup_steps: int = 4000,
+                     scale: float = 1.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR following warmup_lr_lambda.  LambdaLR multiplies the optimizer's own lr, so
+    build the optimizer with lr=1.0 to get the paper's rate (the paper: Adam with betas
+    (0.9, 0.98), eps 1e-9, warmup_steps 4000).  Call ``scheduler.step()`` after each update."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lr_lambda(d_model, warmup_steps, scale))
+
+
+def shift_right(tgt: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """Teacher forcing: the decoder input for target ``tgt`` (B, T) (tokens, eos, padding) is
+    ``[bos, tgt[:, :-1]]`` (B, T): position t sees the true tokens before t and predicts tgt[:, t]."""
+    if not isinstance(tgt, torch.Tensor) or tgt.dtype not in _validate.INT_DTYPES or tgt.dim() != 2:
+        raise TypeError("tgt must be a (batch, length) integer torch.Tensor")
+    bos = torch.full_like(tgt[:, :1], bos_id)
+    return torch.cat([bos, tgt[:, :-1]], dim=1)
+
+
+def train_step(model, src: torch.Tensor, tgt: torch.Tensor, optimizer: torch.optim.Optimizer,
+               scheduler=None, smoothing: float = 0.1, clip_norm: float | None = 1.0,
+               autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One teacher-forced update of a Seq2SeqTransformer on (src (B, S), tgt (B, T)), where tgt
+    is the target without bos (tokens, eos, then pad).  Returns the detached loss (no host sync).
+    ``autocast_dtype`` (e.g. torch.bfloat16) runs forward under torch.autocast."""
+    model.train()
+    tgt_in = shift_right(tgt, model.bos_id)
+    ctx = (torch.autocast(src.device.type, dtype=autocast_dtype) if autocast_dtype is not None
+           else contextlib.nullcontext())
+    with ctx:
+        logits = model(src, tgt_in)  # (B, T, V)
+    loss = label_smoothed_cross_entropy(logits, tgt, smoothing, ignore_index=model.pad_id)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip_norm is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return loss.detach()
