@@ -44,9 +44,15 @@ def ours_like(torch_module: torch.nn.Module, our_cls, *args, **kwargs):
     return ours
 
 
-def _cast(value, dtype):
+def _cast(value, dtype, memo=None):
+    """Floating tensors to ``dtype`` (the same input object -> the same cast object, so that
+    self-attention's ``query is key is value`` survives the cast)."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.detach().to(dtype)
+        if memo is None:
+            return value.detach().to(dtype)
+        if id(value) not in memo:
+            memo[id(value)] = value.detach().to(dtype).clone()
+        return memo[id(value)]
     return value
 
 
@@ -58,16 +64,15 @@ def _flatten(out):
 
 def _run(module, args, kwargs, dtype, grad_inputs, upstream, poison=False):
     m = module.to(dtype)
-    a = [_cast(x, dtype) for x in args]
-    k = {n: _cast(v, dtype) for n, v in kwargs.items()}
+    memo = {}
+    a = [_cast(x, dtype, memo) for x in args]
+    k = {n: _cast(v, dtype, memo) for n, v in kwargs.items()}
     leaves = {}
     for i in grad_inputs:
-        if isinstance(i, int):
-            a[i] = a[i].clone().requires_grad_(True)
-            leaves[f"grad input {i}"] = a[i]
-        else:
-            k[i] = k[i].clone().requires_grad_(True)
-            leaves[f"grad {i}"] = k[i]
+        t = a[i] if isinstance(i, int) else k[i]
+        t.requires_grad_(True)
+        if not any(t is other for other in leaves.values()):
+            leaves[f"grad input {i}"] = t
     params = {f"grad {n}": p for n, p in m.named_parameters() if p.requires_grad}
     if poison:
         with reference.poisoned_outputs():
