@@ -14,11 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from . import common, models, ops
-
-ALL_OPS = ops.OPS + models.MODEL_OPS
+# Kept here (ops.OPS + models.MODEL_OPS; a test checks) so that --help and argument errors
+# answer before torch is imported.
+ALL_OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
+           "add_layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "train_step",
+           "greedy_decode")
+PROVIDERS = ("reference", "torch", "triton", "cuda", "cpu")
 
 
 def parse_args(argv=None):
@@ -32,19 +33,35 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None,
                    help="comma list of float32/float16/bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--providers", default=None,
-                   help=f"comma list of {', '.join(ops.PROVIDERS)} (default: all that can run); "
+                   help=f"comma list of {', '.join(PROVIDERS)} (default: all that can run); "
                         "end to end, torch selects torch.nn and ours:torch, <backend> selects ours:<backend>, "
                         "and torch.nn / torch.nn+compile / ours:<backend> name one")
     p.add_argument("--output", default=None, type=Path, help="output folder (default: $OUT, else "
                    "benchmarks/results/<device-slug>/<date>-<commit>/)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's own choice; 1 with the smoke test)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     args = p.parse_args(argv)
     args.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
+    if args.providers:
+        known = PROVIDERS + ("torch.nn", "torch.nn+compile") + tuple(f"ours:{b}" for b in PROVIDERS)
+        unknown = [n for n in args.providers.split(",") if n.strip() and n.strip() not in known]
+        if unknown:
+            p.error(f"--providers: unknown {', '.join(unknown)}; expected names from {', '.join(known)}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1; got {args.threads}")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import torch
+
+    from . import common, models, ops
+    threads = args.threads or (1 if args.mode == "smoke" else None)
+    if threads:
+        # A shared or oversubscribed CPU makes OpenMP's spinning threads far slower than one.
+        torch.set_num_threads(threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)

@@ -247,13 +247,13 @@ def measure_peaks(device: torch.device, mode: str) -> dict:
         del a, b
         torch.cuda.empty_cache()
     else:
-        n = (64 if mode == "smoke" else 256) * (1 << 20) // 4  # 256 MiB of fp32 per buffer: far beyond the caches
+        n = (16 if mode == "smoke" else 256) * (1 << 20) // 4  # 256 MiB of fp32 per buffer: far beyond the caches
         src = torch.randn(n)
         dst = torch.empty_like(src)
         copy_ms = bench(lambda: dst.copy_(src), device, mode)[0]
         copy_gbps = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3) / 1e9
         del src, dst
-        m = 2048 if mode == "full" else 1024
+        m = {"full": 2048, "quick": 1024}.get(mode, 256)
         a, b = torch.randn(m, m), torch.randn(m, m)
         mm_ms = bench(lambda: a @ b, device, mode)[0]
     return {"copy_gbps": round(copy_gbps, 2), "matmul_tflops": round(2 * m**3 / (mm_ms * 1e-3) / 1e12, 4)}
@@ -457,6 +457,14 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str],
     path.write_text("\n".join(lines))
 
 
+_COLORS = {"reference": "tab:gray", "torch": "tab:blue", "triton": "tab:orange", "cuda": "tab:green",
+           "cpu": "tab:red"}
+
+
+def _color(provider: str):
+    return _COLORS.get(provider)
+
+
 def write_plots(out_dir: Path, rows: list[dict], x_keys: dict[str, str], max_files: int = 2) -> list[Path]:
     """Multi-panel PNGs (few files: a run keeps to at most 8): ops.png has one panel per op and
     mask kind (TFLOP/s or GB/s vs the op's size axis, one line per provider, solid fwd, dashed
@@ -495,7 +503,7 @@ def write_plots(out_dir: Path, rows: list[dict], x_keys: dict[str, str], max_fil
                     continue
                 extra = ",".join(f"{k}{v}" for k, v in json.loads(rest).items())
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3,
-                        linestyle="-" if pas == "fwd" else "--",
+                        linestyle="-" if pas == "fwd" else "--", color=_color(provider),
                         label=f"{provider} {pas} {dtype} {extra}".strip())
             ax.set_xscale("log", base=2)
             ax.set_title(f"{op}\nmask={mask}", fontsize=8)

@@ -1,0 +1,168 @@
+"""``python -m benchmarks`` end to end at minimal shapes (the hidden --smoke size).
+
+One subprocess runs every op (imports dominate a run, so one run keeps this file near its
+budget) into a temporary folder named by the OUT environment variable, as gpu_suite.sh does;
+the tests then check results.json against DESIGN section 8's schema, that every provider's
+max_err is within the float64 oracle's reach, and the markdown and plots.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import common, models, ops  # noqa: E402
+
+ALL_OPS = ops.OPS + models.MODEL_OPS
+# Loose bounds on max |error| vs float64 at the smoke shapes (fp32): the oracle's own bound is
+# 2 * max|ref_fp32 - ref64| + 1e-6, a few 1e-6 at these sizes; an order of magnitude of slack
+# keeps the test about "the benchmark measured the right thing", not about one kernel's ulps.
+MAX_ERR = {op: 1e-4 for op in ops.OPS}
+MAX_ERR.update(encoder_layer=1e-4, decoder_layer=1e-4)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=str(ROOT))
+    env.pop("TRANSFORMER_FAST_BACKEND", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--op", "all", "--smoke"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    return proc, out
+
+
+def _results(run):
+    proc, out = run
+    path = out / "results.json"
+    assert path.exists(), f"no results.json (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(path.read_text())
+
+
+def test_exits_and_writes_few_files(run):
+    proc, out = run
+    data = _results(run)
+    failed = [r for r in data["rows"] if str(r["shape"].get("note", "")).startswith("failed")]
+    # Rows of our own modules may fail while those modules are being written; they must say so
+    # (and then the exit status is 1).  Every op row and every baseline row must run.
+    assert all(r["provider"].startswith("ours:") for r in failed), failed
+    assert proc.returncode == (1 if failed else 0), proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert {"results.json", "results.md", "ops.png", "end_to_end.png"} <= set(files)
+    assert len(files) <= 8, files
+    assert sum(p.stat().st_size for p in out.iterdir()) < 4e6
+
+
+def test_meta_schema(run):
+    meta = _results(run)["meta"]
+    assert tuple(meta) == common.META_KEYS
+    assert set(meta["peaks"]) == {"copy_gbps", "matmul_tflops"}
+    assert meta["peaks"]["copy_gbps"] > 0 and meta["peaks"]["matmul_tflops"] > 0
+    assert meta["torch"] == torch.__version__
+    assert meta["device"] and meta["date"] and meta["commit"]
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_rows_of_each_op(run, op):
+    rows = [r for r in _results(run)["rows"] if r["op"] == op]
+    assert rows, f"no rows for {op}"
+    for r in rows:
+        assert tuple(r) == common.ROW_KEYS
+        assert r["dtype"] == "float32"
+    measured = [r for r in rows if r["median_ms"] is not None]
+    providers = {r["provider"] for r in measured}
+    if op in ops.OPS:
+        assert {"reference", "torch"} <= providers
+        assert "triton" not in providers  # the interpreter is not a benchmark
+        masks = {r["mask"] for r in measured}
+        if op in ("scaled_dot_product_attention", "masked_softmax"):
+            assert masks == set(ops.ATTENTION_MASKS)
+        passes = {r["shape"]["pass"] for r in measured}
+        assert passes == ({"fwd"} if op == "attention_with_kv_cache" else {"fwd", "fwd+bwd"})
+    else:
+        assert {"reference", "torch.nn"} <= providers
+        for r in measured:
+            assert r["shape"]["tokens_per_s"] > 0
+        skipped = {r["provider"]: r["shape"].get("note", "") for r in rows if r["median_ms"] is None}
+        assert "not run in the smoke test" in skipped["torch.nn+compile"]
+    for r in measured:
+        assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"]
+        assert r["peak_mem_mb"] is None or r["peak_mem_mb"] >= 0
+        if r["provider"] in ("reference",):
+            assert r["speedup_vs_reference"] == 1.0
+        if r["provider"] in ("torch", "torch.nn"):
+            assert r["speedup_vs_torch"] == 1.0
+        if op in ops.OPS:
+            metric = r["tflops"] if r["tflops"] is not None else r["gbps"]
+            assert metric is not None and metric > 0
+            assert r["pct_peak"] is not None and r["pct_peak"] > 0
+    checked = [r for r in measured if r["max_err"] is not None]
+    if op in MAX_ERR:
+        assert checked, f"{op}: no max_err"
+    for r in checked:
+        assert isinstance(r["max_err"], float) and math.isfinite(r["max_err"]), r
+        assert r["max_err"] <= MAX_ERR.get(op, 1e-4), r
+
+
+def test_speedups_are_ratios_of_medians(run):
+    rows = _results(run)["rows"]
+    by_group = {}
+    for r in rows:
+        if r["median_ms"] is not None:
+            by_group.setdefault(common.row_group(r), {})[r["provider"]] = r["median_ms"]
+    for r in rows:
+        if r["speedup_vs_reference"] is not None:
+            ref = by_group[common.row_group(r)]["reference"]
+            assert r["speedup_vs_reference"] == pytest.approx(ref / r["median_ms"], rel=1e-3)
+
+
+def test_markdown_lists_skipped_providers(run):
+    _, out = run
+    text = (out / "results.md").read_text()
+    for op in ALL_OPS:
+        assert f"## {op}" in text
+    assert "## Providers not run" in text
+    assert "not a benchmark" in text  # triton on a CPU, and why
+
+
+def test_flops_formula():
+    """TFLOP/s of an attention row is 4*B*H*L*L*D (halved causal, x2.5 fwd+bwd) over the median."""
+    device = torch.device("cpu")
+    for case in ops.cases("scaled_dot_product_attention", device, [torch.float32], "smoke"):
+        s = case.shape
+        dense = 4 * s["B"] * s["H"] * s["L"] ** 2 * s["D"]
+        expected = dense * (0.5 if case.mask in ("causal", "bool") else 1) * (2.5 if case.backward else 1)
+        assert case.flops == expected
+    row = common.make_row("x", "torch", torch.float32, "none", {}, (2.0, 1.0, 3.0), flops=4e9,
+                          peaks={"matmul_tflops": 4.0, "copy_gbps": 1.0})
+    assert row["tflops"] == pytest.approx(2.0) and row["pct_peak"] == pytest.approx(50.0)  # 4 GFLOP in 2 ms
+
+
+def test_op_names_match():
+    from benchmarks import __main__ as cli
+
+    assert cli.ALL_OPS == ALL_OPS
+    assert cli.PROVIDERS == ops.PROVIDERS
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--op", "nope"], "invalid choice"),
+    (["--providers", "torch,tritonn"], "unknown tritonn"),
+    (["--threads", "0"], "--threads must be >= 1"),
+])
+def test_bad_arguments(argv, message):
+    """Argument errors answer at once (before torch is imported), naming the argument."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
