@@ -7,7 +7,7 @@ works with either class.
 """
 from __future__ import annotations
 
-from torch.nn import (  # noqa: F401  (re-exported)
+from ..modules import (  # noqa: F401  (re-exported)
     LayerNorm,
     TransformerDecoder,
     TransformerDecoderLayer,
@@ -15,4 +15,4 @@ from torch.nn import (  # noqa: F401  (re-exported)
     TransformerEncoderLayer,
 )
 
-SOURCE = "torch.nn"
+SOURCE = "transformer_fast.modules"

@@ -140,11 +140,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Train and evaluate; returns {"losses", "accuracy", "train_seconds", "eval_seconds", ...}."""
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> dict:
     from tqdm.auto import tqdm
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1; got {args.steps}")
     torch.manual_seed(args.seed)
