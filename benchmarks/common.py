@@ -57,7 +57,7 @@ def progress(items: Sequence, desc: str):
     try:
         from tqdm import tqdm
 
-        return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True)
+        return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True, disable=None)  # off without a TTY
     except ImportError:
         return items
 
@@ -137,22 +137,28 @@ def time_cpu(fn: Callable[[], object], min_run_time: float) -> tuple[float, floa
 
 
 def time_gpu(fn: Callable[[], object], cudagraph: bool = False, quick: bool = False):
-    """(median, p20, p80) in ms with Triton's do_bench (L2 flushed) or, for tiny steps, with
+    """(median, p20, p80, timer) in ms with Triton's do_bench (L2 flushed) or, for tiny steps,
     do_bench_cudagraph (no launch overhead); falls back to do_bench when capture fails."""
     import triton.testing
 
     fn()  # warm-up: compile, autotune, grow the caching allocator
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one_ms = (time.perf_counter() - start) * 1e3
+    # do_bench repeats for ``rep`` ms: ask for at least ~10 calls so the quantiles mean something
+    rep = max(50 if quick else 100, 10 * one_ms)
     if cudagraph:
         try:
-            q = triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 50, quantiles=QUANTILES)
+            q = triton.testing.do_bench_cudagraph(fn, rep=max(20, rep / 2), quantiles=QUANTILES)
             return tuple(float(v) for v in q) + ("cudagraph",)
-        except Exception as exc:  # a host sync in fn (e.g. the naive reference) breaks capture
+        except Exception as exc:  # a host sync in fn breaks the capture
             torch.cuda.synchronize()
             reason = f"do_bench (CUDA graph capture failed: {type(exc).__name__})"
-            q = triton.testing.do_bench(fn, warmup=10, rep=50 if quick else 100, quantiles=QUANTILES)
+            q = triton.testing.do_bench(fn, warmup=max(10, one_ms), rep=rep, quantiles=QUANTILES)
             return tuple(float(v) for v in q) + (reason,)
-    q = triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=50 if quick else 100,
+    q = triton.testing.do_bench(fn, warmup=max(10 if quick else 25, one_ms), rep=rep,
                                 quantiles=QUANTILES)
     return tuple(float(v) for v in q) + ("do_bench",)
 

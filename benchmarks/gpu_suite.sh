@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
 # Everything a GPU is needed for, in one call (a lent GPU machine is scarce: one command does it
 # all).  Uses the machine's own python/torch (no network there), builds for the present GPU,
-# runs the gpu tests, compute-sanitizer over the CUDA kernels, `verify`, and the benchmarks when
-# they exist.  Every step runs even if an earlier one failed; the summary lists each step's exit
-# status and the script exits non-zero if any failed.
+# runs the gpu tests, compute-sanitizer over the CUDA kernels, `verify`, and the benchmarks
+# (`python -m benchmarks --quick`).  Every step runs even if an earlier one failed; the summary
+# lists each step's exit status and the script exits non-zero if any failed.
 #   OUT=dir   where results go (default benchmarks/results/<device>/<date>-<commit>)
 #   PYTHON    interpreter (default python)
+#   BENCH_ARGS  arguments for the benchmark step instead of --quick (e.g. "" for the full sweep)
+# What lands in OUT stays small enough to copy back from a lent machine (at most 8 files, a few
+# MB): meta.json, summary.txt, logs.txt (every step's full output, one after the other),
+# verify.md, and the benchmarks' results.json, results.md, ops.png, end_to_end.png.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain -- csrc kernels transformer_fast 2>/dev/null | head -1)
+DIRTY=$(git status --porcelain -- csrc kernels transformer_fast benchmarks 2>/dev/null | head -1)
 [ -n "$DIRTY" ] && COMMIT="$COMMIT-dirty"
-SLUG=$($PY -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_') if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo unknown)
+# The device slug as benchmarks/common.py's device_slug (runs of both land in one folder).
+SLUG=$($PY -c "import re, torch; print(re.sub(r'[^A-Za-z0-9._-]+', '_', torch.cuda.get_device_name(0)).strip('_') if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo unknown)
 OUT=${OUT:-benchmarks/results/$SLUG/$(date -u +%Y-%m-%d)-$COMMIT}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
+LOGS="$OUT/logs.txt"
 : > "$SUMMARY"
+: > "$LOGS"
 FAILED=0
 
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record the exit status
+step() {  # step NAME COMMAND...: run, append its output to $LOGS, record the exit status
     local name=$1; shift
     local start=$(date +%s)
+    local log
+    log=$(mktemp)
     echo "=== $name: $*"
-    "$@" > "$OUT/$name.log" 2>&1
+    "$@" > "$log" 2>&1
     local rc=$?
     local secs=$(( $(date +%s) - start ))
-    tail -n 25 "$OUT/$name.log"
+    tail -n 25 "$log"
+    { echo "=================== $name (rc=$rc, ${secs}s): $*"; cat "$log"; echo; } >> "$LOGS"
+    rm -f "$log"
     printf '%-28s rc=%-3s %5ss  %s\n' "$name" "$rc" "$secs" "$*" | tee -a "$SUMMARY"
     [ "$rc" -ne 0 ] && FAILED=1
     return 0
@@ -63,9 +74,9 @@ for tool in memcheck racecheck initcheck synccheck; do
 done
 step sanitizer_memcheck_triton compute-sanitizer --tool memcheck --error-exitcode 1 \
     $PY benchmarks/sanitize_kernels.py --backend triton
-if [ -f benchmarks/__main__.py ]; then
-    step benchmarks $PY -m benchmarks --quick --output "$OUT"
-fi
+# Writes results.json, results.md, ops.png and end_to_end.png into OUT.
+# shellcheck disable=SC2086
+step benchmarks env PYTHONUNBUFFERED=1 $PY -m benchmarks ${BENCH_ARGS---quick} --output "$OUT"
 
 echo; echo "=== summary ($OUT)"; cat "$SUMMARY"
 exit $FAILED
