@@ -72,6 +72,26 @@ def _nvidia_wheel_includes():
     return dirs
 
 
+def _cublaslt_link_args(cuda_home):
+    """Linker arguments for cuBLASLt (csrc/ffn_cuda.cu).  The library ships in the nvidia-*
+    wheels (often only as libcublasLt.so.<major>, without the unversioned name -lcublasLt needs)
+    or in the toolkit's lib64; an rpath to its folder lets _C load it without LD_LIBRARY_PATH
+    (torch usually has it loaded already)."""
+    dirs = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cu12/lib", "nvidia/cublas/lib"):
+            dirs.append(os.path.join(entry, sub))
+    dirs += [os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib")]
+    for d in dirs:
+        if os.path.isfile(os.path.join(d, "libcublasLt.so")):
+            return [f"-L{d}", "-lcublasLt", f"-Wl,-rpath,{d}"]
+        versioned = sorted(glob.glob(os.path.join(d, "libcublasLt.so.*")))
+        if versioned:
+            name = os.path.basename(min(versioned, key=len))  # libcublasLt.so.13, not .so.13.x.y
+            return [f"-L{d}", f"-l:{name}", f"-Wl,-rpath,{d}"]
+    raise RuntimeError("cuBLASLt (libcublasLt.so) not found in the nvidia wheels or the CUDA toolkit")
+
+
 def _extensions():
     if _env_flag("TRANSFORMER_FAST_NO_EXT"):
         return [], {}
@@ -109,7 +129,7 @@ def _extensions():
             include_dirs=include_dirs + _nvidia_wheel_includes(),
             define_macros=define_macros + [("TF_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp"] + _cublaslt_link_args(cuda_home),
         )
     else:
         ext = cpp_extension.CppExtension(

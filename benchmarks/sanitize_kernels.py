@@ -51,13 +51,33 @@ def attention_cases(backend, device):
             yield f"kv_cache {dtype} {b}x{h}x{hkv}x{l_max}x{d}", (out,)
 
 
+def ffn_cases(backend, device):
+    """feed_forward and linear_bias_act at odd shapes (partial tiles everywhere, K = 1, a single
+    row, a non-contiguous x), every activation, with and without dropout and biases."""
+    shapes = ((1, 1, 1, 1), (7, 33, 70, 29), (129, 64, 257, 64), (300, 130, 67, 8))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for m, d_model, d_ff, d_out in shapes:
+            for act, p, biases in (("relu", 0.0, True), ("gelu", 0.1, False), ("gelu_tanh", 0.1, True)):
+                x = torch.randn(d_model, m, device=device, dtype=dtype).t().requires_grad_(True)
+                w1 = torch.randn(d_ff, d_model, device=device, dtype=dtype, requires_grad=True)
+                w2 = torch.randn(d_out, d_ff, device=device, dtype=dtype, requires_grad=True)
+                b1 = torch.randn(d_ff, device=device, dtype=dtype, requires_grad=True) if biases else None
+                b2 = torch.randn(d_out, device=device, dtype=dtype, requires_grad=True) if biases else None
+                out = F.feed_forward(x, w1, b1, w2, b2, activation=act, dropout_p=p, backend=backend)
+                out.backward(torch.randn_like(out))
+                yield f"feed_forward {dtype} {m}x{d_model}x{d_ff}x{d_out} {act}", (out, x.grad, w1.grad, w2.grad)
+                y = F.linear_bias_act(x.detach(), w1, b1, activation=act, dropout_p=p, backend=backend)
+                y.backward(torch.randn_like(y))
+                yield f"linear_bias_act {dtype} {m}x{d_model}x{d_ff} {act}", (y, w1.grad)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run (triton under TRITON_INTERPRET=1)")
     args = parser.parse_args()
     bad = 0
-    cases = [layer_norm_cases(args.backend, args.device)]
+    cases = [layer_norm_cases(args.backend, args.device), ffn_cases(args.backend, args.device)]
     if args.backend == "triton":
         cases.append(attention_cases(args.backend, args.device))
     for name, tensors in (case for group in cases for case in group):

@@ -5,16 +5,45 @@
 //       -> (y, h or empty (0,), mean fp32 (M,), rstd fp32 (M,))
 //   add_layer_norm_bwd(dy, dh?, x, residual, weight?, bias?, mean, rstd, dropout_p, rng?)
 //       -> (dx or empty (0,), dresidual, dweight or empty (0,), dbias or empty (0,))
+//   ffn_linear_fwd / ffn_linear_dgrad / ffn_linear_wgrad / ffn_act_bwd: the FFN primitives,
+//       contract in kernels/ffn.py (each returns (result, dbias-or-pre or empty (0,))).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
 
 #include <tuple>
 
 namespace transformer_fast {
 
 using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
+
+// ---- FFN (ffn_cpu.cpp holds the checks shared with ffn_cuda.cu)
+enum class FfnAct { kNone = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3 };
+FfnAct parse_ffn_activation(c10::string_view activation);
+void check_ffn_dropout(double dropout_p, const std::optional<at::Tensor>& rng, const at::Tensor& like);
+void check_ffn_linear_fwd_args(const at::Tensor& x, const at::Tensor& w,
+                               const std::optional<at::Tensor>& b, c10::DeviceType device_type);
+void check_ffn_aux(const std::optional<at::Tensor>& aux, FfnAct act, int64_t m, int64_t n,
+                   const at::Tensor& like, c10::DeviceType device_type);
+void check_ffn_dgrad_args(const at::Tensor& dy, const at::Tensor& w, c10::DeviceType device_type);
+void check_ffn_wgrad_args(const at::Tensor& dy, const at::Tensor& x, c10::DeviceType device_type);
+
+Tensor2 ffn_linear_fwd_cpu(const at::Tensor& x, const at::Tensor& w,
+                           const std::optional<at::Tensor>& b, c10::string_view activation,
+                           double dropout_p, const std::optional<at::Tensor>& rng, bool store_pre,
+                           bool allow_tf32);
+Tensor2 ffn_linear_dgrad_cpu(const at::Tensor& dy, const at::Tensor& w,
+                             const std::optional<at::Tensor>& aux, c10::string_view activation,
+                             double dropout_p, const std::optional<at::Tensor>& rng,
+                             bool want_dbias, bool allow_tf32);
+Tensor2 ffn_linear_wgrad_cpu(const at::Tensor& dy, const at::Tensor& x, bool want_dbias,
+                             bool allow_tf32);
+Tensor2 ffn_act_bwd_cpu(const at::Tensor& dy, const std::optional<at::Tensor>& aux,
+                        c10::string_view activation, double dropout_p,
+                        const std::optional<at::Tensor>& rng, bool want_dbias);
 
 // Shared argument validation (add_layer_norm_cpu.cpp); `device_type` is the backend's device.
 void check_add_layer_norm_fwd_args(const at::Tensor& x, const at::Tensor& residual,
@@ -53,6 +82,20 @@ Tensor4 add_layer_norm_bwd_cuda(const at::Tensor& dy, const std::optional<at::Te
                                 const std::optional<at::Tensor>& bias, const at::Tensor& mean,
                                 const at::Tensor& rstd, double dropout_p,
                                 const std::optional<at::Tensor>& rng);
+
+Tensor2 ffn_linear_fwd_cuda(const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& b, c10::string_view activation,
+                            double dropout_p, const std::optional<at::Tensor>& rng, bool store_pre,
+                            bool allow_tf32);
+Tensor2 ffn_linear_dgrad_cuda(const at::Tensor& dy, const at::Tensor& w,
+                              const std::optional<at::Tensor>& aux, c10::string_view activation,
+                              double dropout_p, const std::optional<at::Tensor>& rng,
+                              bool want_dbias, bool allow_tf32);
+Tensor2 ffn_linear_wgrad_cuda(const at::Tensor& dy, const at::Tensor& x, bool want_dbias,
+                              bool allow_tf32);
+Tensor2 ffn_act_bwd_cuda(const at::Tensor& dy, const std::optional<at::Tensor>& aux,
+                         c10::string_view activation, double dropout_p,
+                         const std::optional<at::Tensor>& rng, bool want_dbias);
 #endif
 
 }  // namespace transformer_fast

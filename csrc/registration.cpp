@@ -13,6 +13,17 @@ TORCH_LIBRARY(transformer_fast_C, m) {
       "add_layer_norm_bwd(Tensor dy, Tensor? dh, Tensor x, Tensor residual, Tensor? weight, "
       "Tensor? bias, Tensor mean, Tensor rstd, float dropout_p, Tensor? rng) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+  // FFN primitives (contract: kernels/ffn.py; autograd: transformer_fast/ops/ffn.py).
+  m.def(
+      "ffn_linear_fwd(Tensor x, Tensor w, Tensor? b, str activation, float dropout_p, Tensor? rng, "
+      "bool store_pre, bool allow_tf32) -> (Tensor, Tensor)");
+  m.def(
+      "ffn_linear_dgrad(Tensor dy, Tensor w, Tensor? aux, str activation, float dropout_p, "
+      "Tensor? rng, bool want_dbias, bool allow_tf32) -> (Tensor, Tensor)");
+  m.def("ffn_linear_wgrad(Tensor dy, Tensor x, bool want_dbias, bool allow_tf32) -> (Tensor, Tensor)");
+  m.def(
+      "ffn_act_bwd(Tensor dy, Tensor? aux, str activation, float dropout_p, Tensor? rng, "
+      "bool want_dbias) -> (Tensor, Tensor)");
 }
 
 extern "C" {

@@ -8,8 +8,10 @@ launchers can pick, for sm_90 by default, with the installed Triton and its bund
     TRITON_INTERPRET=0 python -m transformer_fast.kernels.compile_check [--quick] [--resources] [-j N]
 
 Kernels: kernels/layer_norm.py, kernels/attention.py (forward, delta, dk/dv, dq),
-kernels/decode.py (split-K forward, combine, cache append) and kernels/masked_softmax.py
-(fused and looped paths, forward and backward).
+kernels/decode.py (split-K forward, combine, cache append), kernels/masked_softmax.py
+(fused and looped paths, forward and backward) and kernels/ffn.py (the autotuned GEMM with its
+forward and dact epilogues for every activation, with and without dropout, and the elementwise
+act-grad / column-sum kernel).
 
 How the configurations are found.  The launchers themselves are called, on ``meta`` tensors
 (no memory, no device), with their kernels replaced by recorders; each recorded launch is turned
@@ -39,7 +41,7 @@ import time
 
 HIDDEN_SIZES = (1, 7, 127, 512, 768, 1000, 4096, 8192, 12288, 65536)
 DTYPES = ("bf16", "fp16", "fp32")
-KERNEL_SETS = ("layer_norm", "attention", "decode", "masked_softmax")
+KERNEL_SETS = ("layer_norm", "attention", "decode", "masked_softmax", "ffn")
 H100_SMS = 132
 
 # ---------------------------------------------------------------------------------------------
@@ -335,8 +337,42 @@ def _masked_softmax_jobs(dtypes=DTYPES, quick=False):
     return jobs
 
 
+def _ffn_jobs(dtypes=DTYPES, quick=False):
+    """feed_forward's launch sequence (forward: two GEMMs; backward: dact GEMM, two wgrad
+    GEMMs, dgrad GEMM) and linear_bias_act's elementwise backward, for each activation and
+    dropout, at the issue's benchmark shape and at a few rows (the small-tile configs)."""
+    from transformer_fast.kernels import ffn as K
+
+    shapes = ((16384, 1024, 4096),) if quick else ((16384, 1024, 4096), (7, 512, 2048), (1000, 33, 70))
+    acts = ("relu", "gelu") if quick else ("none", "relu", "gelu", "gelu_tanh")
+    jobs = []
+    for dt in dtypes:
+        for tf32 in ((False, True) if dt == "fp32" and not quick else (False,)):
+            for m, d_model, d_ff in shapes:
+                # quick fp32: one flag set (exact-fp32 dots compile slowly; CI time).
+                for act in (acts[:1] if quick and dt == "fp32" else acts):
+                    for drop in ((False,) if quick and dt == "fp32" else (False, True)):
+                        p, rng = (0.1, _rng()) if drop else (0.0, None)
+                        x = _meta(m, d_model, dtype=_dt(dt))
+                        w1, w2 = _meta(d_ff, d_model, dtype=_dt(dt)), _meta(d_model, d_ff, dtype=_dt(dt))
+                        b1, b2 = _meta(d_ff, dtype=_dt(dt)), _meta(d_model, dtype=_dt(dt))
+                        rec = []
+                        with _recording(K, ("_gemm_kernel", "_act_bwd_kernel"), rec):
+                            hidden, pre = K.linear_fwd(x, w1, b1, act, p, rng, K.needs_pre(act), tf32)
+                            out, _ = K.linear_fwd(hidden, w2, b2, "none", 0.0, None, False, tf32)
+                            aux = hidden if act == "relu" else (pre if K.needs_pre(act) else None)
+                            dpre, _ = K.linear_dgrad(out, w2, aux, act, p, rng, True, tf32)
+                            K.linear_wgrad(out, hidden, True, tf32)
+                            K.linear_dgrad(dpre, w1, None, "none", 0.0, None, False, tf32)
+                            K.act_bwd(hidden, aux, act, p, rng, True)
+                        jobs += _jobs_from(rec, f"ffn {dt}{' tf32' if tf32 else ''} M={m} d_model={d_model} "
+                                                f"d_ff={d_ff} act={act} dropout={int(drop)}",
+                                           first_config_only=quick)
+    return jobs
+
+
 _COLLECTORS = {"layer_norm": _layer_norm_jobs, "attention": _attention_jobs, "decode": _decode_jobs,
-               "masked_softmax": _masked_softmax_jobs}
+               "masked_softmax": _masked_softmax_jobs, "ffn": _ffn_jobs}
 
 
 def collect_jobs(kernel_sets=KERNEL_SETS, dtypes=DTYPES, quick=False):

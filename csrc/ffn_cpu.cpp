@@ -1,0 +1,512 @@
+// Position-wise FFN building blocks on the CPU: at::mm for the GEMMs, one fused pass for the
+// epilogues.  The four primitives and their contract are documented in kernels/ffn.py
+// (ffn_linear_fwd, ffn_linear_dgrad, ffn_linear_wgrad, ffn_act_bwd; schemas in registration.cpp).
+//
+//   forward   mm = x @ w^T (at::mm, the BLAS / oneDNN path torch itself uses), then ONE pass over
+//             mm that adds the bias, stores pre (gelu only; in place in mm's buffer), applies the
+//             activation and the Philox dropout and writes y (in place when pre is not kept).
+//             torch eager makes three passes (addmm's bias copy, activation, dropout's mask and
+//             multiply) plus the dropout mask tensor.
+//   dgrad     dh = dy @ w (at::mm), then one in-place pass d = dh * act'(aux) * keep * scale.
+//   wgrad     dw = dy^T @ x (at::mm), db = sum of dy's rows (at::sum, fp32 accumulation).
+//   act_bwd   the same elementwise pass as dgrad's, from dy.
+// The argument checks shared with ffn_cuda.cu live here too (check_ffn_*).
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "ops.h"
+#include "philox.h"
+
+namespace transformer_fast {
+
+using at::Tensor;
+
+// --------------------------------------------------------------------------------------------
+// Argument checks (also used by ffn_cuda.cu)
+
+namespace {
+
+bool ffn_dtype_ok(c10::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
+
+void check_matrix(const Tensor& t, const char* name, const Tensor& like, c10::DeviceType dev) {
+  TORCH_CHECK(t.dim() == 2, "ffn: ", name, " must be 2-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "ffn: ", name, " must have dtype ",
+              like.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.device().type() == dev && t.device() == like.device(), "ffn: ", name,
+              " must be on ", like.device(), ", got ", t.device());
+}
+
+}  // namespace
+
+FfnAct parse_ffn_activation(c10::string_view activation) {
+  if (activation == "none") return FfnAct::kNone;
+  if (activation == "relu") return FfnAct::kRelu;
+  if (activation == "gelu") return FfnAct::kGelu;
+  if (activation == "gelu_tanh") return FfnAct::kGeluTanh;
+  TORCH_CHECK(false, "ffn: activation must be one of none, relu, gelu, gelu_tanh; got '",
+              std::string(activation.data(), activation.size()), "'");
+}
+
+void check_ffn_dropout(double dropout_p, const std::optional<Tensor>& rng, const Tensor& like) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "ffn: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(present(rng), "ffn: rng ([seed, offset] int64) is required when dropout_p > 0");
+    TORCH_CHECK(rng->scalar_type() == at::kLong && rng->dim() == 1 && rng->numel() == 2,
+                "ffn: rng must be an int64 tensor of shape (2,), got ", rng->scalar_type(), " ",
+                rng->sizes());
+    TORCH_CHECK(rng->device() == like.device(), "ffn: rng must be on ", like.device(), ", got ",
+                rng->device());
+  }
+}
+
+void check_ffn_linear_fwd_args(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
+                               c10::DeviceType dev) {
+  TORCH_CHECK(ffn_dtype_ok(x.scalar_type()), "ffn: x must be float32, float16 or bfloat16, got ",
+              x.scalar_type());
+  check_matrix(x, "x", x, dev);
+  check_matrix(w, "w", x, dev);
+  TORCH_CHECK(w.size(1) == x.size(1), "ffn: w must have shape (N, ", x.size(1), "), got ", w.sizes());
+  if (present(b)) {
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == w.size(0), "ffn: b must have shape (", w.size(0),
+                ",), got ", b->sizes());
+    TORCH_CHECK(b->scalar_type() == x.scalar_type() && b->device() == x.device(),
+                "ffn: b must be a ", x.scalar_type(), " tensor on ", x.device());
+  }
+}
+
+void check_ffn_aux(const std::optional<Tensor>& aux, FfnAct act, int64_t m, int64_t n,
+                   const Tensor& like, c10::DeviceType dev) {
+  if (act == FfnAct::kNone) return;
+  TORCH_CHECK(present(aux), "ffn: aux (pre-activation, or y for relu) is required for this activation");
+  check_matrix(*aux, "aux", like, dev);
+  TORCH_CHECK(aux->size(0) == m && aux->size(1) == n, "ffn: aux must have shape (", m, ", ", n,
+              "), got ", aux->sizes());
+}
+
+void check_ffn_dgrad_args(const Tensor& dy, const Tensor& w, c10::DeviceType dev) {
+  TORCH_CHECK(ffn_dtype_ok(dy.scalar_type()), "ffn: dy must be float32, float16 or bfloat16, got ",
+              dy.scalar_type());
+  check_matrix(dy, "dy", dy, dev);
+  check_matrix(w, "w", dy, dev);
+  TORCH_CHECK(w.size(0) == dy.size(1), "ffn: w must have shape (", dy.size(1), ", N), got ", w.sizes());
+}
+
+void check_ffn_wgrad_args(const Tensor& dy, const Tensor& x, c10::DeviceType dev) {
+  TORCH_CHECK(ffn_dtype_ok(dy.scalar_type()), "ffn: dy must be float32, float16 or bfloat16, got ",
+              dy.scalar_type());
+  check_matrix(dy, "dy", dy, dev);
+  check_matrix(x, "x", dy, dev);
+  TORCH_CHECK(x.size(0) == dy.size(0), "ffn: x must have ", dy.size(0), " rows, got ", x.sizes());
+}
+
+}  // namespace transformer_fast
+
+// --------------------------------------------------------------------------------------------
+// CPU epilogue kernels, compiled for AVX2/FMA/F16C on x86-64 (see add_layer_norm_cpu.cpp for why:
+// the baseline build turns at::vec::Vectorized<float> into scalar code).  The torch headers
+// above are included first, outside the target region.
+#if defined(__x86_64__) && !defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
+#define TF_FFN_AVX2_PRAGMA 1
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#pragma GCC diagnostic ignored "-Wpsabi"
+#define __AVX__ 1
+#define __AVX2__ 1
+#define __FMA__ 1
+#define __F16C__ 1
+#endif
+#include <ATen/cpu/vec/vec.h>
+#ifdef TF_FFN_AVX2_PRAGMA
+#undef __AVX__
+#undef __AVX2__
+#undef __FMA__
+#undef __F16C__
+#endif
+
+namespace transformer_fast {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kV = Vec::size();
+constexpr float kSqrt1_2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+constexpr float kSqrt2OverPi = 0.79788456080286536f;
+constexpr float kGeluC = 0.044715f;
+
+template <typename F>
+void dispatch_ffn_dtype(c10::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "ffn: unsupported dtype ", t);
+  }
+}
+
+struct Drop {
+  bool on = false;
+  uint64_t seed = 0, offset = 0;
+  uint32_t threshold = 0;
+  float scale = 1.0f;
+};
+
+#ifdef TF_FFN_AVX2_PRAGMA
+// 32x32 -> (lo, hi) products of 8 uint32 lanes (AVX2 multiplies the even lanes only).
+inline void mul_wide8(__m256i a, __m256i b, __m256i& lo, __m256i& hi) {
+  const __m256i ev = _mm256_mul_epu32(a, b);
+  const __m256i od = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), _mm256_srli_epi64(b, 32));
+  lo = _mm256_blend_epi32(ev, _mm256_slli_epi64(od, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(ev, 32), od, 0xAA);
+}
+#endif
+
+// out[j] = scale if element first + j is kept, else 0 (philox.h's stream, 8 lanes at a time).
+void keep_factors(const Drop& dr, uint64_t first, int64_t n, float* out) {
+  int64_t j = 0;
+#ifdef TF_FFN_AVX2_PRAGMA
+  const __m256i ka = _mm256_set1_epi32(static_cast<int>(kPhiloxA));
+  const __m256i kb = _mm256_set1_epi32(static_cast<int>(kPhiloxB));
+  const __m256i off_lo = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(dr.offset)));
+  const __m256i off_hi = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(dr.offset >> 32)));
+  const __m256i thr = _mm256_set1_epi32(static_cast<int>(dr.threshold));
+  const __m256 vscale = _mm256_set1_ps(dr.scale);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; j + 8 <= n; j += 8) {
+    const uint64_t base = first + static_cast<uint64_t>(j);
+    __m256i c0, c1;
+    if (static_cast<uint32_t>(base) <= 0xFFFFFFFFu - 7u) {  // no carry into the high word
+      c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base))), lane);
+      c1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 32)));
+    } else {
+      alignas(32) uint32_t lo[8], hi[8];
+      for (int l = 0; l < 8; ++l) {
+        lo[l] = static_cast<uint32_t>(base + l);
+        hi[l] = static_cast<uint32_t>((base + l) >> 32);
+      }
+      c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
+      c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
+    }
+    __m256i c2 = off_lo, c3 = off_hi;
+    uint32_t k0 = static_cast<uint32_t>(dr.seed), k1 = static_cast<uint32_t>(dr.seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+      __m256i lo_b, hi_b, lo_a, hi_a;
+      mul_wide8(kb, c2, lo_b, hi_b);
+      mul_wide8(ka, c0, lo_a, hi_a);
+      c0 = _mm256_xor_si256(_mm256_xor_si256(hi_b, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+      c1 = lo_b;
+      c2 = _mm256_xor_si256(_mm256_xor_si256(hi_a, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+      c3 = lo_a;
+      k0 += kPhiloxKeyA;
+      k1 += kPhiloxKeyB;
+    }
+    const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(c0, thr), c0);  // c0 >= thr, unsigned
+    _mm256_storeu_ps(out + j, _mm256_and_ps(_mm256_castsi256_ps(keep), vscale));
+  }
+#endif
+  for (; j < n; ++j) {
+    out[j] = philox_word(dr.seed, dr.offset, first + static_cast<uint64_t>(j)) >= dr.threshold
+                 ? dr.scale : 0.0f;
+  }
+}
+
+inline Vec act_vec(Vec v, FfnAct act) {
+  switch (act) {
+    case FfnAct::kRelu: return at::vec::maximum(v, Vec(0.0f));
+    case FfnAct::kGelu: return Vec(0.5f) * v * (Vec(1.0f) + (v * Vec(kSqrt1_2)).erf());
+    case FfnAct::kGeluTanh: {
+      const Vec u = Vec(kSqrt2OverPi) * (v + Vec(kGeluC) * v * v * v);
+      return Vec(0.5f) * v * (Vec(1.0f) + u.tanh());
+    }
+    default: return v;
+  }
+}
+
+inline float act_scalar(float v, FfnAct act) {
+  switch (act) {
+    case FfnAct::kRelu: return v > 0.0f ? v : 0.0f;
+    case FfnAct::kGelu: return 0.5f * v * (1.0f + std::erf(v * kSqrt1_2));
+    case FfnAct::kGeluTanh:
+      return 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + kGeluC * v * v * v)));
+    default: return v;
+  }
+}
+
+// act'(pre) (gelu, gelu_tanh; relu is handled from y).
+inline Vec act_grad_vec(Vec x, FfnAct act) {
+  if (act == FfnAct::kGelu) {
+    const Vec cdf = Vec(0.5f) * (Vec(1.0f) + (x * Vec(kSqrt1_2)).erf());
+    return cdf + x * (Vec(-0.5f) * x * x).exp() * Vec(kInvSqrt2Pi);
+  }
+  const Vec x2 = x * x;
+  const Vec t = (Vec(kSqrt2OverPi) * (x + Vec(kGeluC) * x2 * x)).tanh();
+  return Vec(0.5f) * (Vec(1.0f) + t) +
+         Vec(0.5f) * x * (Vec(1.0f) - t * t) * Vec(kSqrt2OverPi) * (Vec(1.0f) + Vec(3.0f * kGeluC) * x2);
+}
+
+inline float act_grad_scalar(float x, FfnAct act) {
+  if (act == FfnAct::kGelu) {
+    return 0.5f * (1.0f + std::erf(x * kSqrt1_2)) + x * std::exp(-0.5f * x * x) * kInvSqrt2Pi;
+  }
+  const float t = std::tanh(kSqrt2OverPi * (x + kGeluC * x * x * x));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
+}
+
+template <typename T>
+const float* load_row(const T* src, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    at::vec::convert(src, buf, n);
+    return buf;
+  }
+}
+
+int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
+
+// Forward epilogue over mm (M, N) contiguous: pre = mm + b (in place when pre is kept),
+// y = dropout(act(pre)) into y (which may be mm itself).
+template <typename T>
+void fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, bool keep_pre, Tensor& y) {
+  const int64_t M = mm.size(0), N = mm.size(1);
+  T* mp = mm.mutable_data_ptr<T>();
+  T* yp = y.mutable_data_ptr<T>();
+  at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(N) * 3);
+    float* vbuf = buf.data();  // pre (fp32)
+    float* obuf = vbuf + N;    // y (fp32)
+    float* fbuf = obuf + N;    // dropout factors
+    for (int64_t i = begin; i < end; ++i) {
+      T* mrow = mp + i * N;
+      T* yrow = yp + i * N;
+      const float* in = load_row(mrow, N, vbuf);
+      if (dr.on) keep_factors(dr, static_cast<uint64_t>(i) * N, N, fbuf);
+      float* pre_out = std::is_same_v<T, float> ? reinterpret_cast<float*>(mrow) : vbuf;
+      float* y_out = std::is_same_v<T, float> ? reinterpret_cast<float*>(yrow) : obuf;
+      int64_t j = 0;
+      for (; j + kV <= N; j += kV) {
+        Vec v = Vec::loadu(in + j);
+        if (bias) v = v + Vec::loadu(bias + j);
+        if (keep_pre) v.store(pre_out + j);
+        Vec o = act_vec(v, act);
+        if (dr.on) o = o * Vec::loadu(fbuf + j);
+        o.store(y_out + j);
+      }
+      for (; j < N; ++j) {
+        float v = in[j];
+        if (bias) v += bias[j];
+        if (keep_pre) pre_out[j] = v;
+        float o = act_scalar(v, act);
+        if (dr.on) o *= fbuf[j];
+        y_out[j] = o;
+      }
+      if constexpr (!std::is_same_v<T, float>) {
+        if (keep_pre) at::vec::convert(vbuf, mrow, N);
+        at::vec::convert(obuf, yrow, N);
+      }
+    }
+  });
+}
+
+// d = g * act'(aux) * keep * scale, row by row; g (M, N) any row stride, d (M, N) contiguous
+// (d may be g itself).  aux: pre (gelu / gelu_tanh) or y (relu), unit column stride.
+template <typename T>
+void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, Tensor& d) {
+  const int64_t M = g.size(0), N = g.size(1);
+  const int64_t sg = g.stride(0), sa = aux ? aux->stride(0) : 0;
+  const T* gp = g.const_data_ptr<T>();
+  const T* ap = aux ? aux->const_data_ptr<T>() : nullptr;
+  T* dp = d.mutable_data_ptr<T>();
+  at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(N) * 4);
+    float* gbuf = buf.data();
+    float* abuf = gbuf + N;
+    float* fbuf = abuf + N;
+    float* obuf = fbuf + N;
+    for (int64_t i = begin; i < end; ++i) {
+      const float* gr = load_row(gp + i * sg, N, gbuf);
+      const float* ar = ap ? load_row(ap + i * sa, N, abuf) : nullptr;
+      const bool mask = dr.on && act != FfnAct::kRelu;  // relu: y > 0 already implies kept
+      if (mask) keep_factors(dr, static_cast<uint64_t>(i) * N, N, fbuf);
+      int64_t j = 0;
+      for (; j + kV <= N; j += kV) {
+        Vec v = Vec::loadu(gr + j);
+        if (act == FfnAct::kRelu) {
+          const Vec y = Vec::loadu(ar + j);
+          v = Vec::blendv(Vec(0.0f), v * Vec(dr.scale), y > Vec(0.0f));
+        } else {
+          if (act != FfnAct::kNone) v = v * act_grad_vec(Vec::loadu(ar + j), act);
+          if (mask) v = v * Vec::loadu(fbuf + j);
+        }
+        v.store(obuf + j);
+      }
+      for (; j < N; ++j) {
+        float v = gr[j];
+        if (act == FfnAct::kRelu) {
+          v = ar[j] > 0.0f ? v * dr.scale : 0.0f;
+        } else {
+          if (act != FfnAct::kNone) v *= act_grad_scalar(ar[j], act);
+          if (mask) v *= fbuf[j];
+        }
+        obuf[j] = v;
+      }
+      at::vec::convert(obuf, dp + i * N, N);
+    }
+  });
+}
+
+void run_fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, bool keep_pre, Tensor& y) {
+  dispatch_ffn_dtype(mm.scalar_type(), [&](auto tag) {
+    fwd_epilogue<decltype(tag)>(mm, bias, act, dr, keep_pre, y);
+  });
+}
+
+void run_dact(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, Tensor& d) {
+  dispatch_ffn_dtype(g.scalar_type(), [&](auto tag) { dact_pass<decltype(tag)>(g, aux, act, dr, d); });
+}
+
+}  // namespace
+}  // namespace transformer_fast
+
+#ifdef TF_FFN_AVX2_PRAGMA
+#pragma GCC pop_options
+#endif
+
+namespace transformer_fast {
+namespace {
+
+void check_cpu_features_ffn() {
+#ifdef TF_FFN_AVX2_PRAGMA
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  TORCH_CHECK(ok, "transformer_fast cpu backend: this CPU lacks AVX2/FMA/F16C, which the "
+              "compiled CPU kernels need");
+#endif
+}
+
+Drop make_drop(double p, const std::optional<Tensor>& rng) {
+  Drop dr;
+  if (p > 0.0) {
+    const Tensor r = rng->contiguous();
+    const int64_t* v = r.const_data_ptr<int64_t>();
+    dr.on = true;
+    dr.seed = static_cast<uint64_t>(v[0]);
+    dr.offset = static_cast<uint64_t>(v[1]);
+    dr.threshold = dropout_threshold(p);
+    dr.scale = dropout_scale(p);
+  }
+  return dr;
+}
+
+Tensor empty0(const Tensor& like) { return at::empty({0}, like.options()); }
+
+Tensor unit_cols(const Tensor& t) { return t.size(1) <= 1 || t.stride(1) == 1 ? t : t.contiguous(); }
+
+// Column sums (N,) of t in its dtype, accumulated in fp32 (torch's cascade sum).
+Tensor col_sum(const Tensor& t) {
+  return at::sum(t, {0}, false, at::kFloat).to(t.scalar_type());
+}
+
+}  // namespace
+
+Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
+                           c10::string_view activation, double dropout_p,
+                           const std::optional<Tensor>& rng, bool store_pre, bool allow_tf32) {
+  (void)allow_tf32;  // no tf32 on the CPU
+  check_ffn_linear_fwd_args(x, w, b, c10::DeviceType::CPU);
+  const FfnAct act = parse_ffn_activation(activation);
+  check_ffn_dropout(dropout_p, rng, x);
+  check_cpu_features_ffn();
+  const int64_t M = x.size(0), N = w.size(0);
+  if (M == 0 || N == 0 || x.size(1) == 0) {
+    // at::mm of an empty reduction is zeros; the epilogue still adds the bias.
+    Tensor mm = at::zeros({M, N}, x.options());
+    Tensor y = store_pre ? at::empty({M, N}, x.options()) : mm;
+    if (M > 0 && N > 0) {
+      const Tensor b32 = present(b) ? b->to(at::kFloat).contiguous() : Tensor();
+      run_fwd_epilogue(mm, b32.defined() ? b32.const_data_ptr<float>() : nullptr, act,
+                       make_drop(dropout_p, rng), store_pre, y);
+    }
+    return {y, store_pre ? mm : empty0(x)};
+  }
+  Tensor mm = at::mm(x, w.t());  // (M, N), contiguous
+  if (!mm.is_contiguous()) mm = mm.contiguous();
+  Tensor y = store_pre ? at::empty({M, N}, x.options()) : mm;
+  const Tensor b32 = present(b) ? b->to(at::kFloat).contiguous() : Tensor();
+  run_fwd_epilogue(mm, b32.defined() ? b32.const_data_ptr<float>() : nullptr, act,
+                   make_drop(dropout_p, rng), store_pre, y);
+  return {y, store_pre ? mm : empty0(x)};
+}
+
+Tensor2 ffn_linear_dgrad_cpu(const Tensor& dy, const Tensor& w, const std::optional<Tensor>& aux,
+                             c10::string_view activation, double dropout_p,
+                             const std::optional<Tensor>& rng, bool want_dbias, bool allow_tf32) {
+  (void)allow_tf32;
+  check_ffn_dgrad_args(dy, w, c10::DeviceType::CPU);
+  const FfnAct act = parse_ffn_activation(activation);
+  const int64_t M = dy.size(0), N = w.size(1);
+  check_ffn_aux(aux, act, M, N, dy, c10::DeviceType::CPU);
+  check_ffn_dropout(dropout_p, rng, dy);
+  check_cpu_features_ffn();
+  Tensor d = (dy.size(1) == 0 || M == 0 || N == 0) ? at::zeros({M, N}, dy.options()) : at::mm(dy, w);
+  if (!d.is_contiguous()) d = d.contiguous();
+  if ((act != FfnAct::kNone || dropout_p > 0.0) && M > 0 && N > 0) {
+    const Tensor a = act != FfnAct::kNone ? unit_cols(*aux) : Tensor();
+    run_dact(d, a.defined() ? &a : nullptr, act, make_drop(dropout_p, rng), d);  // in place
+  }
+  return {d, want_dbias ? col_sum(d) : empty0(dy)};
+}
+
+Tensor2 ffn_linear_wgrad_cpu(const Tensor& dy, const Tensor& x, bool want_dbias, bool allow_tf32) {
+  (void)allow_tf32;
+  check_ffn_wgrad_args(dy, x, c10::DeviceType::CPU);
+  const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
+  Tensor dw = (M == 0 || N == 0 || K == 0) ? at::zeros({N, K}, dy.options()) : at::mm(dy.t(), x);
+  if (!dw.is_contiguous()) dw = dw.contiguous();
+  return {dw, want_dbias ? col_sum(dy) : empty0(dy)};
+}
+
+Tensor2 ffn_act_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& aux,
+                        c10::string_view activation, double dropout_p,
+                        const std::optional<Tensor>& rng, bool want_dbias) {
+  TORCH_CHECK(ffn_dtype_ok(dy.scalar_type()), "ffn: dy must be float32, float16 or bfloat16, got ",
+              dy.scalar_type());
+  check_matrix(dy, "dy", dy, c10::DeviceType::CPU);
+  const FfnAct act = parse_ffn_activation(activation);
+  const int64_t M = dy.size(0), N = dy.size(1);
+  check_ffn_aux(aux, act, M, N, dy, c10::DeviceType::CPU);
+  check_ffn_dropout(dropout_p, rng, dy);
+  check_cpu_features_ffn();
+  Tensor d = at::empty({M, N}, dy.options());
+  if (M > 0 && N > 0) {
+    const Tensor g = unit_cols(dy);
+    const Tensor a = act != FfnAct::kNone ? unit_cols(*aux) : Tensor();
+    run_dact(g, a.defined() ? &a : nullptr, act, make_drop(dropout_p, rng), d);
+  }
+  return {d, want_dbias ? col_sum(d) : empty0(dy)};
+}
+
+TORCH_LIBRARY_IMPL(transformer_fast_C, CPU, m) {
+  m.impl("ffn_linear_fwd", &ffn_linear_fwd_cpu);
+  m.impl("ffn_linear_dgrad", &ffn_linear_dgrad_cpu);
+  m.impl("ffn_linear_wgrad", &ffn_linear_wgrad_cpu);
+  m.impl("ffn_act_bwd", &ffn_act_bwd_cpu);
+}
+
+}  // namespace transformer_fast

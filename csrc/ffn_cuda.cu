@@ -1,0 +1,554 @@
+// Position-wise FFN building blocks on CUDA: cuBLASLt GEMMs with fused epilogues, plus our own
+// kernels for what cuBLASLt does not fuse.  Contract of the four primitives: kernels/ffn.py.
+// UNVERIFIED: compiled and linked on the build machine, never run (no GPU there); the gpu tests
+// in tests/test_gpu_ffn.py check it against the float64 oracle when a GPU is at hand.
+//
+// Row-major (M, N) matrices are column-major (N, M) ones, so every GEMM below is issued as its
+// transpose:  Y = X W^T  ->  Y^T = W X^T,  D = dY W  ->  D^T = W^T dY^T,  dW = dY^T X  ->
+// dW^T = X^T dY.
+//
+//   forward  cuBLASLt epilogue BIAS / RELU_BIAS (any dtype) or GELU_AUX_BIAS (gelu_tanh, 16-bit,
+//            N % 8 == 0: writes pre to the aux buffer); erf-gelu has no cuBLASLt epilogue (its
+//            GELU is the tanh form), so BIAS writes pre and `act_dropout_kernel` applies gelu
+//            and dropout in one pass; dropout after a fused activation: `act_dropout_kernel` in
+//            place (Philox, philox.h).  fp32 keeps cuBLASLt's GELU out (its accuracy is not
+//            documented to fp32 level): BIAS + our kernel.
+//   dgrad    gelu_tanh 16-bit: DGELU_BGRAD (no dropout: d and db in the GEMM) or DGELU followed
+//            by our mask kernel; otherwise a plain GEMM followed by `dact_kernel` (act' from pre,
+//            or from y for relu, times the regenerated dropout mask), in place.
+//   wgrad    BGRADB epilogue: dW and db = column sums of dY in one GEMM.
+//   db       where no epilogue gave it: `colsum_partial_kernel` + `colsum_finish_kernel`
+//            (fixed-order two-stage sum, fp32, no atomics).
+// Any fused epilogue the cuBLASLt heuristic rejects for a shape/alignment falls back to the
+// plain GEMM plus our kernels.  The cuBLASLt handle (per device) and a 32 MiB workspace (per
+// device and stream) are created once and cached for the life of the process.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "ops.h"
+#include "philox.h"
+
+namespace transformer_fast {
+namespace {
+
+using at::Tensor;
+
+#define TF_CUBLAS_CHECK(expr)                                                                  \
+  do {                                                                                         \
+    const cublasStatus_t status_ = (expr);                                                     \
+    TORCH_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "ffn (cuda): ", #expr, " failed with cuBLAS " \
+                "status ", static_cast<int>(status_));                                         \
+  } while (0)
+
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+// ------------------------------------------------------------------------------------------
+// cuBLASLt handle and workspace cache
+
+struct LtContext {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+LtContext lt_context(int device, cudaStream_t stream) {
+  static std::mutex mu;
+  // Leaked on purpose: destroying handles / freeing device memory during static destruction
+  // races the CUDA runtime's own teardown.
+  static auto* handles = new std::map<int, cublasLtHandle_t>();
+  static auto* workspaces = new std::map<std::pair<int, cudaStream_t>, void*>();
+  std::lock_guard<std::mutex> lock(mu);
+  LtContext ctx;
+  auto h = handles->find(device);
+  if (h == handles->end()) {
+    cublasLtHandle_t handle;
+    TF_CUBLAS_CHECK(cublasLtCreate(&handle));
+    h = handles->emplace(device, handle).first;
+  }
+  ctx.handle = h->second;
+  const auto key = std::make_pair(device, stream);
+  auto w = workspaces->find(key);
+  if (w == workspaces->end()) {
+    void* ptr = nullptr;
+    // One workspace per stream: work on one stream is serial, so it is never used twice at once.
+    C10_CUDA_CHECK(cudaMalloc(&ptr, kWorkspaceBytes));
+    w = workspaces->emplace(key, ptr).first;
+  }
+  ctx.workspace = w->second;
+  ctx.workspace_bytes = kWorkspaceBytes;
+  return ctx;
+}
+
+// ------------------------------------------------------------------------------------------
+// RAII for the cuBLASLt descriptors
+
+struct OpDesc {
+  cublasLtMatmulDesc_t d = nullptr;
+  OpDesc(cublasComputeType_t compute, cublasOperation_t ta, cublasOperation_t tb) {
+    TF_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, compute, CUDA_R_32F));
+    TF_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    TF_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  }
+  template <typename V>
+  void set(cublasLtMatmulDescAttributes_t attr, const V& value) {
+    TF_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
+  }
+  ~OpDesc() { if (d) cublasLtMatmulDescDestroy(d); }
+};
+
+struct Layout {
+  cublasLtMatrixLayout_t l = nullptr;
+  Layout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld) {
+    TF_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, t, rows, cols, ld));
+  }
+  ~Layout() { if (l) cublasLtMatrixLayoutDestroy(l); }
+};
+
+struct Pref {
+  cublasLtMatmulPreference_t p = nullptr;
+  Pref() { TF_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&p)); }
+  template <typename V>
+  void set(cublasLtMatmulPreferenceAttributes_t attr, const V& value) {
+    TF_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
+  }
+  ~Pref() { if (p) cublasLtMatmulPreferenceDestroy(p); }
+};
+
+uint32_t alignment_of(const void* ptr) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
+  uint32_t align = 256;
+  while (align > 1 && (a % align) != 0) align >>= 1;
+  return align;
+}
+
+cudaDataType_t cuda_dtype(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return CUDA_R_32F;
+    case at::kHalf: return CUDA_R_16F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    default: TORCH_CHECK(false, "ffn (cuda): unsupported dtype ", t);
+  }
+}
+
+// One column-major GEMM D (m x n) = op(A) (m x k) @ op(B) (k x n) with an epilogue.
+struct Gemm {
+  cublasOperation_t ta, tb;
+  int64_t m, n, k;
+  const void* a; int64_t lda;  // A stored (ta == N ? m x k : k x m), leading dimension lda
+  const void* b; int64_t ldb;  // B stored (tb == N ? k x n : n x k)
+  void* d; int64_t ldd;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;  // BIAS*: input (m,), BGRAD*: output
+  void* aux = nullptr;         // GELU_AUX*: output pre; DGELU*: input pre
+  int64_t ld_aux = 0;
+};
+
+// Runs the GEMM; returns false (running nothing) when cuBLASLt has no algorithm for it, so the
+// caller can fall back to a plain epilogue plus our kernels.
+bool run_gemm(const Gemm& g, c10::ScalarType dtype, bool allow_tf32, int device, cudaStream_t stream) {
+  const cudaDataType_t t = cuda_dtype(dtype);
+  const cublasComputeType_t compute =
+      dtype == at::kFloat && allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  OpDesc op(compute, g.ta, g.tb);
+  op.set(CUBLASLT_MATMUL_DESC_EPILOGUE, g.epilogue);
+  if (g.bias) {
+    op.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+    op.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, t);
+  }
+  if (g.aux) {
+    op.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
+    op.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.ld_aux);
+    op.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, t);
+  }
+  const bool a_n = g.ta == CUBLAS_OP_N, b_n = g.tb == CUBLAS_OP_N;
+  Layout la(t, a_n ? g.m : g.k, a_n ? g.k : g.m, g.lda);
+  Layout lb(t, b_n ? g.k : g.n, b_n ? g.n : g.k, g.ldb);
+  Layout ld(t, g.m, g.n, g.ldd);
+  LtContext ctx = lt_context(device, stream);
+  Pref pref;
+  pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctx.workspace_bytes);
+  // The heuristic assumes 256-byte aligned operands unless told otherwise.
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_of(g.a));
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(g.b));
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(g.d));
+  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(g.d));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, op.d, la.l, lb.l, ld.l, ld.l,
+                                                           pref.p, 1, &result, &found);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0) return false;
+  const float alpha = 1.0f, beta = 0.0f;
+  TF_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, op.d, &alpha, g.a, la.l, g.b, lb.l, &beta, g.d, ld.l,
+                                 g.d, ld.l, &result.algo, ctx.workspace, ctx.workspace_bytes, stream));
+  return true;
+}
+
+void run_gemm_or_fail(const Gemm& g, c10::ScalarType dtype, bool allow_tf32, int device,
+                      cudaStream_t stream) {
+  TORCH_CHECK(run_gemm(g, dtype, allow_tf32, device, stream),
+              "ffn (cuda): cuBLASLt found no algorithm for a ", g.m, "x", g.n, "x", g.k, " GEMM");
+}
+
+// ------------------------------------------------------------------------------------------
+// Our kernels
+
+constexpr float kSqrt1_2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+constexpr float kSqrt2OverPi = 0.79788456080286536f;
+constexpr float kGeluC = 0.044715f;
+constexpr int kEwThreads = 256;
+
+__device__ __forceinline__ float act_fwd(float x, int act) {
+  switch (act) {
+    case 1: return fmaxf(x, 0.0f);
+    case 2: return 0.5f * x * (1.0f + erff(x * kSqrt1_2));
+    case 3: return 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * (x + kGeluC * x * x * x)));
+    default: return x;
+  }
+}
+
+__device__ __forceinline__ float act_grad(float x, int act) {
+  if (act == 2) return 0.5f * (1.0f + erff(x * kSqrt1_2)) + x * expf(-0.5f * x * x) * kInvSqrt2Pi;
+  if (act == 3) {
+    const float t = tanhf(kSqrt2OverPi * (x + kGeluC * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
+  }
+  return 1.0f;
+}
+
+struct DropArgs {
+  const int64_t* rng = nullptr;  // [seed, offset] on the device (no host sync)
+  uint32_t threshold = 0;
+  float scale = 1.0f;
+  bool on = false;
+};
+
+// out[i, j] = dropout(act(in[i, j])) over (M, N), contiguous rows of N (out may be in).
+template <typename T>
+__global__ void act_dropout_kernel(const T* in, T* out, int64_t total, int64_t N, int act, DropArgs dr) {
+  uint64_t seed = 0, offset = 0;
+  if (dr.on) {
+    seed = static_cast<uint64_t>(dr.rng[0]);
+    offset = static_cast<uint64_t>(dr.rng[1]);
+  }
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v = act_fwd(static_cast<float>(in[i]), act);
+    if (dr.on) v = philox_word(seed, offset, static_cast<uint64_t>(i)) >= dr.threshold ? v * dr.scale : 0.0f;
+    out[i] = static_cast<T>(v);
+  }
+  (void)N;
+}
+
+// d[i, j] = g[i, j] * act'(aux[i, j]) * keep * scale (relu: aux is y; y > 0 iff kept and
+// pre > 0).  g rows of stride ldg, aux/d contiguous rows of N (d may be g when ldg == N).
+template <typename T>
+__global__ void dact_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t M, int64_t N,
+                            int act, DropArgs dr) {
+  uint64_t seed = 0, offset = 0;
+  if (dr.on) {
+    seed = static_cast<uint64_t>(dr.rng[0]);
+    offset = static_cast<uint64_t>(dr.rng[1]);
+  }
+  const int64_t total = M * N;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / N, c = i - r * N;
+    float v = static_cast<float>(g[r * ldg + c]);
+    if (act == 1) {
+      v = static_cast<float>(aux[i]) > 0.0f ? v * dr.scale : 0.0f;
+    } else {
+      if (act != 0) v *= act_grad(static_cast<float>(aux[i]), act);
+      if (dr.on) v = philox_word(seed, offset, static_cast<uint64_t>(i)) >= dr.threshold ? v * dr.scale : 0.0f;
+    }
+    d[i] = static_cast<T>(v);
+  }
+}
+
+constexpr int kColThreads = 256;
+constexpr int kColRowsPerChunk = 256;
+
+// part[chunk, j] = sum of rows [chunk * kColRowsPerChunk, ...) of column j (fp32, fixed order).
+template <typename T>
+__global__ void colsum_partial_kernel(const T* x, int64_t ldx, int64_t M, int64_t N, float* part) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x;
+  if (j >= N) return;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRowsPerChunk;
+  const int64_t r1 = r0 + kColRowsPerChunk < M ? r0 + kColRowsPerChunk : M;
+  float s = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) s += static_cast<float>(x[r * ldx + j]);
+  part[static_cast<int64_t>(blockIdx.y) * N + j] = s;
+}
+
+template <typename T>
+__global__ void colsum_finish_kernel(const float* part, int64_t chunks, int64_t N, T* out) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x;
+  if (j >= N) return;
+  double s = 0.0;  // few terms (M / 256): a double sum costs nothing here
+  for (int64_t c = 0; c < chunks; ++c) s += part[c * N + j];
+  out[j] = static_cast<T>(static_cast<float>(s));
+}
+
+template <typename F>
+void dispatch_ffn_dtype(c10::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "ffn (cuda): unsupported dtype ", t);
+  }
+}
+
+int ew_blocks(int64_t total) {
+  const int64_t want = (total + kEwThreads - 1) / kEwThreads;
+  return static_cast<int>(want < 65535 * 8 ? (want > 0 ? want : 1) : 65535 * 8);
+}
+
+DropArgs make_drop(double p, const Tensor& rng) {
+  DropArgs dr;
+  if (p > 0.0) {
+    dr.on = true;
+    dr.rng = rng.const_data_ptr<int64_t>();
+    dr.threshold = dropout_threshold(p);
+    dr.scale = dropout_scale(p);
+  }
+  return dr;
+}
+
+void launch_act_dropout(const Tensor& in, Tensor& out, int act, const DropArgs& dr, cudaStream_t stream) {
+  const int64_t total = in.numel();
+  if (total == 0) return;
+  dispatch_ffn_dtype(in.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    act_dropout_kernel<T><<<ew_blocks(total), kEwThreads, 0, stream>>>(
+        in.const_data_ptr<T>(), out.mutable_data_ptr<T>(), total, in.size(1), act, dr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void launch_dact(const Tensor& g, const Tensor* aux, Tensor& d, int act, const DropArgs& dr,
+                 cudaStream_t stream) {
+  const int64_t M = g.size(0), N = g.size(1);
+  if (M == 0 || N == 0) return;
+  dispatch_ffn_dtype(g.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    dact_kernel<T><<<ew_blocks(M * N), kEwThreads, 0, stream>>>(
+        g.const_data_ptr<T>(), g.stride(0), aux ? aux->const_data_ptr<T>() : nullptr,
+        d.mutable_data_ptr<T>(), M, N, act, dr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+Tensor launch_colsum(const Tensor& x, cudaStream_t stream) {
+  const int64_t M = x.size(0), N = x.size(1);
+  Tensor out = at::zeros({N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const int64_t chunks = (M + kColRowsPerChunk - 1) / kColRowsPerChunk;
+  TORCH_CHECK(chunks <= 65535, "ffn (cuda): too many rows for the bias-gradient kernel: ", M);
+  Tensor part = at::empty({chunks, N}, x.options().dtype(at::kFloat));
+  const dim3 grid(static_cast<unsigned>((N + kColThreads - 1) / kColThreads), static_cast<unsigned>(chunks));
+  dispatch_ffn_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    colsum_partial_kernel<T><<<grid, kColThreads, 0, stream>>>(x.const_data_ptr<T>(), x.stride(0), M, N,
+                                                               part.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    colsum_finish_kernel<T><<<grid.x, kColThreads, 0, stream>>>(part.const_data_ptr<float>(), chunks, N,
+                                                                out.mutable_data_ptr<T>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+// Row-major matrix with unit column stride and a row stride cuBLASLt accepts (>= cols, >= 1).
+Tensor gemm_ready(const Tensor& t) {
+  const bool ok = (t.size(1) <= 1 || t.stride(1) == 1) && t.stride(0) >= std::max<int64_t>(1, t.size(1));
+  return ok ? t : t.contiguous();
+}
+
+Tensor empty0(const Tensor& like) { return at::empty({0}, like.options()); }
+
+bool is_half(c10::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
+
+}  // namespace
+
+Tensor2 ffn_linear_fwd_cuda(const Tensor& x_in, const Tensor& w_in, const std::optional<Tensor>& b,
+                            c10::string_view activation, double dropout_p,
+                            const std::optional<Tensor>& rng, bool store_pre, bool allow_tf32) {
+  check_ffn_linear_fwd_args(x_in, w_in, b, c10::DeviceType::CUDA);
+  const FfnAct act = parse_ffn_activation(activation);
+  check_ffn_dropout(dropout_p, rng, x_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const int device = x_in.get_device();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
+  const int code = static_cast<int>(act);
+  const Tensor rng_c = dropout_p > 0.0 ? rng->contiguous() : Tensor();
+  const DropArgs dr = make_drop(dropout_p, rng_c);
+  Tensor y = at::empty({M, N}, x_in.options());
+  Tensor pre = store_pre ? at::empty({M, N}, x_in.options()) : empty0(x_in);
+  if (M == 0 || N == 0) return {y, pre};
+  const Tensor bias = present(b) ? b->contiguous() : Tensor();
+  if (K == 0) {  // no GEMM: pre = bias (or 0)
+    Tensor p = store_pre ? pre : y;
+    if (bias.defined()) p.copy_(bias.unsqueeze(0).expand({M, N})); else p.zero_();
+    launch_act_dropout(p, y, code, dr, stream);
+    return {y, pre};
+  }
+  const Tensor x = gemm_ready(x_in), w = gemm_ready(w_in);
+  Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, w.const_data_ptr(), w.stride(0),
+         x.const_data_ptr(), x.stride(0), nullptr, N};
+  const bool b_on = bias.defined();
+  g.bias = b_on ? bias.const_data_ptr() : nullptr;
+  const c10::ScalarType dt = x.scalar_type();
+
+  // 1. Activation fused into the GEMM where cuBLASLt has it.
+  bool act_done = false;
+  if (act == FfnAct::kRelu || act == FfnAct::kNone) {
+    g.d = y.mutable_data_ptr();
+    g.epilogue = act == FfnAct::kRelu ? (b_on ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU)
+                                      : (b_on ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT);
+    act_done = run_gemm(g, dt, allow_tf32, device, stream);
+  } else if (act == FfnAct::kGeluTanh && is_half(dt) && store_pre && N % 8 == 0) {
+    g.d = y.mutable_data_ptr();
+    g.epilogue = b_on ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    g.aux = pre.mutable_data_ptr();
+    g.ld_aux = N;
+    act_done = run_gemm(g, dt, allow_tf32, device, stream);
+  }
+  if (act_done) {
+    if (dr.on) launch_act_dropout(y, y, 0, dr, stream);  // dropout in place
+    return {y, pre};
+  }
+  // 2. Bias only in the GEMM (into pre, or into y when pre is not kept), then one pass for
+  //    activation + dropout.
+  Tensor p = store_pre ? pre : y;
+  g.d = p.mutable_data_ptr();
+  g.aux = nullptr;
+  g.ld_aux = 0;
+  g.epilogue = b_on ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  run_gemm_or_fail(g, dt, allow_tf32, device, stream);
+  if (code != 0 || dr.on) launch_act_dropout(p, y, code, dr, stream);
+  return {y, pre};
+}
+
+Tensor2 ffn_linear_dgrad_cuda(const Tensor& dy_in, const Tensor& w_in, const std::optional<Tensor>& aux,
+                              c10::string_view activation, double dropout_p,
+                              const std::optional<Tensor>& rng, bool want_dbias, bool allow_tf32) {
+  check_ffn_dgrad_args(dy_in, w_in, c10::DeviceType::CUDA);
+  const FfnAct act = parse_ffn_activation(activation);
+  const int64_t M = dy_in.size(0), K = dy_in.size(1), N = w_in.size(1);
+  check_ffn_aux(aux, act, M, N, dy_in, c10::DeviceType::CUDA);
+  check_ffn_dropout(dropout_p, rng, dy_in);
+  const c10::cuda::CUDAGuard guard(dy_in.device());
+  const int device = dy_in.get_device();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const Tensor rng_c = dropout_p > 0.0 ? rng->contiguous() : Tensor();
+  const DropArgs dr = make_drop(dropout_p, rng_c);
+  const int code = static_cast<int>(act);
+  Tensor d = at::empty({M, N}, dy_in.options());
+  Tensor db = want_dbias ? Tensor() : empty0(dy_in);
+  if (M == 0 || N == 0 || K == 0) {
+    d.zero_();
+    return {d, want_dbias ? at::zeros({N}, dy_in.options()) : db};
+  }
+  const Tensor dy = gemm_ready(dy_in), w = gemm_ready(w_in);
+  const Tensor a = act != FfnAct::kNone ? aux->contiguous() : Tensor();
+  const c10::ScalarType dt = dy.scalar_type();
+  // D^T (N x M) = W^T (N x K, W stored row-major (K, N)) @ dY^T (K x M).
+  Gemm g{CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, w.const_data_ptr(), w.stride(0),
+         dy.const_data_ptr(), dy.stride(0), d.mutable_data_ptr(), N};
+  bool done = false;
+  if (act == FfnAct::kGeluTanh && is_half(dt) && N % 8 == 0) {
+    const bool bgrad = want_dbias && !dr.on;  // cuBLASLt's db would miss the dropout mask
+    if (bgrad) db = at::empty({N}, dy.options());
+    g.epilogue = bgrad ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
+    g.aux = const_cast<void*>(a.const_data_ptr());
+    g.ld_aux = N;
+    g.bias = bgrad ? db.mutable_data_ptr() : nullptr;
+    done = run_gemm(g, dt, allow_tf32, device, stream);
+    if (done) {
+      if (dr.on) launch_dact(d, nullptr, d, 0, dr, stream);  // the mask, in place
+      if (want_dbias && !bgrad) db = launch_colsum(d, stream);
+      return {d, db};
+    }
+    db = want_dbias ? Tensor() : empty0(dy_in);
+  }
+  g.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  g.aux = nullptr;
+  g.ld_aux = 0;
+  g.bias = nullptr;
+  run_gemm_or_fail(g, dt, allow_tf32, device, stream);
+  if (code != 0 || dr.on) launch_dact(d, a.defined() ? &a : nullptr, d, code, dr, stream);
+  if (want_dbias) db = launch_colsum(d, stream);
+  return {d, db};
+}
+
+Tensor2 ffn_linear_wgrad_cuda(const Tensor& dy_in, const Tensor& x_in, bool want_dbias, bool allow_tf32) {
+  check_ffn_wgrad_args(dy_in, x_in, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(dy_in.device());
+  const int device = dy_in.get_device();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const int64_t M = dy_in.size(0), N = dy_in.size(1), K = x_in.size(1);
+  Tensor dw = at::empty({N, K}, dy_in.options());
+  if (M == 0 || N == 0 || K == 0) {
+    dw.zero_();
+    return {dw, want_dbias ? at::zeros({N}, dy_in.options()) : empty0(dy_in)};
+  }
+  const Tensor dy = gemm_ready(dy_in), x = gemm_ready(x_in);
+  const c10::ScalarType dt = dy.scalar_type();
+  // dW^T (K x N) = X^T (K x M, X stored row-major (M, K)) @ dY (M x N, stored row-major (M, N)
+  // = column-major (N x M): transposed).
+  Gemm g{CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, x.const_data_ptr(), x.stride(0),
+         dy.const_data_ptr(), dy.stride(0), dw.mutable_data_ptr(), K};
+  if (want_dbias) {
+    Tensor db = at::empty({N}, dy.options());
+    g.epilogue = CUBLASLT_EPILOGUE_BGRADB;  // db = column sums of dY, reduced over the GEMM's k
+    g.bias = db.mutable_data_ptr();
+    if (run_gemm(g, dt, allow_tf32, device, stream)) return {dw, db};
+    g.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    g.bias = nullptr;
+  }
+  run_gemm_or_fail(g, dt, allow_tf32, device, stream);
+  return {dw, want_dbias ? launch_colsum(dy, stream) : empty0(dy_in)};
+}
+
+Tensor2 ffn_act_bwd_cuda(const Tensor& dy, const std::optional<Tensor>& aux, c10::string_view activation,
+                         double dropout_p, const std::optional<Tensor>& rng, bool want_dbias) {
+  TORCH_CHECK(dy.dim() == 2 && dy.is_cuda(), "ffn: dy must be a 2-D CUDA tensor");
+  const FfnAct act = parse_ffn_activation(activation);
+  const int64_t M = dy.size(0), N = dy.size(1);
+  check_ffn_aux(aux, act, M, N, dy, c10::DeviceType::CUDA);
+  check_ffn_dropout(dropout_p, rng, dy);
+  const c10::cuda::CUDAGuard guard(dy.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dy.get_device()).stream();
+  const Tensor rng_c = dropout_p > 0.0 ? rng->contiguous() : Tensor();
+  const Tensor g = gemm_ready(dy);
+  const Tensor a = act != FfnAct::kNone ? aux->contiguous() : Tensor();
+  Tensor d = at::empty({M, N}, dy.options());
+  launch_dact(g, a.defined() ? &a : nullptr, d, static_cast<int>(act), make_drop(dropout_p, rng_c), stream);
+  return {d, want_dbias ? launch_colsum(d, stream) : empty0(dy)};
+}
+
+TORCH_LIBRARY_IMPL(transformer_fast_C, CUDA, m) {
+  m.impl("ffn_linear_fwd", &ffn_linear_fwd_cuda);
+  m.impl("ffn_linear_dgrad", &ffn_linear_dgrad_cuda);
+  m.impl("ffn_linear_wgrad", &ffn_linear_wgrad_cuda);
+  m.impl("ffn_act_bwd", &ffn_act_bwd_cuda);
+}
+
+}  // namespace transformer_fast

@@ -1,0 +1,360 @@
+"""feed_forward and linear_bias_act on the fused backends against the float64 oracle (DESIGN 6).
+
+Each backend runs on its own device here (conftest.backend_device): cpu on the CPU, triton
+through TRITON_INTERPRET=1 on the CPU (or on CUDA when present), cuda on the GPU.  Dropout is
+checked exactly: the reference drops the elements of transformer_fast.philox's keep mask for
+the rng the op draws (same torch seed), in forward and in every gradient.
+"""
+import pytest
+import torch
+
+import transformer_fast as tf
+from transformer_fast import backends, philox, reference
+from transformer_fast import functional as F
+
+from conftest import backend_params, require_backend
+
+FUSED = backend_params("cpu", "triton", "cuda")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ACTS = ["relu", "gelu", "gelu_tanh"]
+GRADS = ["x", "w1", "b1", "w2", "b2"]
+_dt = lambda d: str(d).replace("torch.", "")
+
+
+def _interpreter_budget(backend, dtype, activation="gelu", rows=0):
+    """Triton's interpreter costs ~1 s per feed_forward fwd+bwd at these sizes: it takes every
+    activation in fp32, and fp16/bf16 with gelu (the dot and cast paths are dtype-specific,
+    the epilogue math is not); the full cross product runs with -m slow or on a GPU."""
+    if backend != "triton" or torch.cuda.is_available():
+        return
+    if dtype != torch.float32 and activation != "gelu":
+        pytest.skip("interpreter budget: fp16/bf16 run with gelu only (full grid: -m slow / GPU)")
+    if rows >= 1000 and dtype == torch.float16:
+        pytest.skip("interpreter budget: 1000 rows in fp32 and bf16 only")
+
+
+def _draw(g, *shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, generator=g, dtype=torch.float32) * scale).to(dtype).to(device)
+
+
+def _make(rows_shape, d_model, d_ff, d_out, dtype, device, biases=True):
+    """Fresh random inputs; weights scaled as nn.Linear's init so activations stay O(1)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    x = _draw(g, *rows_shape, d_model, dtype=dtype, device=device)
+    w1 = _draw(g, d_ff, d_model, dtype=dtype, device=device, scale=d_model ** -0.5)
+    w2 = _draw(g, d_out, d_ff, dtype=dtype, device=device, scale=d_ff ** -0.5)
+    b1 = _draw(g, d_ff, dtype=dtype, device=device) if biases else None
+    b2 = _draw(g, d_out, dtype=dtype, device=device) if biases else None
+    return x, w1, b1, w2, b2
+
+
+def _keep(rows, cols, p, seed, device):
+    torch.manual_seed(seed)
+    return philox.dropout_keep_mask(philox.new_rng(device), (rows, cols), p)
+
+
+def check_feed_forward(backend, x, w1, b1, w2, b2, activation, dropout_p=0.0, seed=1234, view=None):
+    """Oracle over out and the gradients of x, w1, b1, w2, b2.  ``view`` maps the leaf x to the
+    tensor actually passed (e.g. a non-contiguous view)."""
+    view = view or (lambda t: t)
+    rows = view(x).numel() // view(x).shape[-1]
+    keep = None
+    if dropout_p > 0.0:
+        keep = _keep(rows, w1.shape[0], dropout_p, seed, x.device).reshape(*view(x).shape[:-1], w1.shape[0])
+
+    def kernel(x, w1, w2, b1=None, b2=None):
+        torch.manual_seed(seed)  # the op draws its rng from torch's generator: the same one
+        return F.feed_forward(view(x), w1, b1, w2, b2, activation=activation, dropout_p=dropout_p,
+                              backend=backend)
+
+    def ref(x, w1, w2, b1=None, b2=None):
+        return reference.feed_forward(view(x), w1, b1, w2, b2, activation, dropout_p, keep=keep)
+
+    inputs = {"x": x, "w1": w1, "w2": w2}
+    if b1 is not None:
+        inputs["b1"] = b1
+    if b2 is not None:
+        inputs["b2"] = b2
+    results = reference.run_oracle(kernel, ref, inputs, list(inputs))
+    reference.assert_oracle(results, f"{backend} feed_forward {tuple(x.shape)} {w1.shape[0]}->"
+                                     f"{w2.shape[0]} {x.dtype} {activation} p={dropout_p}")
+    return results
+
+
+def _reference_lba(x, w, b, activation, dropout_p, keep):
+    out = x @ w.transpose(0, 1)
+    if b is not None:
+        out = out + b
+    if activation is not None:
+        out = reference._ACTIVATIONS[activation](out)
+    return reference._dropout(out, dropout_p, keep)
+
+
+def check_linear_bias_act(backend, x, w, b, activation, dropout_p=0.0, seed=99):
+    rows = x.numel() // x.shape[-1]
+    keep = None
+    if dropout_p > 0.0:
+        keep = _keep(rows, w.shape[0], dropout_p, seed, x.device).reshape(*x.shape[:-1], w.shape[0])
+
+    def kernel(x, w, b=None):
+        torch.manual_seed(seed)
+        return F.linear_bias_act(x, w, b, activation=activation, dropout_p=dropout_p, backend=backend)
+
+    def ref(x, w, b=None):
+        return _reference_lba(x, w, b, activation, dropout_p, keep)
+
+    inputs = {"x": x, "w": w} if b is None else {"x": x, "w": w, "b": b}
+    results = reference.run_oracle(kernel, ref, inputs, list(inputs))
+    reference.assert_oracle(results, f"{backend} linear_bias_act {tuple(x.shape)}->{w.shape[0]} "
+                                     f"{x.dtype} {activation} p={dropout_p}")
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle over rows, sizes, activations, dtypes, dropout
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+@pytest.mark.parametrize("rows", [1, 7, 100, 1000])
+def test_oracle_rows(backend, dtype, rows):
+    device = require_backend(backend)
+    _interpreter_budget(backend, dtype, rows=rows)
+    # Small odd feature sizes: each GEMM has partial tiles in every dimension.
+    x, w1, b1, w2, b2 = _make((rows,), 24, 40, 17, dtype, device)
+    check_feed_forward(backend, x, w1, b1, w2, b2, "gelu")
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_oracle_activations_dropout(backend, dtype, activation, dropout_p):
+    device = require_backend(backend)
+    _interpreter_budget(backend, dtype, activation)
+    x, w1, b1, w2, b2 = _make((3, 13), 33, 70, 29, dtype, device)
+    check_feed_forward(backend, x, w1, b1, w2, b2, activation, dropout_p)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("dims", [(1, 1, 1), (5, 3, 2), (64, 257, 64), (130, 67, 1)], ids=str)
+def test_oracle_odd_sizes(backend, dims):
+    device = require_backend(backend)
+    d_model, d_ff, d_out = dims
+    x, w1, b1, w2, b2 = _make((2, 9), d_model, d_ff, d_out, torch.float32, device)
+    check_feed_forward(backend, x, w1, b1, w2, b2, "relu", 0.1)
+
+
+@pytest.mark.parametrize("backend", backend_params("cpu", "cuda"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+def test_oracle_paper_sizes(backend, dtype):
+    """d_model 512, d_ff 2048 (the paper's base model)."""
+    device = require_backend(backend)
+    # 16-bit matmuls on the CPU are slow (the oracle runs the reference in the low dtype too).
+    rows = 100 if dtype == torch.float32 or device == "cuda" else 16
+    x, w1, b1, w2, b2 = _make((rows,), 512, 2048, 512, dtype, device)
+    check_feed_forward(backend, x, w1, b1, w2, b2, "relu", 0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_oracle_full_grid(backend, dtype, activation, dropout_p):
+    """The cross product the default run samples (for the interpreter)."""
+    device = require_backend(backend)
+    for rows in (1, 7, 100, 1000):
+        x, w1, b1, w2, b2 = _make((rows,), 33, 70, 29, dtype, device)
+        check_feed_forward(backend, x, w1, b1, w2, b2, activation, dropout_p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("rows", [7, 1000])
+def test_oracle_paper_sizes_full(backend, dtype, activation, rows):
+    device = require_backend(backend)
+    x, w1, b1, w2, b2 = _make((rows,), 512, 2048, 512, dtype, device)
+    check_feed_forward(backend, x, w1, b1, w2, b2, activation, 0.1)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("biases", [False, True], ids=["nobias", "bias"])
+def test_oracle_without_biases(backend, biases):
+    device = require_backend(backend)
+    x, w1, b1, w2, b2 = _make((20,), 16, 48, 16, torch.float32, device, biases=biases)
+    check_feed_forward(backend, x, w1, None, w2, b2, "gelu_tanh", 0.2)
+    check_feed_forward(backend, x, w1, b1, w2, None, "relu")
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "expanded_rows"])
+def test_non_contiguous_x(backend, layout):
+    device = require_backend(backend)
+    _, w1, b1, w2, b2 = _make((1,), 24, 40, 24, torch.float32, device)
+    g = torch.Generator().manual_seed(7)
+    if layout == "transposed":  # (B, L, D) seen through a transpose of (L, B, D)
+        x = _draw(g, 11, 3, 24, dtype=torch.float32, device=device)
+        view = lambda t: t.transpose(0, 1)
+    elif layout == "sliced":  # every other feature of a wider tensor: column stride 2
+        x = _draw(g, 9, 48, dtype=torch.float32, device=device)
+        view = lambda t: t[:, ::2]
+    else:  # a broadcast row dimension (row stride 0)
+        x = _draw(g, 1, 24, dtype=torch.float32, device=device)
+        view = lambda t: t.expand(6, 24)
+    check_feed_forward(backend, x, w1, b1, w2, b2, "gelu", 0.1, view=view)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_matches_nn_linear_modules(backend):
+    """Weights as nn.Linear stores them: same numbers as Linear -> GELU -> Linear."""
+    device = require_backend(backend)
+    lin1, lin2 = torch.nn.Linear(32, 96).to(device), torch.nn.Linear(96, 32).to(device)
+    x = torch.randn(4, 5, 32, device=device)
+    got = F.feed_forward(x, lin1.weight, lin1.bias, lin2.weight, lin2.bias, activation="gelu", backend=backend)
+    want = lin2(torch.nn.functional.gelu(lin1(x)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# linear_bias_act
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+@pytest.mark.parametrize("activation", [None] + ACTS)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_linear_bias_act_oracle(backend, dtype, activation, dropout_p):
+    device = require_backend(backend)
+    _interpreter_budget(backend, dtype, activation or "gelu")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    x = _draw(g, 2, 19, 33, dtype=dtype, device=device)
+    w = _draw(g, 45, 33, dtype=dtype, device=device, scale=33 ** -0.5)
+    b = _draw(g, 45, dtype=dtype, device=device)
+    check_linear_bias_act(backend, x, w, b, activation, dropout_p)
+    check_linear_bias_act(backend, x, w, None, activation, dropout_p)
+
+
+@pytest.mark.parametrize("backend", backend_params("reference", "torch"))
+def test_linear_bias_act_peers(backend):
+    x, w, b = torch.randn(6, 10), torch.randn(12, 10), torch.randn(12)
+    got = F.linear_bias_act(x, w, b, activation="gelu_tanh", backend=backend)
+    want = torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b), approximate="tanh")
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(x=[1.0], w=torch.randn(3, 4)), TypeError, "x"),
+        (dict(x=torch.randn(2, 4), w=torch.randn(3, 5)), ValueError, "w"),
+        (dict(x=torch.randn(2, 4), w=torch.randn(3, 4), b=torch.randn(4)), ValueError, "b"),
+        (dict(x=torch.randn(2, 4), w=torch.randn(3, 4, dtype=torch.float64)), TypeError, "w"),
+        (dict(x=torch.randn(2, 4), w=torch.randn(3, 4), activation="tanh"), ValueError, "activation"),
+        (dict(x=torch.randn(2, 4), w=torch.randn(3, 4), activation=1), TypeError, "activation"),
+        (dict(x=torch.randn(2, 4), w=torch.randn(3, 4), dropout_p=1.0), ValueError, "dropout_p"),
+        (dict(x=torch.randn(2, 4), w=torch.randn(4)), ValueError, "w"),
+    ],
+)
+def test_linear_bias_act_bad_inputs(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        F.linear_bias_act(**kwargs, backend="cpu")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_explicit_backend_rejects_float64(backend):
+    x, w = torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(backends.BackendError, match="dtypes"):
+        F.linear_bias_act(x, w, backend=backend)
+    with pytest.raises(backends.BackendError, match="dtypes"):
+        F.feed_forward(x, w, None, w.t().contiguous(), None, backend=backend)
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout: statistics, and every fused backend drops the same elements
+
+
+@pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_statistics(backend, p):
+    device = require_backend(backend)
+    x = torch.rand(64, 96, device=device) + 0.5  # positive: relu keeps every element
+    w = torch.eye(96, device=device)
+    y = F.linear_bias_act(x, w, None, activation="relu", dropout_p=p, backend=backend)
+    dropped = (y == 0).double().mean().item()
+    n = y.numel()
+    sigma = (p * (1 - p) / n) ** 0.5
+    assert abs(dropped - p) < 5 * sigma, (dropped, p)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p))
+
+
+def test_fused_backends_drop_the_same_elements():
+    """cpu and triton (and cuda, when present) share one Philox stream: same seed, same mask,
+    equal to transformer_fast.philox's."""
+    names = [b for b in ("cpu", "triton") if backends.available(b, "cpu")[0]]
+    if not names:
+        pytest.skip("no fused CPU-side backend available")
+    x = torch.rand(13, 40) + 0.5
+    w = torch.eye(40)
+    want = _keep(13, 40, 0.3, 2024, "cpu")
+    for name in names:
+        torch.manual_seed(2024)
+        y = F.linear_bias_act(x, w, None, activation="relu", dropout_p=0.3, backend=name)
+        assert torch.equal(y != 0, want), name
+    if torch.cuda.is_available():
+        torch.manual_seed(2024)
+        rng = philox.new_rng("cuda")
+        want = philox.dropout_keep_mask(rng, (13, 40), 0.3).cpu()
+        for name in ("cuda", "triton"):
+            torch.manual_seed(2024)
+            y = F.linear_bias_act(x.cuda(), w.cuda(), None, activation="relu", dropout_p=0.3, backend=name)
+            assert torch.equal((y != 0).cpu(), want), name
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile and the custom-op contract
+
+
+@pytest.mark.parametrize("backend", backend_params("cpu", "triton"))
+def test_torch_compile_fullgraph(backend):
+    device = require_backend(backend)
+    x, w1, b1, w2, b2 = _make((4, 6), 16, 40, 16, torch.float32, device)
+    params = [t.clone().requires_grad_(True) for t in (x, w1, b1, w2, b2)]
+
+    def step(x, w1, b1, w2, b2):
+        h = F.feed_forward(x, w1, b1, w2, b2, activation="gelu", dropout_p=0.1, backend=backend)
+        return F.linear_bias_act(h, w2.t(), None, activation="relu", backend=backend).sum()
+
+    torch.manual_seed(3)
+    eager = step(*params)
+    eager_grads = torch.autograd.grad(eager, params)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    out = compiled(*params)
+    grads = torch.autograd.grad(out, params)
+    torch.testing.assert_close(out, eager)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e)
+
+
+def test_opcheck_custom_ops():
+    require_backend("cpu")
+    from transformer_fast.ops import ffn as ops
+
+    x, w1, b1, w2, b2 = _make((5,), 8, 12, 6, torch.float32, "cpu")
+    rng = philox.new_rng("cpu")
+    args = (x.requires_grad_(), w1.requires_grad_(), b1, w2.requires_grad_(), b2, "gelu", 0.2, rng, False, "cpu")
+    torch.library.opcheck(ops.feed_forward_fwd, args)
+    torch.library.opcheck(ops.linear_bias_act_fwd, (x, w1, b1, "relu", 0.2, rng, False, "cpu"))
+
+
+def test_auto_order_cpu_feed_forward_is_measured():
+    """AUTO_ORDER['cpu']['feed_forward'] puts the C++ backend first only with a measurement in
+    benchmarks/NOTES.md; whichever it picks must run and agree with torch."""
+    x, w1, b1, w2, b2 = _make((3,), 8, 12, 8, torch.float32, "cpu")
+    got = F.feed_forward(x, w1, b1, w2, b2)
+    want = F.feed_forward(x, w1, b1, w2, b2, backend="torch")
+    torch.testing.assert_close(got, want)
+    assert tf.backends.AUTO_ORDER["cpu"]["feed_forward"][-1] == "torch"
