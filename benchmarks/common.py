@@ -57,7 +57,10 @@ def progress(items: Sequence, desc: str):
     try:
         from tqdm import tqdm
 
-        return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True, disable=None)  # off without a TTY
+        # Into a log file (gpu_suite.sh), a progress line every 30 s instead of a live bar.
+        tty = sys.stderr.isatty()
+        return tqdm(items, desc=desc, file=sys.stderr, dynamic_ncols=tty, leave=True,
+                    mininterval=0.1 if tty else 30.0, ascii=not tty)
     except ImportError:
         return items
 
@@ -419,7 +422,15 @@ def _shape_text(shape: dict) -> str:
                     if k not in ("note", "pass", "timer", "config", "tokens_per_s"))
 
 
-def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str], argv: str) -> None:
+def cpu_load() -> tuple[float, float, float] | None:
+    try:
+        return os.getloadavg()
+    except (OSError, AttributeError):
+        return None
+
+
+def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str], argv: str,
+                   load=None) -> None:
     lines = [
         f"# Benchmarks: {meta['device']}",
         "",
@@ -428,6 +439,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str],
         f"Peaks measured in this run: copy {meta['peaks'].get('copy_gbps')} GB/s (bytes read + "
         f"written), matmul {meta['peaks'].get('matmul_tflops')} TFLOP/s "
         f"({'bf16' if meta['sm_count'] else 'fp32'}).",
+        (f"CPU load average when the run started: {load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on "
+         f"{os.cpu_count()} cores, {torch.get_num_threads()} threads used." if load else ""),
         "",
         "Times in ms (median, 20%–80%); TFLOP/s (attention 4·B·H·Lq·Lk·D, halved for causal "
         "masks, x2.5 fwd+bwd; FFN 4·M·d_model·d_ff, x3 fwd+bwd) or GB/s (bytes that must move "

@@ -45,7 +45,7 @@ def _id(case):
 @pytest.mark.parametrize("provider", ops.PROVIDERS)
 @pytest.mark.parametrize("case", POINTS, ids=[_id(c) for c in POINTS])
 def test_op(benchmark, case, provider):
-    g = torch.Generator().manual_seed(0)
+    g = ops.Draw(0, DEVICE)
     inputs = case.make(g)
     for name in case.grad_names:
         inputs[name].requires_grad_(True)
@@ -57,7 +57,7 @@ def test_op(benchmark, case, provider):
         with torch.no_grad():
             probe = case.call({k: (v.detach() if isinstance(v, torch.Tensor) else v)
                                for k, v in inputs.items()}, "torch")
-        upstream = torch.randn(probe.shape, generator=g).to(probe.device, probe.dtype)
+        upstream = ops._randn(g, *probe.shape, dtype=probe.dtype, device=DEVICE)
 
     ref_outs, ref_grads = (case.ref64 or (lambda i, u: ops._default_ref64(case, i, u)))(inputs, upstream)
     with torch.set_grad_enabled(case.backward):
