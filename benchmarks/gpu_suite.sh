@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain -- csrc kernels transformer_fast benchmarks 2>/dev/null | head -1)
+DIRTY=$(git status --porcelain -- csrc kernels transformer_fast 'benchmarks/*.py' 2>/dev/null | head -1)
 [ -n "$DIRTY" ] && COMMIT="$COMMIT-dirty"
 # The device slug as benchmarks/common.py's device_slug (runs of both land in one folder).
 SLUG=$($PY -c "import re, torch; print(re.sub(r'[^A-Za-z0-9._-]+', '_', torch.cuda.get_device_name(0)).strip('_') if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo unknown)
