@@ -304,7 +304,11 @@ def make_row(op, provider, dtype, mask, shape, timing=None, *, flops=None, bytes
             row["gbps"] = _r(bytes_moved / (median * 1e-3) / 1e9)
             if peaks and peaks.get("copy_gbps"):
                 row["pct_peak"] = _r(100 * row["gbps"] / peaks["copy_gbps"])
-    row["max_err"] = None if error is None else (float(error) if math.isfinite(error) else "inf")
+    if error is not None and not math.isfinite(error):  # JSON has no inf: null, and say why
+        row["shape"]["note"] = ("output or gradient not finite where the float64 reference is; "
+                                + row["shape"].get("note", "")).strip("; ")
+        error = None
+    row["max_err"] = None if error is None else float(error)
     row["peak_mem_mb"] = None if peak_mem is None else _r(peak_mem)
     return row
 

@@ -166,3 +166,28 @@ def test_bad_arguments(argv, message):
     proc = subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_quick_sweep_of_the_cheap_ops(tmp_path):
+    """The --quick shapes (not the smoke ones) through the same checks, for the bandwidth and
+    GEMM ops (minutes on a busy CPU: behind -m slow)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--op", "add_layer_norm", "feed_forward", "--quick",
+         "--output", str(tmp_path), "--no-plots"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["op"] for r in rows} == {"add_layer_norm", "feed_forward"}
+    for r in rows:
+        assert tuple(r) == common.ROW_KEYS
+        assert r["median_ms"] > 0 and r["max_err"] is not None and r["max_err"] < 1e-3, r
+
+
+def test_non_finite_error_is_null_with_a_note():
+    row = common.make_row("x", "torch", torch.float32, "none", {"pass": "fwd"}, (1.0, 1.0, 1.0),
+                          error=float("nan"))
+    assert row["max_err"] is None and "not finite" in row["shape"]["note"]
+    json.dumps(row, allow_nan=False)
