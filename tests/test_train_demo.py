@@ -64,3 +64,16 @@ def test_command_line_writes_the_loss_curve(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "held-out exact match" in printed and "loss" in printed
+
+
+def test_smoothing_floor_is_the_loss_at_the_smoothed_target():
+    from transformer_fast.models import label_smoothed_cross_entropy
+
+    vocab, eps = 13, 0.1
+    target = torch.randint(0, vocab, (50,))
+    q = torch.full((50, vocab), eps / vocab, dtype=torch.float64)
+    q[torch.arange(50), target] += 1 - eps
+    best = label_smoothed_cross_entropy(q.log(), target, eps)
+    assert best.item() == pytest.approx(demo.smoothing_floor(vocab, eps), rel=1e-12)
+    worse = label_smoothed_cross_entropy(q.log() + 0.3 * torch.randn(50, vocab, dtype=torch.float64), target, eps)
+    assert worse.item() > best.item()

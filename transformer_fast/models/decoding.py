@@ -146,10 +146,13 @@ class CachedStepper:
 
     def _self_attention(self, layer, cache, h):
         sa = layer.self_attn
-        w_q, w_k, w_v, b_q, b_k, b_v = _projections(sa)
-        q = _heads(F.linear(h, w_q, b_q), sa.num_heads)  # (N, H, 1, Dh)
-        k = _heads(F.linear(h, w_k, b_k), sa.num_heads)
-        v = _heads(F.linear(h, w_v, b_v), sa.num_heads)
+        _projections(sa)  # rejects add_bias_kv / add_zero_attn
+        if getattr(sa, "_qkv_same_embed_dim", True):  # one GEMM for q, k and v
+            q, k, v = F.linear(h, sa.in_proj_weight, sa.in_proj_bias).chunk(3, dim=-1)
+        else:
+            w_q, w_k, w_v, b_q, b_k, b_v = _projections(sa)
+            q, k, v = F.linear(h, w_q, b_q), F.linear(h, w_k, b_k), F.linear(h, w_v, b_v)
+        q, k, v = (_heads(t, sa.num_heads) for t in (q, k, v))  # (N, H, 1, Dh) each
         out = tf.attention_with_kv_cache(q, cache["k"], cache["v"], self.seqlens, k, v)
         return sa.out_proj(_merge_heads(out))  # (N, 1, d)
 
