@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformer_fast import reference
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -191,3 +193,31 @@ def test_non_finite_error_is_null_with_a_note():
                           error=float("nan"))
     assert row["max_err"] is None and "not finite" in row["shape"]["note"]
     json.dumps(row, allow_nan=False)
+
+
+@pytest.mark.parametrize("op", ["scaled_dot_product_attention", "masked_softmax"])
+def test_chunked_float64_reference_matches_the_whole(op, monkeypatch, request):
+    """The row-chunked float64 truth (used where an L x L float64 matrix would not fit) equals
+    the reference run on the whole input, outputs and gradients, for every mask kind."""
+    device = torch.device("cpu")
+    monkeypatch.setattr(ops, "_chunk_rows", lambda rows, per_row, dev: 5)  # 16 rows -> 4 chunks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads only add contention on a shared CPU
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    for case in ops.cases(op, device, [torch.float32], "smoke"):
+        if not case.backward:
+            continue
+        g = ops.Draw(7, device)
+        inputs = case.make(g)
+        upstream = torch.randn(case.call(inputs, "torch").shape, generator=g.cpu, dtype=torch.float64)
+        chunked_outs, chunked_grads = case.ref64(inputs, upstream)
+        if op == "masked_softmax":  # the case's call scales the scores; ref64 does too
+            scores = inputs["scores"].detach().double().requires_grad_(True)
+            out = reference.masked_softmax(scores, inputs.get("mask"), 0.125, case.mask == "causal")
+            whole = [out] + list(torch.autograd.grad(out, scores, upstream))
+        else:
+            whole_outs, whole_grads = ops._default_ref64(case, inputs, upstream)
+            whole = whole_outs + whole_grads
+        assert len(whole) == len(chunked_outs + chunked_grads)
+        for a, b in zip(chunked_outs + chunked_grads, whole):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
