@@ -180,20 +180,22 @@ def bench(fn: Callable[[], object], device: torch.device, mode: str, cudagraph: 
 # Peak memory of one call
 
 
-_MALLOC_TUNED = False
+_LIBC = None
 
 
-def _tune_malloc() -> None:
-    """Make glibc return large blocks to the OS at free (fixed mmap/trim thresholds turn off
-    its dynamic thresholds), so that the resident set size follows live CPU tensors."""
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED or not sys.platform.startswith("linux"):
+def _malloc_thresholds(low: bool) -> None:
+    """glibc: with ``low``, blocks over 256 KiB are mmap-ed and returned to the OS at free, so
+    the resident set size follows live CPU tensors (for the memory measurement); otherwise
+    fixed at the 32 MiB mmap threshold glibc's dynamic threshold grows to, so that timings run
+    with the allocator reusing freed blocks as it normally does."""
+    global _LIBC
+    if not sys.platform.startswith("linux"):
         return
-    _MALLOC_TUNED = True
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 256 * 1024)  # M_TRIM_THRESHOLD
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL("libc.so.6")
+        _LIBC.mallopt(-3, (256 << 10) if low else (32 << 20))  # M_MMAP_THRESHOLD
+        _LIBC.mallopt(-1, (256 << 10) if low else (64 << 20))  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass
 
@@ -221,15 +223,18 @@ def peak_memory_mb(fn: Callable[[], object], device: torch.device) -> float | No
         peak = torch.cuda.max_memory_allocated(device)
         del result
         return (peak - before) / 1e6
-    _tune_malloc()
+    _malloc_thresholds(low=True)
     try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        return None
-    before = _status_kb("VmRSS")
-    result = fn()
-    peak = _status_kb("VmHWM")
-    del result
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        except OSError:
+            return None
+        before = _status_kb("VmRSS")
+        result = fn()
+        peak = _status_kb("VmHWM")
+        del result
+    finally:
+        _malloc_thresholds(low=False)
     if before is None or peak is None:
         return None
     return max(0.0, (peak - before) * 1024 / 1e6)
