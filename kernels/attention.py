@@ -96,12 +96,19 @@ PRECISE_DCHUNK = 32
 
 @triton.jit
 def _dot_hd(a, b, M: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr, DCHUNK: tl.constexpr,
-            DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+            DOT_FP32: tl.constexpr, IEEE: tl.constexpr, PRECISE: tl.constexpr,
+            INTERPRET: tl.constexpr):
     """a (M, BLOCK_D) @ b (BLOCK_D, N) -> fp32 (M, N), a contraction over the head dim.  With
     DCHUNK < BLOCK_D (PRECISE): a batched dot over BLOCK_D / DCHUNK chunks of the head dim, whose
     partial sums are added afterwards.  A dot accumulates sequentially along its inner dimension
     (the FMA dot of exact fp32 on the GPU; numpy's matmul under the interpreter): for D = 256 its
-    rounding error is ~1.5-2x that of torch's CPU matmul and dominated the oracle failures."""
+    rounding error is ~1.5-2x that of torch's CPU matmul and dominated the oracle failures.
+    PRECISE under the interpreter: the product in fp64, rounded once.  Backward recomputes the
+    scores as k @ q^T, forward as q @ k^T; on the GPU both orientations of the exact fp32 dot
+    sum in the same order, but numpy's matmul does not, and a row with one visible key then got
+    p = exp(s_bwd - lse) != 1 (gradient errors past the oracle for non-power-of-two scales)."""
+    if PRECISE and INTERPRET:
+        return tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
     if DCHUNK < BLOCK_D:
         NC: tl.constexpr = BLOCK_D // DCHUNK
         a3 = tl.permute(tl.reshape(a, [M, NC, DCHUNK]), (1, 0, 2))
@@ -208,7 +215,7 @@ def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_sc
             kT = tl.load(kt_ptrs)
         else:
             kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-        s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
+        s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
         s = s * qk_scale
         if DIAG or (MASK_KIND != 0) or HAS_KPM:
             s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
@@ -395,7 +402,7 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n, lo, hi, 
         do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         lse = _load_lse(LSEh, offs_m, m_ok, PRECISE)
         Di = tl.load(DELTAh + offs_m, mask=m_ok, other=0.0)
-        sT = _dot_hd(k, qT, BLOCK_N, BLOCK_M, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
+        sT = _dot_hd(k, qT, BLOCK_N, BLOCK_M, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
         sT = sT * qk_scale
         if DIAG or (MASK_KIND != 0) or HAS_KPM:
             # No bounds mask: rows past Lq have lse = +inf (p = 0); columns past Lk only feed
@@ -410,10 +417,12 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n, lo, hi, 
         else:
             pdT = pT
         dv = _dot_acc(_cast(pdT, do.dtype, INTERPRET), do, dv, PRECISE, DOT_FP32, IEEE)
-        dpT = _dot_hd(v, tl.trans(do), BLOCK_N, BLOCK_M, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
+        dpT = _dot_hd(v, tl.trans(do), BLOCK_N, BLOCK_M, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
         if HAS_DROPOUT:
             dpT = tl.where(keep, dpT * drop_scale, 0.0)
-        dsT = pT * (dpT - Di[None, :])
+        # p == 1: the row is saturated on this key (in particular a single visible key), whose
+        # exact gradient is 0; dp - delta would leave the rounding gap of two different sums.
+        dsT = tl.where(pT == 1.0, 0.0, pT * (dpT - Di[None, :]))
         dk = _dot_acc(_cast(dsT, qT.dtype, INTERPRET), tl.trans(qT), dk, PRECISE, DOT_FP32, IEEE)
     return dk, dv
 
@@ -538,18 +547,18 @@ def _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_s
         else:
             kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
             vT = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
-        s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
+        s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
         s = s * qk_scale
         if DIAG or (MASK_KIND != 0) or HAS_KPM:
             s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
                              KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64, PRECISE)
         p = _exp_sub(s, lse[:, None], PRECISE)
-        dp = _dot_hd(do, vT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE)
+        dp = _dot_hd(do, vT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
         if HAS_DROPOUT:
             idx = (row_base + offs_m[:, None].to(tl.int64)) * Lk + offs_n[None, :]
             keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
             dp = tl.where(keep, dp * drop_scale, 0.0)
-        ds = p * (dp - Di[:, None])
+        ds = tl.where(p == 1.0, 0.0, p * (dp - Di[:, None]))  # saturated row: see _dkdv_inner
         dq = _dot_acc(_cast(ds, kT.dtype, INTERPRET), tl.trans(kT), dq, PRECISE, DOT_FP32, IEEE)
     return dq
 
