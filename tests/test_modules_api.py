@@ -14,10 +14,13 @@ import torch.nn.functional as F
 
 import transformer_fast
 import transformer_fast.modules as M
+from test_modules_support import one_thread  # noqa: F401  (fixture)
 from test_modules_support import randomize_
 
 NAMES = ["MultiheadAttention", "LayerNorm", "TransformerEncoderLayer", "TransformerDecoderLayer",
          "TransformerEncoder", "TransformerDecoder", "Transformer"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("name", NAMES)

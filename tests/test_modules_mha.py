@@ -8,9 +8,12 @@ import pytest
 import torch
 
 import transformer_fast.modules as M
+from test_modules_support import one_thread  # noqa: F401  (fixture)
 from test_modules_support import assert_parity, fresh_generator, ours_like, randomize_
 
 E, H, N, L, S = 16, 2, 3, 5, 7
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _masks(spec, g, lq, lk, dtype=torch.float32, batched=True):

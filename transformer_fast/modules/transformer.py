@@ -275,7 +275,12 @@ class TransformerDecoderLayer(_FusedFFN, Module):
             self.activation = activation
 
     def __setstate__(self, state):
-        if "activation" not in state:
+        # Checkpoints pickled before `activation` existed ran relu.  torch's version also fires
+        # when the activation is a module (kept in _modules, not in __dict__), so a deepcopy or
+        # unpickled copy of torch's layer (every layer of nn.TransformerDecoder!) silently runs
+        # relu instead of e.g. nn.GELU().  Ours keeps the module.  (A layer swapped from torch's
+        # keeps whatever torch's copy had, so swapped models compute exactly what they did.)
+        if "activation" not in state and "activation" not in state.get("_modules", {}):
             state["activation"] = F.relu
         super().__setstate__(state)
 
