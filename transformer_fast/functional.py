@@ -120,8 +120,8 @@ _NEG_INF = float("-inf")
 def _zero_dead_rows_softmax(x):
     """softmax over the last dim with all -inf rows -> zeros and zero gradients (torch's own
     ``_safe_softmax`` where it exists, the path SDPA's math backend uses)."""
-    if hasattr(torch, "_safe_softmax"):
-        return torch._safe_softmax(x, -1)
+    if hasattr(torch.ops.aten, "_safe_softmax"):  # the aten op, which torch.compile traces
+        return torch.ops.aten._safe_softmax(x, -1)
     dead = torch.isneginf(x).all(dim=-1, keepdim=True)
     probs = torch.softmax(x.masked_fill(dead, 0.0), dim=-1)
     return probs.masked_fill(dead, 0.0)
