@@ -196,6 +196,10 @@ def _malloc_thresholds(low: bool) -> None:
             _LIBC = ctypes.CDLL("libc.so.6")
         _LIBC.mallopt(-3, (256 << 10) if low else (32 << 20))  # M_MMAP_THRESHOLD
         _LIBC.mallopt(-1, (256 << 10) if low else (64 << 20))  # M_TRIM_THRESHOLD
+        if low:
+            # Free blocks kept by earlier (timed) calls would be reused without a page fault,
+            # invisible to the resident set: hand their pages back first.
+            _LIBC.malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
