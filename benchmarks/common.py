@@ -493,7 +493,10 @@ _COLORS = {"reference": "tab:gray", "torch": "tab:blue", "triton": "tab:orange",
 
 
 def _color(provider: str):
-    return _COLORS.get(provider)
+    """One colour per implementation (ours:<backend> takes <backend>'s)."""
+    if provider.startswith("torch.nn"):
+        return "tab:pink" if "compile" in provider else "tab:brown"
+    return _COLORS.get(provider.split(":", 1)[-1])
 
 
 def write_plots(out_dir: Path, rows: list[dict], x_keys: dict[str, str], max_files: int = 2) -> list[Path]:
@@ -560,7 +563,8 @@ def write_plots(out_dir: Path, rows: list[dict], x_keys: dict[str, str], max_fil
         for ax, op in zip(axes.flat, names):
             sel = [r for r in e2e if r["op"] == op]
             labels = [f"{r['provider']}\n{r['shape'].get('pass', '')} {r['mask']}".strip() for r in sel]
-            ax.barh(range(len(sel)), [r["shape"]["tokens_per_s"] for r in sel])
+            ax.barh(range(len(sel)), [r["shape"]["tokens_per_s"] for r in sel],
+                    color=[_color(r["provider"]) or "tab:purple" for r in sel])
             ax.set_yticks(range(len(sel)), labels, fontsize=5)
             ax.set_xlabel("tokens/s", fontsize=7)
             ax.set_title(op, fontsize=8)

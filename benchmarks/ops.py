@@ -17,7 +17,6 @@ Mask kinds (DESIGN section 8):
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Callable
 
