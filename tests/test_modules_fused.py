@@ -256,3 +256,35 @@ def test_encoder_layer_forward_copies_and_syncs_on_gpu():
         layer(x, src_key_padding_mask=pad)
     assert ops.syncs() == {}
     assert ops.copies() == {"clone": 1}, ops.counts
+
+
+def test_compile_decoder_layer_mha_and_prenorm_stack_fullgraph():
+    """fullgraph=True also through a decoder layer (causal hint + memory padding), a standalone
+    MultiheadAttention with need_weights, and a chained pre-LN encoder stack."""
+    torch._dynamo.reset()
+    g = fresh_generator()
+    x = torch.randn(N, L, E, generator=g, requires_grad=True)
+    mem = torch.randn(N, S, E, generator=g)
+    causal = M.Transformer.generate_square_subsequent_mask(L)
+    mpad = _padding(g, S)
+    dec = randomize_(M.TransformerDecoderLayer(E, H, FF, dropout=0.0, batch_first=True,
+                                               norm_first=True), g)
+    mha = randomize_(M.MultiheadAttention(E, H, batch_first=True), g)
+    enc = randomize_(M.TransformerEncoder(M.TransformerEncoderLayer(E, H, FF, dropout=0.0,
+                                                                  batch_first=True, norm_first=True),
+                                          2, M.LayerNorm(E)), g)
+    cases = [
+        (dec, (x, mem), dict(tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=mpad)),
+        (mha, (x, mem, mem), dict(key_padding_mask=mpad, average_attn_weights=False)),
+        (enc, (x,), dict(mask=causal, is_causal=True)),
+    ]
+    for module, args, kwargs in cases:
+        compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+        got, want = compiled(*args, **kwargs), module(*args, **kwargs)
+        got = got if isinstance(got, tuple) else (got,)
+        want = want if isinstance(want, tuple) else (want,)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        (ga,) = torch.autograd.grad(got[0].sum(), x)
+        (gb,) = torch.autograd.grad(want[0].sum(), x)
+        torch.testing.assert_close(ga, gb, rtol=0, atol=1e-5)
