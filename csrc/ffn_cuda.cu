@@ -18,7 +18,7 @@
 //            or from y for relu, times the regenerated dropout mask), in place.
 //   wgrad    BGRADB epilogue: dW and db = column sums of dY in one GEMM.
 //   db       where no epilogue gave it: `colsum_partial_kernel` + `colsum_finish_kernel`
-//            (fixed-order two-stage sum, fp32, no atomics).
+//            (fixed-order two-stage sum in double, no atomics).
 // Any fused epilogue the cuBLASLt heuristic rejects for a shape/alignment falls back to the
 // plain GEMM plus our kernels.  The cuBLASLt handle (per device) and a 32 MiB workspace (per
 // device and stream) are created once and cached for the life of the process.
@@ -223,8 +223,12 @@ __device__ __forceinline__ float act_fwd(float x, int act) {
 __device__ __forceinline__ float act_grad(float x, int act) {
   if (act == 2) return 0.5f * (1.0f + erff(x * kSqrt1_2)) + x * expf(-0.5f * x * x) * kInvSqrt2Pi;
   if (act == 3) {
-    const float t = tanhf(kSqrt2OverPi * (x + kGeluC * x * x * x));
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
+    // 1 - tanh^2 as sech^2 = 4e / (1 + e)^2, e = exp(-2|u|): 1 - t*t cancels where t -> +-1.
+    const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
+    const float e = expf(-2.0f * fabsf(u));
+    const float t = copysignf((1.0f - e) / (1.0f + e), u);
+    const float sech2 = 4.0f * e / ((1.0f + e) * (1.0f + e));
+    return 0.5f * (1.0f + t) + 0.5f * x * sech2 * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
   }
   return 1.0f;
 }
@@ -281,23 +285,24 @@ __global__ void dact_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t
 constexpr int kColThreads = 256;
 constexpr int kColRowsPerChunk = 256;
 
-// part[chunk, j] = sum of rows [chunk * kColRowsPerChunk, ...) of column j (fp32, fixed order).
+// part[chunk, j] = sum of rows [chunk * kColRowsPerChunk, ...) of column j (double, fixed order:
+// db then carries only the rounding of the summed values).
 template <typename T>
-__global__ void colsum_partial_kernel(const T* x, int64_t ldx, int64_t M, int64_t N, float* part) {
+__global__ void colsum_partial_kernel(const T* x, int64_t ldx, int64_t M, int64_t N, double* part) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x;
   if (j >= N) return;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRowsPerChunk;
   const int64_t r1 = r0 + kColRowsPerChunk < M ? r0 + kColRowsPerChunk : M;
-  float s = 0.0f;
+  double s = 0.0;
   for (int64_t r = r0; r < r1; ++r) s += static_cast<float>(x[r * ldx + j]);
   part[static_cast<int64_t>(blockIdx.y) * N + j] = s;
 }
 
 template <typename T>
-__global__ void colsum_finish_kernel(const float* part, int64_t chunks, int64_t N, T* out) {
+__global__ void colsum_finish_kernel(const double* part, int64_t chunks, int64_t N, T* out) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x;
   if (j >= N) return;
-  double s = 0.0;  // few terms (M / 256): a double sum costs nothing here
+  double s = 0.0;
   for (int64_t c = 0; c < chunks; ++c) s += part[c * N + j];
   out[j] = static_cast<T>(static_cast<float>(s));
 }
@@ -358,14 +363,14 @@ Tensor launch_colsum(const Tensor& x, cudaStream_t stream) {
   if (M == 0 || N == 0) return out;
   const int64_t chunks = (M + kColRowsPerChunk - 1) / kColRowsPerChunk;
   TORCH_CHECK(chunks <= 65535, "ffn (cuda): too many rows for the bias-gradient kernel: ", M);
-  Tensor part = at::empty({chunks, N}, x.options().dtype(at::kFloat));
+  Tensor part = at::empty({chunks, N}, x.options().dtype(at::kDouble));
   const dim3 grid(static_cast<unsigned>((N + kColThreads - 1) / kColThreads), static_cast<unsigned>(chunks));
   dispatch_ffn_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     colsum_partial_kernel<T><<<grid, kColThreads, 0, stream>>>(x.const_data_ptr<T>(), x.stride(0), M, N,
-                                                               part.mutable_data_ptr<float>());
+                                                               part.mutable_data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    colsum_finish_kernel<T><<<grid.x, kColThreads, 0, stream>>>(part.const_data_ptr<float>(), chunks, N,
+    colsum_finish_kernel<T><<<grid.x, kColThreads, 0, stream>>>(part.const_data_ptr<double>(), chunks, N,
                                                                 out.mutable_data_ptr<T>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -30,7 +30,7 @@ reuse), @triton.autotune over a short list pruned by shape and shared memory on 
 config under the interpreter).  Its epilogue is one of
   EPI_FWD:  + bias, store pre (optional), activation, dropout, store y;
   EPI_DACT: * act'(aux), dropout mask, store d, and the tile's column sums into a (tiles_m, N)
-            fp32 buffer (db without atomics: torch.sum over the tiles finishes it).
+            fp64 buffer (db without atomics: torch.sum over the tiles finishes it).
 ``_act_bwd_kernel`` is the same dact epilogue as an elementwise pass (and, with nothing to
 multiply, the column-sum kernel for dbias = sum(dy)).
 
@@ -50,10 +50,12 @@ EPI_FWD = 0
 EPI_DACT = 1
 
 _EMPTY = (0,)
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_C = 0.044715
+# Globals read inside @triton.jit functions must be constexprs (and, for the interpreter, stand
+# to the right of a tensor in products).
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_GELU_C = tl.constexpr(0.044715)
 
 # Elementwise kernel tile.
 EW_BLOCK_M = 32
@@ -70,11 +72,15 @@ def needs_pre(activation: str) -> bool:
 
 
 @triton.jit
-def _tanh(u):
-    # 1 - 2 / (e^{2u} + 1) without libdevice; |u| is clamped to 20, where tanh is +-1 in fp32
-    # already (and e^{2u} stays finite).
-    u = tl.minimum(tl.maximum(u, -20.0), 20.0)
-    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+def _tanh_sech2(u):
+    """(tanh(u), 1 - tanh(u)^2) from e = exp(-2|u|) in (0, 1] (no overflow, no libdevice).
+    sech^2 = 4e / (1 + e)^2 keeps its relative accuracy where tanh -> +-1; 1 - t*t would cancel
+    there (an error of ~1e-7 times x * du/dx ~ 30 at |x| ~ 8: measured 2e-6 in fp32)."""
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    t = tl.where(u < 0.0, -t, t)
+    sech2 = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    return t, sech2
 
 
 @triton.jit
@@ -85,8 +91,8 @@ def _act(x, ACT: tl.constexpr):
     elif ACT == 2:
         y = 0.5 * x * (1.0 + tl.erf(x * _SQRT1_2))
     elif ACT == 3:
-        u = _SQRT_2_OVER_PI * (x + _GELU_C * x * x * x)
-        y = 0.5 * x * (1.0 + _tanh(u))
+        t, _ = _tanh_sech2((x + x * x * x * _GELU_C) * _SQRT_2_OVER_PI)
+        y = 0.5 * x * (1.0 + t)
     else:
         y = x
     return y
@@ -102,8 +108,9 @@ def _act_grad(x, ACT: tl.constexpr):
         g = cdf + x * (tl.exp(-0.5 * x * x) * _INV_SQRT_2PI)
     elif ACT == 3:
         x2 = x * x
-        t = _tanh(_SQRT_2_OVER_PI * (x + _GELU_C * x2 * x))
-        g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (_SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_C * x2))
+        t, sech2 = _tanh_sech2((x + x2 * x * _GELU_C) * _SQRT_2_OVER_PI)
+        du = (x2 * _GELU_C * 3.0 + 1.0) * _SQRT_2_OVER_PI  # d u / d x
+        g = 0.5 * (1.0 + t) + 0.5 * x * sech2 * du
     else:
         g = x * 0.0 + 1.0
     return g
@@ -161,14 +168,23 @@ def _gemm_configs():
 _SMEM_BUDGET = 200 * 1024
 
 
+# Accumulator elements per thread above which an epilogue that runs Philox (dropout) or loads
+# a second tile (the dact epilogue) spills: measured with ptxas for sm_90 (compile_check
+# --resources): 128x256 / 8 warps (128 per thread) with dropout spilled ~4 KB per thread.
+_HEAVY_EPILOGUE_MAX_PER_THREAD = 64
+
+
 def _prune_configs(configs, named_args, **kwargs):
-    """Keep configs whose tiles are not much larger than the problem and whose pipeline fits
-    shared memory; always keep at least the smallest."""
+    """Keep configs whose tiles are not much larger than the problem, whose pipeline fits
+    shared memory and whose epilogue does not spill; always keep at least the smallest."""
     m, n = named_args["M"], named_args["N"]
     esize = named_args["A"].element_size()
+    heavy = bool(kwargs.get("HAS_DROPOUT", False)) or kwargs.get("EPILOGUE", EPI_FWD) == EPI_DACT
     kept = []
     for c in configs:
         bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        if heavy and bm * bn // (32 * c.num_warps) > _HEAVY_EPILOGUE_MAX_PER_THREAD:
+            continue
         if bm > max(32, triton.next_power_of_2(m)) or bn > max(64, triton.next_power_of_2(n)):
             continue
         if (bm * bk + bk * bn) * esize * max(1, c.num_stages) > _SMEM_BUDGET:
@@ -248,8 +264,9 @@ def _gemm_kernel(
         out = _dact(acc, AUX, rows, cols, mask, N, stride_auxm,
                     seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, ACT, HAS_DROPOUT)
         if HAS_PART:
-            # This tile's column sums: one row of the (tiles_m, N) partials, no atomics.
-            part = tl.sum(tl.where(mask, out, 0.0), axis=0)
+            # This tile's column sums: one row of the (tiles_m, N) partials, no atomics.  Summed
+            # in fp64 (cheap: once per tile), so db carries only the rounding of the d values.
+            part = tl.sum(tl.where(mask, out, 0.0).to(tl.float64), axis=0)
             tl.store(PART + pid_m.to(tl.int64) * N + rn, part, mask=col_ok)
     tl.store(C + rows * stride_cm + cols, cast_out(out, C.dtype.element_ty, INTERPRET), mask=mask)
 
@@ -277,7 +294,7 @@ def _act_bwd_kernel(
     if STORE_D:
         tl.store(D + rows * N + cols, cast_out(d, D.dtype.element_ty, INTERPRET), mask=mask)
     if HAS_PART:
-        tl.store(PART + pid_m.to(tl.int64) * N + rn, tl.sum(tl.where(mask, d, 0.0), axis=0), mask=col_ok)
+        tl.store(PART + pid_m.to(tl.int64) * N + rn, tl.sum(tl.where(mask, d, 0.0).to(tl.float64), axis=0), mask=col_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +420,7 @@ def linear_dgrad(dy, w, aux, activation: str, dropout_p: float, rng, want_dbias:
         aux = _unit_cols(aux)
     drop = _dropout_args(dropout_p, rng, dy)
     d = torch.empty((m, n), dtype=dy.dtype, device=dy.device)
-    part = torch.empty((_part_rows(m), n), dtype=torch.float32, device=dy.device) if want_dbias else None
+    part = torch.empty((_part_rows(m), n), dtype=torch.float64, device=dy.device) if want_dbias else None
     if m > 0 and n > 0:
         if part is not None:
             part.zero_()  # rows past the launch's tile count stay zero
@@ -417,7 +434,7 @@ def linear_dgrad(dy, w, aux, activation: str, dropout_p: float, rng, want_dbias:
 
 
 def colsum(dy) -> torch.Tensor:
-    """sum over rows of dy (M, N) -> (N,) in dy's dtype (fp32 partials, no atomics)."""
+    """sum over rows of dy (M, N) -> (N,) in dy's dtype (fp64 partials, no atomics)."""
     _, db = act_bwd(dy, None, "none", 0.0, None, True, store=False)
     return db
 
@@ -457,7 +474,7 @@ def act_bwd(dy, aux, activation: str, dropout_p: float, rng, want_dbias: bool, s
     has_dropout, rng_t, thr, scale = drop
     d = torch.empty((m, n), dtype=dy.dtype, device=dy.device) if store else dy.new_empty(_EMPTY)
     tiles_m = triton.cdiv(m, EW_BLOCK_M)
-    part = torch.empty((tiles_m, n), dtype=torch.float32, device=dy.device) if want_dbias else None
+    part = torch.empty((tiles_m, n), dtype=torch.float64, device=dy.device) if want_dbias else None
     if m > 0 and n > 0:
         with _device_guard(dy):
             _act_bwd_kernel[(tiles_m, triton.cdiv(n, EW_BLOCK_N))](

@@ -34,13 +34,16 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
         "attention_with_kv_cache": ("triton", "cuda", "torch"),
         "masked_softmax": ("triton", "cuda", "torch"),
         "feed_forward": ("triton", "cuda", "torch"),
+        "linear_bias_act": ("triton", "cuda", "torch"),
     },
     "cpu": {
         "add_layer_norm": ("cpu", "torch"),
         "scaled_dot_product_attention": ("cpu", "torch"),
         "attention_with_kv_cache": ("cpu", "torch"),
         "masked_softmax": ("cpu", "torch"),
-        "feed_forward": ("cpu", "torch"),
+        # C++ cpu measured below torch eager without dropout (benchmarks/NOTES.md, FFN).
+        "feed_forward": ("torch", "cpu"),
+        "linear_bias_act": ("torch", "cpu"),
     },
 }
 _DEFAULT_ORDER = ("torch",)
