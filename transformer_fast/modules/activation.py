@@ -324,21 +324,25 @@ class MultiheadAttention(Module):
         """q, k, v projections, each (.., num_heads, head_dim) in the input's own layout."""
         e, h, d = self.embed_dim, self.num_heads, self.head_dim
         b = self.in_proj_bias
-        bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
         if self._qkv_same_embed_dim:
             w = self.in_proj_weight
             if query is key and key is value:
-                # One GEMM; q/k/v are views of its output (.., 3, H, D).
+                # One GEMM; q/k/v are views of its output (.., 3, H, D).  unbind (not three
+                # selects): its backward stacks dq/dk/dv into the packed gradient in one pass,
+                # where select's would zero-fill and add three full-size buffers.
                 proj = F.linear(query, w, b).unflatten(-1, (3, h, d))
-                return proj.select(-3, 0), proj.select(-3, 1), proj.select(-3, 2)
+                return proj.unbind(-3)
+            bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
             wq, wk, wv = w.chunk(3)
             q = F.linear(query, wq, bq).unflatten(-1, (h, d))
             if key is value:  # encoder-decoder attention: k and v from one GEMM
                 kv = F.linear(key, w[e:], None if b is None else b[e:]).unflatten(-1, (2, h, d))
-                return q, kv.select(-3, 0), kv.select(-3, 1)
+                k, v = kv.unbind(-3)
+                return q, k, v
             k = F.linear(key, wk, bk).unflatten(-1, (h, d))
             v = F.linear(value, wv, bv).unflatten(-1, (h, d))
             return q, k, v
+        bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
         q = F.linear(query, self.q_proj_weight, bq).unflatten(-1, (h, d))
         k = F.linear(key, self.k_proj_weight, bk).unflatten(-1, (h, d))
         v = F.linear(value, self.v_proj_weight, bv).unflatten(-1, (h, d))
