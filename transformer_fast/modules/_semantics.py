@@ -16,6 +16,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .. import backends
+
 
 class InputError(ValueError, AssertionError):
     """A malformed module input (torch raises AssertionError for these)."""
@@ -147,8 +149,6 @@ def backend_for(op: str) -> str | None:
     them (e.g. the C++ ``cpu`` backend has add_layer_norm but no attention yet): such an op runs
     on ``auto`` instead of failing the whole layer.  An op the backend implements but cannot run
     on these inputs still raises, as an explicit choice should."""
-    from .. import backends
-
     name = backends.requested_backend()
     if name != "auto" and name not in backends.implemented_backends(op):
         return "auto"
