@@ -202,6 +202,28 @@ def test_transformer_bad_inputs_raise_like_torch():
             model(torch.randn(5, 2, 8), torch.randn(4, 2, 6))
 
 
+@pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
+@pytest.mark.parametrize("case", ["enc-src", "dec-tgt", "dec-memory", "enc-rank"])
+def test_layer_bad_inputs_raise_like_torch(case, norm_first):
+    """Wrong width or rank: torch raises AssertionError or RuntimeError depending on which op
+    meets it first; ours raises before any kernel, an error that is both (and a ValueError)."""
+    good, bad = torch.randn(5, 2, 8), torch.randn(5, 2, 6)
+    for_torch, for_ours = [], []
+    for ns, sink in ((torch.nn, for_torch), (M, for_ours)):
+        torch.manual_seed(0)
+        if case.startswith("enc"):
+            layer = ns.TransformerEncoderLayer(8, 2, 16, norm_first=norm_first)
+            args = (bad,) if case == "enc-src" else (torch.randn(1, 5, 2, 8),)
+        else:
+            layer = ns.TransformerDecoderLayer(8, 2, 16, norm_first=norm_first)
+            args = (bad, good) if case == "dec-tgt" else (good, bad)
+        with pytest.raises(Exception) as err:
+            layer(*args)
+        sink.append(err.value)
+    assert isinstance(for_ours[0], type(for_torch[0])), (for_torch[0], for_ours[0])
+    assert isinstance(for_ours[0], ValueError)
+
+
 def test_mismatched_mask_dtypes_warn_like_torch():
     x = torch.randn(5, 2, 8)
     kpm = torch.zeros(2, 5, dtype=torch.bool)

@@ -27,6 +27,31 @@ class InputRuntimeError(ValueError, RuntimeError):
     """A malformed module input (torch raises RuntimeError for these)."""
 
 
+class LayerInputError(ValueError, AssertionError, RuntimeError):
+    """A layer input of the wrong rank or width: torch raises AssertionError or RuntimeError
+    depending on which of its ops meets it first (MHA's check, layer_norm, a matmul)."""
+
+
+def check_layer_inputs(d_model: int, **tensors) -> None:
+    """(L, E) or (N, L, E) / (L, N, E) tensors with E = d_model, checked before any kernel."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.is_nested:
+            raise InputError(
+                f"{name}: NestedTensor inputs are not supported by transformer_fast's layers; pass "
+                "a padded tensor and a key padding mask (the kernels skip padded keys)"
+            )
+        if t.dim() not in (2, 3):
+            raise LayerInputError(
+                f"{name} must be 2-D (unbatched) or 3-D (batched); got shape {tuple(t.shape)}"
+            )
+        if t.shape[-1] != d_model:
+            raise LayerInputError(
+                f"{name} must have d_model={d_model} features (last dim); got shape {tuple(t.shape)}"
+            )
+
+
 class MaskTypeError(TypeError, AssertionError):
     """A mask of a dtype torch rejects (neither bool nor floating point)."""
 

@@ -183,6 +183,7 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         """torch.nn.TransformerEncoderLayer.forward: src (S, N, E) / (N, S, E) batch_first /
         (S, E); src_mask (S, S) or (N * nhead, S, S) (bool True = not allowed, float added);
         src_key_padding_mask (N, S) (True = padding); is_causal: src_mask is causal (hint)."""
+        sem.check_layer_inputs(self.self_attn.embed_dim, src=src)
         src_mask, src_key_padding_mask = sem.canonical_pair(
             src_mask, src_key_padding_mask, src.dtype, "src_mask", "src_key_padding_mask"
         )
@@ -297,6 +298,7 @@ class TransformerDecoderLayer(_FusedFFN, Module):
     ) -> Tensor:
         """torch.nn.TransformerDecoderLayer.forward (masks as torch's: bool True = not allowed /
         padding, float added; *_is_causal: hints that the mask is causal)."""
+        sem.check_layer_inputs(self.self_attn.embed_dim, tgt=tgt, memory=memory)
         if self._can_fuse(tgt):
             out, _ = self._fused(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
                                  memory_key_padding_mask, tgt_is_causal, memory_is_causal)
