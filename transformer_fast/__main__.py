@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     from .models import demo
 
     p = sub.add_parser("train-demo", help="train a small Seq2SeqTransformer on copy/reverse/sort "
-                       "and report held-out exact-match accuracy")
+                       "and report held-out exact-match accuracy",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     demo.add_arguments(p)
     args = parser.parse_args(argv)
     commands = {"info": cmd_info, "verify": cmd_verify, "train-demo": cmd_train_demo}

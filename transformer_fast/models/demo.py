@@ -144,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for training (CUDA)")
-    p.add_argument("--out", default="train_demo_loss.png", help="loss-curve PNG path")
+    p.add_argument("--out", default="train_demo_loss.png", help="loss-curve PNG path ('' for none)")
     p.add_argument("--symbols", type=int, default=10, help="distinct tokens in the strings")
     p.add_argument("--min-len", type=int, default=3)
     p.add_argument("--max-len", type=int, default=10)
@@ -160,15 +160,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
     p.add_argument("--held-out", type=int, default=1000, help="held-out strings for the accuracy")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default on CPU: 1: the demo's matrices are small, "
+                        "and on a busy 2-core machine 2 threads were several times slower)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> dict:
     """Train and evaluate; returns {"losses", "accuracy", "train_seconds", "eval_seconds", ...}."""
     threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    wanted = args.threads or (1 if torch.device(device).type == "cpu" else None)
+    if wanted:
+        torch.set_num_threads(wanted)
     try:
         return _run(args)
     finally:
@@ -237,6 +241,12 @@ def main(args: argparse.Namespace) -> int:
     print(f"loss {head:.3f} (first 25 steps) -> {tail:.3f} (last 25)")
     print(f"held-out exact match: {result['accuracy']:.2%} of {len(result['held_out'])} strings")
     print(f"time: train {result['train_seconds']:.1f} s, eval {result['eval_seconds']:.1f} s")
+    model, task = result["model"], result["task"]
+    src, _ = task.batch(result["held_out"][:3], result["device"])
+    decoded = model.greedy_decode(src, max_len=src.shape[1] + 1).tolist()
+    for s, out in zip(result["held_out"][:3], decoded):
+        shown = [t - FIRST_SYMBOL for t in out if t not in (PAD, EOS)]
+        print(f"  {args.task}({[t - FIRST_SYMBOL for t in s]}) -> {shown}")
     if args.out:
         print(f"loss curve: {args.out}")
     return 0 if math.isfinite(tail) else 1
