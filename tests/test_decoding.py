@@ -131,6 +131,21 @@ def test_each_row_stops_at_its_eos():
     assert out.shape[1] == width  # trimmed to the longest row
 
 
+def test_checking_for_the_end_every_few_steps_gives_the_same_tokens(monkeypatch):
+    """On a GPU the loop asks whether all rows are done only every few steps (no host sync per
+    step); the output must not change."""
+    from transformer_fast.models import decoding
+
+    seed = fresh_seed()
+    model = small_model(vocab=8)
+    src = ragged_src([6, 2, 4, 1, 5], vocab=8)
+    g = lambda: torch.Generator().manual_seed(seed)  # noqa: E731
+    expected = sample(model, src, 12, temperature=2.0, generator=g())
+    monkeypatch.setitem(decoding.SYNC_EVERY, "cpu", 5)
+    assert torch.equal(sample(model, src, 12, temperature=2.0, generator=g()), expected), seed
+    assert torch.equal(greedy_decode(model, src, 12), greedy_decode(model, src, 12, use_cache=False))
+
+
 def test_all_rows_stop_immediately_when_eos_wins():
     model = small_model()
     with torch.no_grad():
