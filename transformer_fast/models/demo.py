@@ -208,12 +208,13 @@ def _run(args: argparse.Namespace) -> dict:
     pending = []
     for step in bar:
         src, tgt = task.train_batch(args.batch_size, device)
+        lr = optimizer.param_groups[0]["lr"]  # the rate of this update (train_step advances it)
         pending.append(train_step(model, src, tgt, optimizer, scheduler, smoothing=args.smoothing,
                                   autocast_dtype=autocast))
         if len(pending) == 25 or step == args.steps - 1:  # one host sync per 25 steps
             losses.extend(torch.stack(pending).float().cpu().tolist())
             pending = []
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}")
     bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
