@@ -69,6 +69,23 @@ def test_cached_greedy_equals_uncached(variant):
     assert model.training is False
 
 
+def test_cached_decoding_with_torch_nn_layer_classes():
+    """The per-step math reads the layers' parameters, so torch.nn's own classes work too."""
+    from transformer_fast import unswap
+    from transformer_fast.modules import TransformerDecoderLayer as Fused
+
+    seed = fresh_seed()
+    model = small_model()
+    src = ragged_src([7, 2, 4])
+    fused = greedy_decode(model, src, max_len=10)
+    unswap(model)
+    layer = model.decoder.layers[0]
+    assert type(layer) is torch.nn.TransformerDecoderLayer and not isinstance(layer, Fused)
+    cached = greedy_decode(model, src, max_len=10)
+    assert torch.equal(cached, greedy_decode(model, src, max_len=10, use_cache=False)), seed
+    assert torch.equal(cached, fused), seed
+
+
 def test_greedy_restores_training_mode():
     model = small_model().train()
     model.greedy_decode(ragged_src([3, 2]), max_len=4)
