@@ -25,6 +25,16 @@ from transformer_fast.models import _layers
 PAD, BOS, EOS = 0, 1, 2
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is faster, and on the shared 2-core machine an idle-spinning
+    second OpenMP thread made these tests several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def fresh_seed() -> int:
     seed = int(torch.randint(0, 2**31, ()))
     torch.manual_seed(seed)

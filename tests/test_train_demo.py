@@ -11,6 +11,16 @@ from transformer_fast.__main__ import main
 from transformer_fast.models import demo
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is faster, and on the shared 2-core machine an idle-spinning
+    second OpenMP thread made these tests several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def demo_args(**overrides):
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
