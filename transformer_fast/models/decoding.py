@@ -13,9 +13,11 @@ Every mode runs on a *stepper* that turns the last token of each row into next-t
 - ``UncachedStepper``: re-runs the whole decoder on the prefix every step (the baseline that
   cached decoding must reproduce token for token).
 
-No mode ever emits pad or bos.  Decoding runs in eval mode (the model's mode is restored afterwards) without autograd, in the
-model's parameter dtype (autocast is switched off inside: cast the model, e.g.
-``model.to(torch.bfloat16)``, for half-precision decoding).
+No mode ever emits pad or bos.  Decoding runs in eval mode (the model's mode is restored
+afterwards) without autograd, in the model's parameter dtype (autocast is switched off inside:
+cast the model, e.g. ``model.to(torch.bfloat16)``, for half-precision decoding).  The functional
+ops pick their backends as everywhere else ("auto", ``with transformer_fast.use_backend(...)``,
+``TRANSFORMER_FAST_BACKEND``).
 """
 from __future__ import annotations
 
