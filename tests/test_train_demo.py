@@ -87,3 +87,17 @@ def test_smoothing_floor_is_the_loss_at_the_smoothed_target():
     assert best.item() == pytest.approx(demo.smoothing_floor(vocab, eps), rel=1e-12)
     worse = label_smoothed_cross_entropy(q.log() + 0.3 * torch.randn(50, vocab, dtype=torch.float64), target, eps)
     assert worse.item() > best.item()
+
+
+def test_demo_schedule_is_the_paper_rate_then_a_linear_cooldown():
+    from transformer_fast.models import warmup_lr_lambda
+
+    args = demo_args(steps=1000, cooldown=0.4, d_model=64, warmup=200, lr_scale=0.5)
+    rate, paper = demo.demo_schedule(args), warmup_lr_lambda(64, 200, 0.5)
+    for step in (0, 100, 199, 400, 600):
+        assert rate(step) == pytest.approx(paper(step))
+    for step in (700, 900, 999):
+        assert rate(step) == pytest.approx(paper(step) * (1000 - step) / 400)
+    assert rate(1000) == 0.0
+    no_cool = demo.demo_schedule(demo_args(steps=1000, cooldown=0.0, d_model=64, warmup=200, lr_scale=0.5))
+    assert no_cool(999) == pytest.approx(paper(999))

@@ -3,7 +3,8 @@ sequence task and report held-out exact-match accuracy.
 
 Tasks (random strings of ``--symbols`` distinct tokens, lengths ``--min-len`` .. ``--max-len``,
 batches padded with pad_id): ``copy`` (target = source), ``reverse``, ``sort``.  Training is
-teacher forced with label-smoothed cross entropy and the paper's warm-up schedule; the held-out
+teacher forced with label-smoothed cross entropy, Adam and the paper's warm-up schedule (with a
+linear cool-down over the last --cooldown fraction of the steps); the held-out
 set is drawn once from a separate generator and its strings never appear in training.  At the end
 every held-out source is greedy-decoded (KV cache) and counted right only if the whole output,
 eos included, matches.  The loss curve is written as a PNG (matplotlib, Agg backend).
