@@ -240,7 +240,7 @@ inline Vec act_vec(Vec v, FfnAct act) {
 
 inline float act_scalar(float v, FfnAct act) {
   switch (act) {
-    case FfnAct::kRelu: return v > 0.0f ? v : 0.0f;
+    case FfnAct::kRelu: return v < 0.0f ? 0.0f : v;  // NaN stays NaN, as torch.relu
     case FfnAct::kGelu: return 0.5f * v * (1.0f + std::erf(v * kSqrt1_2));
     case FfnAct::kGeluTanh:
       return 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + kGeluC * v * v * v)));
@@ -358,8 +358,9 @@ void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, T
       for (; j + kV <= N; j += kV) {
         Vec v = Vec::loadu(gr + j);
         if (act == FfnAct::kRelu) {
+          // y > 0 iff kept and pre > 0; "not y <= 0" lets a NaN pass its gradient (as torch).
           const Vec y = Vec::loadu(ar + j);
-          v = Vec::blendv(Vec(0.0f), v * Vec(dr.scale), y > Vec(0.0f));
+          v = Vec::blendv(v * Vec(dr.scale), Vec(0.0f), y <= Vec(0.0f));
         } else {
           if (act != FfnAct::kNone) v = v * act_grad_vec(Vec::loadu(ar + j), act);
           if (mask) v = v * Vec::loadu(fbuf + j);
@@ -369,7 +370,7 @@ void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, T
       for (; j < N; ++j) {
         float v = gr[j];
         if (act == FfnAct::kRelu) {
-          v = ar[j] > 0.0f ? v * dr.scale : 0.0f;
+          v = ar[j] <= 0.0f ? 0.0f : v * dr.scale;
         } else {
           if (act != FfnAct::kNone) v *= act_grad_scalar(ar[j], act);
           if (mask) v *= fbuf[j];

@@ -213,7 +213,7 @@ constexpr int kEwThreads = 256;
 
 __device__ __forceinline__ float act_fwd(float x, int act) {
   switch (act) {
-    case 1: return fmaxf(x, 0.0f);
+    case 1: return x < 0.0f ? 0.0f : x;  // NaN stays NaN, as torch.relu
     case 2: return 0.5f * x * (1.0f + erff(x * kSqrt1_2));
     case 3: return 0.5f * x * (1.0f + tanhf(kSqrt2OverPi * (x + kGeluC * x * x * x)));
     default: return x;
@@ -273,7 +273,7 @@ __global__ void dact_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t
     const int64_t r = i / N, c = i - r * N;
     float v = static_cast<float>(g[r * ldg + c]);
     if (act == 1) {
-      v = static_cast<float>(aux[i]) > 0.0f ? v * dr.scale : 0.0f;
+      v = static_cast<float>(aux[i]) <= 0.0f ? 0.0f : v * dr.scale;  // NaN passes, as torch
     } else {
       if (act != 0) v *= act_grad(static_cast<float>(aux[i]), act);
       if (dr.on) v = philox_word(seed, offset, static_cast<uint64_t>(i)) >= dr.threshold ? v * dr.scale : 0.0f;

@@ -87,7 +87,7 @@ def _tanh_sech2(u):
 def _act(x, ACT: tl.constexpr):
     """act(x) in fp32."""
     if ACT == 1:
-        y = tl.maximum(x, 0.0)
+        y = tl.where(x < 0.0, 0.0, x)  # NaN stays NaN, as torch.relu
     elif ACT == 2:
         y = 0.5 * x * (1.0 + tl.erf(x * _SQRT1_2))
     elif ACT == 3:
@@ -123,8 +123,9 @@ def _dact(g, AUX, rows64, cols, mask, N, stride_auxm,
     """g * act'(pre) * keep * scale, with pre (or y for relu) loaded from AUX (fp32 math)."""
     if ACT == 1:
         # AUX holds y = keep * relu(pre) * scale: y > 0 iff pre > 0 and the element was kept.
+        # Written as "not y <= 0" so that a NaN passes its gradient, as torch's relu backward.
         y = tl.load(AUX + rows64 * stride_auxm + cols, mask=mask, other=0.0)
-        d = tl.where(y > 0, g * drop_scale, 0.0)
+        d = tl.where(y <= 0, 0.0, g * drop_scale)
     else:
         if ACT != 0:
             pre = tl.load(AUX + rows64 * stride_auxm + cols, mask=mask, other=0.0).to(tl.float32)
