@@ -348,6 +348,14 @@ def test_opcheck_custom_ops():
     args = (x.requires_grad_(), w1.requires_grad_(), b1, w2.requires_grad_(), b2, "gelu", 0.2, rng, False, "cpu")
     torch.library.opcheck(ops.feed_forward_fwd, args)
     torch.library.opcheck(ops.linear_bias_act_fwd, (x, w1, b1, "relu", 0.2, rng, False, "cpu"))
+    # The C++ primitives themselves (schemas in csrc/registration.cpp, fakes in ops/ffn.py).
+    C = torch.ops.transformer_fast_C
+    x, w1, b1 = x.detach(), w1.detach(), b1.detach()
+    y, pre = C.ffn_linear_fwd(x, w1, b1, "gelu", 0.2, rng, True, False)
+    torch.library.opcheck(C.ffn_linear_fwd.default, (x, w1, b1, "gelu", 0.2, rng, True, False))
+    torch.library.opcheck(C.ffn_linear_dgrad.default, (torch.randn(5, 6), w2.detach(), pre, "gelu", 0.2, rng, True, False))
+    torch.library.opcheck(C.ffn_linear_wgrad.default, (torch.randn(5, 12), x, True, False))
+    torch.library.opcheck(C.ffn_act_bwd.default, (torch.randn(5, 12), y, "relu", 0.2, rng, True))
 
 
 def test_auto_picks_the_first_supported_backend_on_cpu():
