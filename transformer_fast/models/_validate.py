@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
+
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -36,9 +38,10 @@ def finite_float(name: str, value: object, *, positive: bool = False) -> float:
 
 def tokens(name: str, value: object, vocab_size: int, *, pad_id: int | None = None,
            device: torch.device | None = None) -> torch.Tensor:
-    """A (B, L) integer token tensor with B, L >= 1.  Values are range-checked on the CPU only:
-    on a GPU the check would cost a host sync per call (the embedding's device-side assert
-    still stops an out-of-range id there)."""
+    """A (B, L) integer token tensor with B, L >= 1.  Values are range-checked where the
+    package's host checks run (CPU tensors, not while torch.compile traces; see
+    transformer_fast._checks.host_checks_enabled): on a GPU the check would cost a host sync per
+    call (the embedding's device-side assert still stops an out-of-range id there)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids; got {type(value).__name__}")
     if value.dtype not in INT_DTYPES:
@@ -49,7 +52,7 @@ def tokens(name: str, value: object, vocab_size: int, *, pad_id: int | None = No
         )
     if device is not None and value.device != device:
         raise ValueError(f"{name} must be on the model's device ({device}); got {value.device}")
-    if value.device.type == "cpu":
+    if _checks.host_checks_enabled(value.device):
         low, high = int(value.min()), int(value.max())
         if low < 0 or high >= vocab_size:
             raise ValueError(

@@ -124,6 +124,7 @@ class Seq2SeqTransformer(nn.Module):
         h = self.decoder(
             y, memory,
             tgt_mask=causal_mask(length, y.device),
+            tgt_is_causal=True,  # the hint: no data-dependent mask inspection (torch.compile)
             tgt_key_padding_mask=tgt_in == self.pad_id,
             memory_key_padding_mask=src_padding,
         )  # (B, T, d)

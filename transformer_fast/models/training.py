@@ -7,6 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
+from .. import _checks
 from . import _validate
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -41,7 +42,7 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, smo
     vocab = logits.shape[-1]
     keep = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
     safe_target = torch.where(keep, target, torch.zeros_like(target)).long()
-    if target.device.type == "cpu" and keep.any():
+    if _checks.host_checks_enabled(target.device) and bool(keep.any()):
         low, high = int(safe_target[keep].min()), int(safe_target[keep].max())
         if low < 0 or high >= vocab:
             raise ValueError(f"target must hold class ids in [0, {vocab}); got [{low}, {high}]")
