@@ -26,6 +26,7 @@ from .modules import (  # noqa: E402
     TransformerEncoderLayer,
 )
 from .swap import SwapReport, swap, unswap  # noqa: E402
+from . import models  # noqa: E402  (tf.models.Seq2SeqTransformer, ...)
 
 import sys as _sys  # noqa: E402
 
@@ -46,6 +47,7 @@ __all__ = [
     "TransformerEncoderLayer",
     "backends",
     "functional",
+    "models",
     "modules",
     "nn",
     "not_supported_reasons",
