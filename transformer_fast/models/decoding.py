@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional as tf
+from ..modules._semantics import backend_for
 from . import _validate
 
 __all__ = [
@@ -99,14 +100,16 @@ def _layer_norm(x, norm):
 
 def _add_norm(x, residual, norm, prenorm=False):
     """norm(residual + x) (and residual + x with prenorm) in one fused pass."""
-    return tf.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, prenorm=prenorm)
+    return tf.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, prenorm=prenorm,
+                             backend=backend_for("add_layer_norm"))
 
 
 def _feed_forward(layer, x):
     name = _activation_name(layer.activation)
     l1, l2 = layer.linear1, layer.linear2
     if name is not None:
-        return tf.feed_forward(x, l1.weight, l1.bias, l2.weight, l2.bias, activation=name)
+        return tf.feed_forward(x, l1.weight, l1.bias, l2.weight, l2.bias, activation=name,
+                               backend=backend_for("feed_forward"))
     return l2(layer.activation(l1(x)))  # a custom activation: unfused
 
 
@@ -155,7 +158,8 @@ class CachedStepper:
             w_q, w_k, w_v, b_q, b_k, b_v = _projections(sa)
             q, k, v = F.linear(h, w_q, b_q), F.linear(h, w_k, b_k), F.linear(h, w_v, b_v)
         q, k, v = (_heads(t, sa.num_heads) for t in (q, k, v))  # (N, H, 1, Dh) each
-        out = tf.attention_with_kv_cache(q, cache["k"], cache["v"], self.seqlens, k, v)
+        out = tf.attention_with_kv_cache(q, cache["k"], cache["v"], self.seqlens, k, v,
+                                        backend=backend_for("attention_with_kv_cache"))
         return sa.out_proj(_merge_heads(out))  # (N, 1, d)
 
     def _cross_attention(self, layer, cache, h):
@@ -163,7 +167,8 @@ class CachedStepper:
         w_q, _, _, b_q, _, _ = _projections(ca)
         q = _heads(F.linear(h, w_q, b_q), ca.num_heads)  # (N, H, 1, Dh)
         out = tf.scaled_dot_product_attention(
-            q, cache["mem_k"], cache["mem_v"], key_padding_mask=self.src_padding
+            q, cache["mem_k"], cache["mem_v"], key_padding_mask=self.src_padding,
+            backend=backend_for("scaled_dot_product_attention"),
         )
         return ca.out_proj(_merge_heads(out))  # (N, 1, d)
 
