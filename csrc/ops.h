@@ -20,6 +20,37 @@ namespace transformer_fast {
 using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
 
+// ---- attention (attention_cpu.cpp holds the checks shared with attention_cuda.cu; contract in
+//      transformer_fast/ops/attention.py)
+using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+void check_attention_fwd_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const std::optional<at::Tensor>& attn_mask,
+                              const std::optional<at::Tensor>& key_padding_mask, double scale,
+                              double dropout_p, const std::optional<at::Tensor>& rng,
+                              c10::DeviceType dev);
+void check_attention_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                              const std::optional<at::Tensor>& attn_mask,
+                              const std::optional<at::Tensor>& key_padding_mask, double scale,
+                              double dropout_p, const std::optional<at::Tensor>& rng,
+                              c10::DeviceType dev);
+#define TF_ATTENTION_FWD_ARGS                                                               \
+  const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,                            \
+      const std::optional<at::Tensor>&attn_mask,                                            \
+      const std::optional<at::Tensor>&key_padding_mask, bool is_causal, double scale,       \
+      double dropout_p, const std::optional<at::Tensor>&rng, bool allow_tf32
+#define TF_ATTENTION_BWD_ARGS                                                               \
+  const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,    \
+      const at::Tensor &out, const at::Tensor &lse, const std::optional<at::Tensor>&attn_mask, \
+      const std::optional<at::Tensor>&key_padding_mask, bool is_causal, double scale,       \
+      double dropout_p, const std::optional<at::Tensor>&rng, bool allow_tf32
+Tensor2 attention_fwd_cpu(TF_ATTENTION_FWD_ARGS);
+Tensor3 attention_bwd_cpu(TF_ATTENTION_BWD_ARGS);
+#ifdef TF_WITH_CUDA
+Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS);
+Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS);
+#endif
+
 // ---- FFN (ffn_cpu.cpp holds the checks shared with ffn_cuda.cu)
 enum class FfnAct { kNone = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3 };
 FfnAct parse_ffn_activation(c10::string_view activation);

@@ -13,6 +13,14 @@ TORCH_LIBRARY(transformer_fast_C, m) {
       "add_layer_norm_bwd(Tensor dy, Tensor? dh, Tensor x, Tensor residual, Tensor? weight, "
       "Tensor? bias, Tensor mean, Tensor rstd, float dropout_p, Tensor? rng) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+  // Flash attention (contract: transformer_fast/ops/attention.py; kernels: attention_{cpu,cuda}).
+  m.def(
+      "attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? key_padding_mask, "
+      "bool is_causal, float scale, float dropout_p, Tensor? rng, bool allow_tf32) -> (Tensor, Tensor)");
+  m.def(
+      "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float scale, float dropout_p, "
+      "Tensor? rng, bool allow_tf32) -> (Tensor, Tensor, Tensor)");
   // FFN primitives (contract: kernels/ffn.py; autograd: transformer_fast/ops/ffn.py).
   m.def(
       "ffn_linear_fwd(Tensor x, Tensor w, Tensor? b, str activation, float dropout_p, Tensor? rng, "

@@ -38,7 +38,8 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "cpu": {
         "add_layer_norm": ("cpu", "torch"),
-        "scaled_dot_product_attention": ("cpu", "torch"),
+        # C++ cpu attention measured 2-10x slower than torch's SDPA (benchmarks/NOTES.md).
+        "scaled_dot_product_attention": ("torch", "cpu"),
         "attention_with_kv_cache": ("cpu", "torch"),
         "masked_softmax": ("cpu", "torch"),
         # C++ cpu measured below torch eager without dropout (benchmarks/NOTES.md, FFN).

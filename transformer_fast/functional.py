@@ -250,6 +250,33 @@ backends.register(
     "scaled_dot_product_attention", "triton", _fused_attention_support("triton")
 )
 
+# Whether _C holds the C++ attention kernels (an extension built before them lacks them); read
+# once at import so that selection traced by torch.compile reads plain values.
+_ATTENTION_CXX = {
+    name: backends.extension_status()[0] and backends.cxx_op_has_kernel("attention_fwd", key)
+    for name, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+}
+
+
+def _cxx_attention_support(backend):
+    fused = _fused_attention_support(backend)
+
+    def check(inputs):
+        reasons = fused(inputs)
+        if not _ATTENTION_CXX[backend]:
+            reasons.append(f"transformer_fast._C has no {backend} attention kernels (rebuild the extension)")
+        q = inputs["query"]
+        if backend == "cuda" and q.dtype == torch.float32:
+            # csrc/attention_cuda.cu runs mma.sync m16n8k16 (fp16/bf16 operands) only.
+            reasons.append("cuda attention supports float16/bfloat16 (fp32: use triton or torch)")
+        return reasons
+
+    return check
+
+
+for _name in ("cpu", "cuda"):
+    backends.register("scaled_dot_product_attention", _name, _cxx_attention_support(_name))
+
 
 def _head_dim_reasons(backend, d, dv):
     reasons = []

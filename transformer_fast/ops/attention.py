@@ -1,7 +1,9 @@
 """Fused masked softmax attention as torch.library custom ops: autograd formula + fake kernels.
 
 The op runs a flash-attention implementation chosen by the ``backend`` string:
-  "triton" -> transformer_fast.kernels.attention
+  "triton"       -> transformer_fast.kernels.attention
+  "cpu" / "cuda" -> torch.ops.transformer_fast_C.attention_{fwd,bwd} (csrc/attention_cpu.cpp,
+                    csrc/attention_cuda.cu); the C++ side reads rng ([seed, offset]) itself
 Launcher contract (on 4-D tensors; q (B, H, Lq, D), k/v (B, Hkv, Lk, D), any strides with unit
 stride along D):
 
@@ -21,12 +23,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import backends
+
 
 def _launcher(backend: str):
     if backend == "triton":
         from transformer_fast.kernels import attention
 
         return attention.attention_fwd, attention.attention_bwd
+    if backend in ("cuda", "cpu"):
+        backends.extension_status()  # imports _C, which registers the ops
+        ops = torch.ops.transformer_fast_C
+        return ops.attention_fwd, ops.attention_bwd
     raise ValueError(f"attention op: no fused implementation named {backend!r}")
 
 

@@ -1,0 +1,518 @@
+// Masked softmax attention on the CPU, flash style: forward and backward.
+//
+// This is both the `cpu` backend of scaled_dot_product_attention and the tested reference of the
+// tiling that csrc/attention_cuda.cu runs on tensor cores: the same BLOCK_M x BLOCK_N tiles, the
+// same online-softmax update (running row max m and row sum l in fp32 units, the output
+// accumulator rescaled by exp(m_old - m_new)), the same natural-log lse saved for backward, and the
+// same backward decomposition (delta = rowsum(dO * O); one pass over key blocks for dK/dV that
+// loops over the query heads of its GQA group, one pass over query blocks for dQ; no atomics, so
+// the result is deterministic and independent of the thread count).
+//
+// Contract: transformer_fast/ops/attention.py (the launcher contract of kernels/attention.py).
+//   q (B, H, Lq, D), k/v (B, Hkv, Lk, D), Hkv divides H; attn_mask None or (B, H, Lq, Lk)
+//   (stride-0 broadcast dims allowed), bool (True = takes part) or floating (added);
+//   key_padding_mask None or (B, Lk) bool (True = padding); is_causal top-left (key j <= query i).
+//   Dropout keeps (b, h, i, j) iff philox_word(seed, offset, ((b*H + h)*Lq + i)*Lk + j) >=
+//   threshold(p), kept values scaled by 1/(1-p) (philox.h; rng = int64 [seed, offset]).
+//
+// Numerics: inputs are converted once to contiguous fp32 (O(L*D) memory, never O(Lq*Lk)); scores,
+// the running max, probabilities and lse are fp32 as on the GPU; the reductions (q.k and do.v over
+// D, the row sums, the P@V / dS@K / dS^T@Q accumulators) are summed in double, so the result
+// carries about one fp32 rounding and meets the DESIGN 6 oracle for D = 256 too (sequential fp32
+// sums over D = 256 err ~2x torch's blocked matmul, the failure mode kernels/attention.py found).
+//
+// The argument checks shared with the CUDA backend live here (check_attention_*_args).
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+#include "philox.h"
+
+namespace transformer_fast {
+
+using at::Tensor;
+
+// --------------------------------------------------------------------------------------------
+// Argument checks (also used by attention_cuda.cu)
+
+namespace {
+
+bool attn_dtype_ok(c10::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+void check_device(const Tensor& t, const char* name, const Tensor& q, c10::DeviceType dev) {
+  TORCH_CHECK(t.device().type() == dev, "attention: ", name, " must be on ",
+              c10::DeviceTypeName(dev), ", got ", t.device());
+  TORCH_CHECK(t.device() == q.device(), "attention: ", name, " is on ", t.device(),
+              " but q is on ", q.device());
+}
+
+}  // namespace
+
+void check_attention_fwd_args(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const std::optional<Tensor>& attn_mask,
+                              const std::optional<Tensor>& key_padding_mask, double scale,
+                              double dropout_p, const std::optional<Tensor>& rng,
+                              c10::DeviceType dev) {
+  TORCH_CHECK(q.dim() == 4, "attention: q must be 4-D (B, H, Lq, D), got ", q.dim(), "-D");
+  TORCH_CHECK(k.dim() == 4, "attention: k must be 4-D (B, Hkv, Lk, D), got ", k.dim(), "-D");
+  TORCH_CHECK(v.dim() == 4, "attention: v must be 4-D (B, Hkv, Lk, D), got ", v.dim(), "-D");
+  TORCH_CHECK(attn_dtype_ok(q.scalar_type()),
+              "attention: q must be float32, float16 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "attention: q, k, v must share one dtype, got ", q.scalar_type(), ", ",
+              k.scalar_type(), ", ", v.scalar_type());
+  check_device(q, "q", q, dev);
+  check_device(k, "k", q, dev);
+  check_device(v, "v", q, dev);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Lk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "attention: batch of k ", k.size(0), " / v ",
+              v.size(0), " must equal q's ", B);
+  TORCH_CHECK(v.size(1) == Hkv && v.size(2) == Lk, "attention: v must be (B, Hkv, Lk, D) like k ",
+              k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, "attention: kv heads ", Hkv,
+              " must divide the query heads ", H);
+  TORCH_CHECK(k.size(3) == D && v.size(3) == D, "attention: head dims of q (", D, "), k (",
+              k.size(3), ") and v (", v.size(3), ") must be equal");
+  TORCH_CHECK(D >= 1 && D <= 256, "attention: head dim must be in 1..256, got ", D);
+  TORCH_CHECK(Lk >= 1, "attention: needs at least one key (Lk = 0)");
+  TORCH_CHECK(std::isfinite(scale), "attention: scale must be finite, got ", scale);
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "attention: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(rng.has_value() && rng->defined(),
+                "attention: dropout_p > 0 needs rng (int64 [seed, offset])");
+    TORCH_CHECK(rng->scalar_type() == at::kLong && rng->numel() >= 2,
+                "attention: rng must be int64 [seed, offset], got ", rng->scalar_type(), " of ",
+                rng->numel(), " elements");
+    check_device(*rng, "rng", q, dev);
+  }
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    const Tensor& m = *attn_mask;
+    TORCH_CHECK(m.dim() == 4 && m.size(0) == B && m.size(1) == H && m.size(2) == Lq &&
+                    m.size(3) == Lk,
+                "attention: attn_mask must be (B, H, Lq, Lk) = (", B, ", ", H, ", ", Lq, ", ", Lk,
+                ") (expand a broadcastable mask), got ", m.sizes());
+    TORCH_CHECK(m.scalar_type() == at::kBool || attn_dtype_ok(m.scalar_type()),
+                "attention: attn_mask must be bool or float32/float16/bfloat16, got ",
+                m.scalar_type());
+    check_device(m, "attn_mask", q, dev);
+  }
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const Tensor& m = *key_padding_mask;
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == B && m.size(1) == Lk,
+                "attention: key_padding_mask must be (B, Lk) = (", B, ", ", Lk, "), got ",
+                m.sizes());
+    TORCH_CHECK(m.scalar_type() == at::kBool, "attention: key_padding_mask must be bool, got ",
+                m.scalar_type());
+    check_device(m, "key_padding_mask", q, dev);
+  }
+}
+
+void check_attention_bwd_args(const Tensor& dout, const Tensor& q, const Tensor& k,
+                              const Tensor& v, const Tensor& out, const Tensor& lse,
+                              const std::optional<Tensor>& attn_mask,
+                              const std::optional<Tensor>& key_padding_mask, double scale,
+                              double dropout_p, const std::optional<Tensor>& rng,
+                              c10::DeviceType dev) {
+  check_attention_fwd_args(q, k, v, attn_mask, key_padding_mask, scale, dropout_p, rng, dev);
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type(),
+              "attention: dout must be ", q.sizes(), " ", q.scalar_type(), " like q, got ",
+              dout.sizes(), " ", dout.scalar_type());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "attention: out must be ", q.sizes(), " ", q.scalar_type(), " like q, got ",
+              out.sizes(), " ", out.scalar_type());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                  lse.size(2) == q.size(2) && lse.scalar_type() == at::kFloat,
+              "attention: lse must be float32 (B, H, Lq), got ", lse.sizes(), " ",
+              lse.scalar_type());
+  check_device(dout, "dout", q, dev);
+  check_device(out, "out", q, dev);
+  check_device(lse, "lse", q, dev);
+}
+
+// --------------------------------------------------------------------------------------------
+// The tiled CPU kernels
+
+namespace {
+
+constexpr int64_t kBlockM = 64;  // query rows per tile (the CUDA kernels' BLOCK_M)
+constexpr int64_t kBlockN = 64;  // keys per tile (the CUDA kernels' BLOCK_N)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Everything a tile needs to know besides the data: sizes, masks (read through their strides,
+// so stride-0 broadcast dims cost nothing), scale and dropout.
+struct Problem {
+  int64_t B, H, Hkv, Lq, Lk, D;
+  float scale;
+  bool causal;
+  // attn_mask (B, H, Lq, Lk): bool or floating, any strides
+  const char* am = nullptr;
+  c10::ScalarType am_type = at::kBool;
+  int64_t am_sb = 0, am_sh = 0, am_sm = 0, am_sn = 0, am_esize = 1;
+  // key_padding_mask (B, Lk) bool
+  const bool* kpm = nullptr;
+  int64_t kpm_sb = 0, kpm_sn = 0;
+  // dropout
+  bool dropout = false;
+  uint64_t seed = 0, offset = 0;
+  uint32_t threshold = 0;
+  float drop_scale = 1.0f;
+};
+
+Problem make_problem(const Tensor& q, const Tensor& k, const std::optional<Tensor>& attn_mask,
+                     const std::optional<Tensor>& kpm, bool causal, double scale,
+                     double dropout_p, const std::optional<Tensor>& rng) {
+  Problem p;
+  p.B = q.size(0);
+  p.H = q.size(1);
+  p.Lq = q.size(2);
+  p.D = q.size(3);
+  p.Hkv = k.size(1);
+  p.Lk = k.size(2);
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    const Tensor& m = *attn_mask;
+    p.am = static_cast<const char*>(m.const_data_ptr());
+    p.am_type = m.scalar_type();
+    p.am_esize = m.element_size();
+    p.am_sb = m.stride(0);
+    p.am_sh = m.stride(1);
+    p.am_sm = m.stride(2);
+    p.am_sn = m.stride(3);
+  }
+  if (kpm.has_value() && kpm->defined()) {
+    p.kpm = kpm->const_data_ptr<bool>();
+    p.kpm_sb = kpm->stride(0);
+    p.kpm_sn = kpm->stride(1);
+  }
+  if (dropout_p > 0.0) {
+    const Tensor r = rng->to(at::kCPU);  // a no-op on CPU tensors
+    const int64_t* rp = r.const_data_ptr<int64_t>();
+    p.dropout = true;
+    p.seed = static_cast<uint64_t>(rp[0]);
+    p.offset = static_cast<uint64_t>(rp[1]);
+    p.threshold = dropout_threshold(dropout_p);
+    p.drop_scale = dropout_scale(dropout_p);
+  }
+  return p;
+}
+
+float mask_value(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
+  const char* e = p.am + (b * p.am_sb + h * p.am_sh + i * p.am_sm + j * p.am_sn) * p.am_esize;
+  switch (p.am_type) {
+    case at::kBool:
+      return *reinterpret_cast<const bool*>(e) ? 0.0f : kNegInf;
+    case at::kFloat:
+      return *reinterpret_cast<const float*>(e);
+    case at::kHalf:
+      return static_cast<float>(*reinterpret_cast<const c10::Half*>(e));
+    default:
+      return static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(e));
+  }
+}
+
+// sum_d a[d] * b[d] in double (four partial sums: independent chains the compiler can pipeline).
+double dot_d(const float* a, const float* b, int64_t n) {
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  int64_t d = 0;
+  for (; d + 4 <= n; d += 4) {
+    s0 += static_cast<double>(a[d]) * b[d];
+    s1 += static_cast<double>(a[d + 1]) * b[d + 1];
+    s2 += static_cast<double>(a[d + 2]) * b[d + 2];
+    s3 += static_cast<double>(a[d + 3]) * b[d + 3];
+  }
+  for (; d < n; ++d) s0 += static_cast<double>(a[d]) * b[d];
+  return (s0 + s1) + (s2 + s3);
+}
+
+// Scores of one tile: s[r * kBlockN + c] for query rows m0 + r (r < bm) and keys n0 + c (c < bn),
+// masked to -inf.  Forward and both backward passes call this one function, so the backward
+// recomputes bit-identical scores and p = exp(s - lse) is consistent with the forward's sums.
+// q: the head's (Lq, D) fp32 rows; k: the kv head's (Lk, D) fp32 rows.
+void tile_scores(const Problem& p, int64_t b, int64_t h, const float* q, const float* k,
+                 int64_t m0, int64_t bm, int64_t n0, int64_t bn, float* s) {
+  const int64_t D = p.D;
+  for (int64_t r = 0; r < bm; ++r) {
+    const int64_t i = m0 + r;
+    const float* qi = q + i * D;
+    for (int64_t c = 0; c < bn; ++c) {
+      const int64_t j = n0 + c;
+      float bias = 0.0f;
+      bool allowed = !(p.causal && j > i);
+      if (allowed && p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) allowed = false;
+      if (allowed && p.am != nullptr) {
+        bias = mask_value(p, b, h, i, j);
+        allowed = bias != kNegInf;
+      }
+      s[r * kBlockN + c] =
+          allowed ? static_cast<float>(p.scale * dot_d(qi, k + j * D, D)) + bias : kNegInf;
+    }
+  }
+}
+
+// Dropout factor of element (b, h, i, j): 0 when dropped, 1/(1-p) when kept, 1 without dropout.
+float drop_factor(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
+  if (!p.dropout) return 1.0f;
+  const uint64_t idx = static_cast<uint64_t>(((b * p.H + h) * p.Lq + i) * p.Lk + j);
+  return philox_word(p.seed, p.offset, idx) >= p.threshold ? p.drop_scale : 0.0f;
+}
+
+// Keys a query tile [m0, m0 + bm) can see: causal rows i see j <= i, so nothing from m0 + bm on.
+int64_t key_end(const Problem& p, int64_t m0, int64_t bm) {
+  return p.causal ? std::min(p.Lk, m0 + bm) : p.Lk;
+}
+
+// Forward.  q32 (B, H, Lq, D), k32/v32 (B, Hkv, Lk, D) contiguous fp32; out32 (B, H, Lq, D);
+// lse (B, H, Lq).  One task per (b, h, query block).
+void fwd_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
+                float* out32, float* lse) {
+  const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
+  const int64_t group = p.H / p.Hkv, D = p.D;
+  at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kBlockM * kBlockN);
+    std::vector<double> acc(kBlockM * D);
+    float m_i[kBlockM];
+    double l_i[kBlockM];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t mb = task % nmb, bh = task / nmb, h = bh % p.H, b = bh / p.H;
+      const int64_t hk = h / group;
+      const float* q = q32 + bh * p.Lq * D;
+      const float* k = k32 + (b * p.Hkv + hk) * p.Lk * D;
+      const float* v = v32 + (b * p.Hkv + hk) * p.Lk * D;
+      const int64_t m0 = mb * kBlockM, bm = std::min(kBlockM, p.Lq - m0);
+      std::fill(acc.begin(), acc.end(), 0.0);
+      std::fill(m_i, m_i + kBlockM, kNegInf);
+      std::fill(l_i, l_i + kBlockM, 0.0);
+      const int64_t n_end = key_end(p, m0, bm);
+      for (int64_t n0 = 0; n0 < n_end; n0 += kBlockN) {
+        const int64_t bn = std::min(kBlockN, n_end - n0);
+        tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
+        for (int64_t r = 0; r < bm; ++r) {
+          const float* sr = s.data() + r * kBlockN;
+          float m_new = m_i[r];
+          for (int64_t c = 0; c < bn; ++c) m_new = std::max(m_new, sr[c]);
+          if (m_new == kNegInf) continue;  // nothing visible yet in this row
+          // Rescale what was summed under the old max (exp(-inf) = 0 on the first visible tile).
+          const float alpha = std::exp(m_i[r] - m_new);
+          double* ar = acc.data() + r * D;
+          l_i[r] *= alpha;
+          for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+          for (int64_t c = 0; c < bn; ++c) {
+            if (sr[c] == kNegInf) continue;
+            const float pij = std::exp(sr[c] - m_new);
+            l_i[r] += pij;  // the softmax denominator counts dropped elements too
+            const float w = pij * drop_factor(p, b, h, m0 + r, n0 + c);
+            if (w == 0.0f) continue;
+            const float* vj = v + (n0 + c) * D;
+            for (int64_t d = 0; d < D; ++d) ar[d] += static_cast<double>(w) * vj[d];
+          }
+          m_i[r] = m_new;
+        }
+      }
+      for (int64_t r = 0; r < bm; ++r) {
+        const int64_t i = m0 + r;
+        float* o = out32 + (bh * p.Lq + i) * D;
+        const double* ar = acc.data() + r * D;
+        if (l_i[r] > 0.0) {
+          const double inv = 1.0 / l_i[r];
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(ar[d] * inv);
+          lse[bh * p.Lq + i] = m_i[r] + static_cast<float>(std::log(l_i[r]));
+        } else {  // a row with no key to attend to: output 0, lse -inf
+          std::fill(o, o + D, 0.0f);
+          lse[bh * p.Lq + i] = kNegInf;
+        }
+      }
+    }
+  });
+}
+
+// p = exp(s - lse) of one recomputed score (0 for masked scores and for dead rows, lse = -inf).
+inline float recompute_p(float s, float lse) {
+  return (s == kNegInf || lse == kNegInf) ? 0.0f : std::exp(s - lse);
+}
+
+// dK, dV: one task per (b, kv head, key block), looping over the query heads of its group and
+// over the query blocks that can see the key block (causal: rows i >= n0 only).
+void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
+                     const float* do32, const float* lse, const float* delta, float* dk32,
+                     float* dv32) {
+  const int64_t nnb = (p.Lk + kBlockN - 1) / kBlockN;
+  const int64_t group = p.H / p.Hkv, D = p.D;
+  at::parallel_for(0, p.B * p.Hkv * nnb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kBlockM * kBlockN);
+    std::vector<double> dk(kBlockN * D), dv(kBlockN * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t nb = task % nnb, bhk = task / nnb, hk = bhk % p.Hkv, b = bhk / p.Hkv;
+      const float* k = k32 + bhk * p.Lk * D;
+      const float* v = v32 + bhk * p.Lk * D;
+      const int64_t n0 = nb * kBlockN, bn = std::min(kBlockN, p.Lk - n0);
+      std::fill(dk.begin(), dk.end(), 0.0);
+      std::fill(dv.begin(), dv.end(), 0.0);
+      const int64_t m_start = p.causal ? (n0 / kBlockM) * kBlockM : 0;
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const int64_t bh = b * p.H + h;
+        const float* q = q32 + bh * p.Lq * D;
+        const float* dO = do32 + bh * p.Lq * D;
+        for (int64_t m0 = m_start; m0 < p.Lq; m0 += kBlockM) {
+          const int64_t bm = std::min(kBlockM, p.Lq - m0);
+          tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
+          for (int64_t r = 0; r < bm; ++r) {
+            const int64_t i = m0 + r;
+            const float l = lse[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
+            const float* qi = q + i * D;
+            const float* doi = dO + i * D;
+            for (int64_t c = 0; c < bn; ++c) {
+              const float pij = recompute_p(s[r * kBlockN + c], l);
+              if (pij == 0.0f) continue;
+              const int64_t j = n0 + c;
+              const float z = drop_factor(p, b, h, i, j);
+              const float dp = static_cast<float>(dot_d(doi, v + j * D, D));
+              const float ds = pij * (dp * z - dl);
+              const double pz = static_cast<double>(pij * z);
+              double* dvj = dv.data() + c * D;
+              double* dkj = dk.data() + c * D;
+              for (int64_t d = 0; d < D; ++d) {
+                dvj[d] += pz * doi[d];
+                dkj[d] += static_cast<double>(ds) * qi[d];
+              }
+            }
+          }
+        }
+      }
+      for (int64_t c = 0; c < bn; ++c) {
+        float* dko = dk32 + (bhk * p.Lk + n0 + c) * D;
+        float* dvo = dv32 + (bhk * p.Lk + n0 + c) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          dko[d] = static_cast<float>(dk[c * D + d] * p.scale);
+          dvo[d] = static_cast<float>(dv[c * D + d]);
+        }
+      }
+    }
+  });
+}
+
+// dQ: one task per (b, h, query block), looping over the key blocks it sees.
+void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
+                   const float* do32, const float* lse, const float* delta, float* dq32) {
+  const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
+  const int64_t group = p.H / p.Hkv, D = p.D;
+  at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kBlockM * kBlockN);
+    std::vector<double> dq(kBlockM * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t mb = task % nmb, bh = task / nmb, h = bh % p.H, b = bh / p.H;
+      const int64_t hk = h / group;
+      const float* q = q32 + bh * p.Lq * D;
+      const float* dO = do32 + bh * p.Lq * D;
+      const float* k = k32 + (b * p.Hkv + hk) * p.Lk * D;
+      const float* v = v32 + (b * p.Hkv + hk) * p.Lk * D;
+      const int64_t m0 = mb * kBlockM, bm = std::min(kBlockM, p.Lq - m0);
+      std::fill(dq.begin(), dq.end(), 0.0);
+      const int64_t n_end = key_end(p, m0, bm);
+      for (int64_t n0 = 0; n0 < n_end; n0 += kBlockN) {
+        const int64_t bn = std::min(kBlockN, n_end - n0);
+        tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
+        for (int64_t r = 0; r < bm; ++r) {
+          const int64_t i = m0 + r;
+          const float l = lse[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
+          const float* doi = dO + i * D;
+          double* dqi = dq.data() + r * D;
+          for (int64_t c = 0; c < bn; ++c) {
+            const float pij = recompute_p(s[r * kBlockN + c], l);
+            if (pij == 0.0f) continue;
+            const int64_t j = n0 + c;
+            const float z = drop_factor(p, b, h, i, j);
+            const float dp = static_cast<float>(dot_d(doi, v + j * D, D));
+            const double ds = static_cast<double>(pij * (dp * z - dl));
+            const float* kj = k + j * D;
+            for (int64_t d = 0; d < D; ++d) dqi[d] += ds * kj[d];
+          }
+        }
+      }
+      for (int64_t r = 0; r < bm; ++r) {
+        float* o = dq32 + (bh * p.Lq + m0 + r) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(dq[r * D + d] * p.scale);
+      }
+    }
+  });
+}
+
+Tensor as_f32(const Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+Tensor to_dtype(const Tensor& t32, c10::ScalarType dtype) {
+  return dtype == at::kFloat ? t32 : t32.to(dtype);  // round to nearest even
+}
+
+}  // namespace
+
+Tensor2 attention_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                          const std::optional<Tensor>& attn_mask,
+                          const std::optional<Tensor>& key_padding_mask, bool is_causal,
+                          double scale, double dropout_p, const std::optional<Tensor>& rng,
+                          bool allow_tf32) {
+  (void)allow_tf32;  // the CPU computes exact fp32 (tf32 is a GPU tensor-core format)
+  check_attention_fwd_args(q, k, v, attn_mask, key_padding_mask, scale, dropout_p, rng, at::kCPU);
+  const Problem p = make_problem(q, k, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
+  const Tensor q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v);
+  Tensor out32 = at::empty({p.B, p.H, p.Lq, p.D}, q.options().dtype(at::kFloat));
+  Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
+  if (out32.numel() > 0) {
+    fwd_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
+               v32.const_data_ptr<float>(), out32.mutable_data_ptr<float>(),
+               lse.mutable_data_ptr<float>());
+  }
+  return {to_dtype(out32, q.scalar_type()), lse};
+}
+
+Tensor3 attention_bwd_cpu(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const Tensor& out, const Tensor& lse,
+                          const std::optional<Tensor>& attn_mask,
+                          const std::optional<Tensor>& key_padding_mask, bool is_causal,
+                          double scale, double dropout_p, const std::optional<Tensor>& rng,
+                          bool allow_tf32) {
+  (void)allow_tf32;
+  check_attention_bwd_args(dout, q, k, v, out, lse, attn_mask, key_padding_mask, scale, dropout_p,
+                           rng, at::kCPU);
+  const Problem p = make_problem(q, k, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
+  const Tensor q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v), do32 = as_f32(dout);
+  const Tensor lse_c = lse.contiguous();
+  // delta_i = rowsum(dO_i * O_i) with O as the forward stored it (rounded to the input dtype),
+  // summed in double.
+  const Tensor delta = do32.to(at::kDouble).mul(out.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();
+  Tensor dq32 = at::empty_like(q32), dk32 = at::empty_like(k32), dv32 = at::empty_like(v32);
+  if (q32.numel() > 0) {
+    bwd_dkdv_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
+                    v32.const_data_ptr<float>(), do32.const_data_ptr<float>(),
+                    lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+                    dk32.mutable_data_ptr<float>(), dv32.mutable_data_ptr<float>());
+    bwd_dq_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
+                  v32.const_data_ptr<float>(), do32.const_data_ptr<float>(),
+                  lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+                  dq32.mutable_data_ptr<float>());
+  } else {  // no queries: keys and values get no gradient
+    dk32.zero_();
+    dv32.zero_();
+  }
+  return {to_dtype(dq32, q.scalar_type()), to_dtype(dk32, k.scalar_type()),
+          to_dtype(dv32, v.scalar_type())};
+}
+
+TORCH_LIBRARY_IMPL(transformer_fast_C, CPU, m) {
+  m.impl("attention_fwd", &attention_fwd_cpu);
+  m.impl("attention_bwd", &attention_bwd_cpu);
+}
+
+}  // namespace transformer_fast
