@@ -51,6 +51,29 @@ def attention_cases(backend, device):
             yield f"kv_cache {dtype} {b}x{h}x{hkv}x{l_max}x{d}", (out,)
 
 
+def sdpa_cases(backend, device):
+    """scaled_dot_product_attention alone (the op the C++ backends implement; csrc/attention_*):
+    every head-dim bucket of the CUDA kernels (64, 128, 256; D padded inside), partial tiles,
+    GQA, and each mask path (causal + padding + dropout, bool mask, float mask with a dead row).
+    fp16/bf16 (the cuda kernels refuse fp32; the cpu backend runs these too)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for b, h, hkv, lq, lk, d in ((1, 2, 1, 1, 1, 16), (2, 4, 2, 7, 33, 80), (1, 2, 2, 129, 67, 128),
+                                     (1, 2, 1, 65, 130, 256)):
+            q = torch.randn(b, h, lq, d, device=device, dtype=dtype, requires_grad=True)
+            k = torch.randn(b, hkv, lk, d, device=device, dtype=dtype, requires_grad=True)
+            v = torch.randn(b, hkv, lk, d, device=device, dtype=dtype, requires_grad=True)
+            pad = torch.rand(b, lk, device=device) < 0.3
+            bool_mask = torch.rand(lq, lk, device=device) < 0.8
+            float_mask = torch.randn(b, h, lq, lk, device=device, dtype=dtype)
+            float_mask[:, :, 0] = float("-inf")
+            for kw in (dict(dropout_p=0.1, is_causal=True, key_padding_mask=pad),
+                       dict(attn_mask=bool_mask), dict(attn_mask=float_mask)):
+                q.grad = k.grad = v.grad = None
+                out = F.scaled_dot_product_attention(q, k, v, enable_gqa=h != hkv, backend=backend, **kw)
+                out.backward(torch.randn_like(out))
+                yield f"sdpa {dtype} {b}x{h}x{hkv}x{lq}x{lk}x{d} {sorted(kw)}", (out, q.grad, k.grad, v.grad)
+
+
 def ffn_cases(backend, device):
     """feed_forward and linear_bias_act at odd shapes (partial tiles everywhere, K = 1, a single
     row, a non-contiguous x), every activation, with and without dropout and biases."""
@@ -80,6 +103,8 @@ def main():
     cases = [layer_norm_cases(args.backend, args.device), ffn_cases(args.backend, args.device)]
     if args.backend == "triton":
         cases.append(attention_cases(args.backend, args.device))
+    if args.backend in ("cuda", "cpu"):
+        cases.append(sdpa_cases(args.backend, args.device))
     for name, tensors in (case for group in cases for case in group):
         if args.device == "cuda":
             torch.cuda.synchronize()

@@ -147,8 +147,12 @@ void check_attention_bwd_args(const Tensor& dout, const Tensor& q, const Tensor&
 
 namespace {
 
-constexpr int64_t kBlockM = 64;  // query rows per tile (the CUDA kernels' BLOCK_M)
-constexpr int64_t kBlockN = 64;  // keys per tile (the CUDA kernels' BLOCK_N)
+// Tile sizes of attention_cuda.cu: forward 64 x 64; dK/dV 64 keys against 32-query tiles; dQ 64
+// query rows against 32-key tiles.  kBlockN is also the row pitch of the score tile.
+constexpr int64_t kBlockM = 64;    // forward / dQ: query rows per tile
+constexpr int64_t kBlockN = 64;    // forward / dK dV: keys per tile
+constexpr int64_t kKvBlockM = 32;  // dK/dV pass: queries per tile
+constexpr int64_t kDqBlockN = 32;  // dQ pass: keys per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Everything a tile needs to know besides the data: sizes, masks (read through their strides,
@@ -361,13 +365,13 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
       const int64_t n0 = nb * kBlockN, bn = std::min(kBlockN, p.Lk - n0);
       std::fill(dk.begin(), dk.end(), 0.0);
       std::fill(dv.begin(), dv.end(), 0.0);
-      const int64_t m_start = p.causal ? (n0 / kBlockM) * kBlockM : 0;
+      const int64_t m_start = p.causal ? (n0 / kKvBlockM) * kKvBlockM : 0;
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const int64_t bh = b * p.H + h;
         const float* q = q32 + bh * p.Lq * D;
         const float* dO = do32 + bh * p.Lq * D;
-        for (int64_t m0 = m_start; m0 < p.Lq; m0 += kBlockM) {
-          const int64_t bm = std::min(kBlockM, p.Lq - m0);
+        for (int64_t m0 = m_start; m0 < p.Lq; m0 += kKvBlockM) {
+          const int64_t bm = std::min(kKvBlockM, p.Lq - m0);
           tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
           for (int64_t r = 0; r < bm; ++r) {
             const int64_t i = m0 + r;
@@ -422,8 +426,8 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
       const int64_t m0 = mb * kBlockM, bm = std::min(kBlockM, p.Lq - m0);
       std::fill(dq.begin(), dq.end(), 0.0);
       const int64_t n_end = key_end(p, m0, bm);
-      for (int64_t n0 = 0; n0 < n_end; n0 += kBlockN) {
-        const int64_t bn = std::min(kBlockN, n_end - n0);
+      for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
+        const int64_t bn = std::min(kDqBlockN, n_end - n0);
         tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
         for (int64_t r = 0; r < bm; ++r) {
           const int64_t i = m0 + r;

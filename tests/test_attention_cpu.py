@@ -19,8 +19,9 @@ from _functional_helpers import DTYPES, MASK_KINDS, dt_id, generator, make_masks
 from conftest import require_backend
 from test_functional_attention import check_sdpa
 
+# The cuda test module monkeypatches these two (module globals are read at call time).
 BACKEND = "cpu"
-HALF_DTYPES = DTYPES  # the cpu kernels take fp32 too; the cuda file narrows this
+ONE_DTYPE = torch.float32  # the dtype of the tests that run one dtype (cuda: float16)
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def _to(m, device):
     return {key: (t.to(device) if isinstance(t, torch.Tensor) else t) for key, t in m.items()}
 
 
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dt_id)
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_masks(device, dtype, kind):
     """Every mask kind (incl. fully masked rows, 'dead') with Lq != Lk over two key blocks."""
@@ -54,7 +55,7 @@ def test_masks(device, dtype, kind):
     [(1, 1, 16, False), (1, 127, 64, True), (127, 7, 64, True), (127, 127, 128, True),
      (65, 130, 16, False), (5, 19, 256, True), (63, 64, 80, False)],
 )
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=dt_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dt_id)
 def test_lengths_and_head_dims(device, lq, lk, d, causal, dtype):
     q, k, v = _qkv(1, 2, 2, lq, lk, d, dtype, device)
     check_sdpa(BACKEND, q, k, v, is_causal=causal, context=f"{lq}x{lk} d={d} causal={causal}")
@@ -63,7 +64,7 @@ def test_lengths_and_head_dims(device, lq, lk, d, causal, dtype):
 @pytest.mark.parametrize("hkv", [1, 2])
 def test_gqa(device, hkv):
     """dk/dv summed over the query heads of each group (the dk/dv pass loops over them)."""
-    dtype = HALF_DTYPES[-1]
+    dtype = torch.bfloat16
     q, k, v = _qkv(2, 4, hkv, 70, 67, 64, dtype, device)
     m = _to(make_masks("causal+kpm", 2, 4, 70, 67, dtype), device)
     check_sdpa(BACKEND, q, k, v, enable_gqa=True, context=f"hkv={hkv}", **m)
@@ -72,7 +73,7 @@ def test_gqa(device, hkv):
 def test_strided_inputs(device):
     """q/k/v as (B, H, L, D) views of one packed (B, L, 3, H, D) projection, and a scale."""
     b, l, h, d = 2, 11, 2, 32
-    dtype = HALF_DTYPES[0]
+    dtype = ONE_DTYPE
     packed = randn(b, l, 3, h, d, dtype=dtype).to(device)
     q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
     assert not q.is_contiguous()
@@ -82,7 +83,7 @@ def test_strided_inputs(device):
 def test_dropout_exact_mask(device):
     """Forward and backward drop exactly transformer_fast.philox's elements (same rng draw)."""
     b, h, lq, lk, d = 2, 2, 9, 70, 32
-    q, k, v = _qkv(b, h, h, lq, lk, d, HALF_DTYPES[0], device)
+    q, k, v = _qkv(b, h, h, lq, lk, d, ONE_DTYPE, device)
     p, seed = 0.3, 1234
     torch.manual_seed(seed)
     keep = philox.dropout_keep_mask(philox.new_rng(device), (b, h, lq, lk), p)
@@ -111,7 +112,7 @@ def test_launcher_keep_mask_and_lse(device):
     equals philox's bit for bit, the kept fraction is 1 - p, and lse is the natural-log
     logsumexp of the scaled scores (-inf and zero output for a row with no key)."""
     B, H, Lq, Lk, D, p = 2, 2, 64, 64, 64, 0.25
-    dtype = HALF_DTYPES[0]
+    dtype = ONE_DTYPE
     q = randn(B, H, Lq, D, dtype=dtype).to(device)
     k = randn(B, H, Lk, D, dtype=dtype).to(device)
     v = torch.eye(Lk, D, device=device, dtype=dtype).expand(B, H, Lk, D)
@@ -140,7 +141,7 @@ def test_launcher_keep_mask_and_lse(device):
 
 
 def test_dead_rows_have_zero_gradient(device):
-    dtype = HALF_DTYPES[0]
+    dtype = ONE_DTYPE
     q, k, v = (t.requires_grad_() for t in _qkv(2, 2, 2, 9, 70, 32, dtype, device))
     kpm = torch.zeros(2, 70, dtype=torch.bool, device=device)
     kpm[1] = True
@@ -153,7 +154,7 @@ def test_dead_rows_have_zero_gradient(device):
 
 
 def test_backward_is_deterministic(device):
-    dtype = HALF_DTYPES[0]
+    dtype = ONE_DTYPE
     q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 2, 70, 70, 32, dtype, device))
     grads = []
     for _ in range(2):
@@ -164,7 +165,7 @@ def test_backward_is_deterministic(device):
 
 
 def test_bad_input_errors(device):
-    dtype = HALF_DTYPES[0]
+    dtype = ONE_DTYPE
     q, k, v = _qkv(1, 2, 2, 3, 5, 28, dtype, device)  # head dim 28: not a multiple of 8
     with pytest.raises(tf.BackendError, match="head dims"):
         F.scaled_dot_product_attention(q, k, v, backend=BACKEND)
@@ -183,7 +184,7 @@ def test_bad_input_errors(device):
 def test_opcheck(device):
     from transformer_fast.ops import attention as op
 
-    dtype = HALF_DTYPES[0]
+    dtype = ONE_DTYPE
     q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1, 5, 7, 16, dtype, device))
     mask = (torch.rand(1, 1, 5, 7, device=device) < 0.8).expand(1, 2, 5, 7)
     torch.library.opcheck(op.attention_fwd, (q, k, v, mask, None, True, 0.25, 0.0, None, False, BACKEND))

@@ -1,0 +1,777 @@
+// Masked softmax attention on CUDA tensor cores (mma.sync m16n8k16, sm_80+): flash forward and a
+// deterministic flash backward.  UNVERIFIED: written and compiled without a GPU; it has never run.
+// The algorithm (tiles, online-softmax update, lse, backward decomposition) is the one
+// csrc/attention_cpu.cpp runs and tests on the CPU.
+//
+// Contract: transformer_fast/ops/attention.py (the launcher contract of kernels/attention.py),
+// for fp16 / bf16 inputs (fp32 is refused: these kernels have no tf32 / exact-fp32 path).
+//   q (B, H, Lq, D), k/v (B, Hkv, Lk, D), Hkv | H, unit stride along D (other strides read as
+//   given), D <= 256 (padded inside the kernel to a bucket of 64, 128 or 256, never by copying);
+//   attn_mask (B, H, Lq, Lk) bool (True = takes part) or float (added), read through its strides;
+//   key_padding_mask (B, Lk) bool (True = padding); is_causal top-left; dropout via philox.h with
+//   element index ((b*H + h)*Lq + i)*Lk + j, [seed, offset] read from device memory.
+//   out (B, H, Lq, D) contiguous; lse (B, H, Lq) fp32 natural log (-inf for a row with no key).
+//
+// Kernels (4 warps, 128 threads each; fp32 accumulation, fp32 softmax):
+//   fwd_kernel   one CTA per (b, h, 64 query rows); warp w owns rows 16w..16w+15 with Q in
+//                registers (A fragments); K/V tiles of 64 keys staged in shared memory; S = QK^T
+//                and O += PV on mma.sync; P goes from the S accumulators to A fragments in
+//                registers (the m16n8 C layout of two adjacent n-tiles is the m16k16 A layout).
+//   dkdv_kernel  one CTA per (b, kv head, 64 keys); warp w owns keys 16w..16w+15; loops over the
+//                query heads of the GQA group and over 32-query tiles of Q / dO in shared memory:
+//                S^T = K Q^T, dP^T = V dO^T, dV += (P.Z)^T dO, dK += dS^T Q.  No atomics.
+//   dq_kernel    one CTA per (b, h, 64 query rows), loops over 32-key tiles: dQ += dS K.
+//   delta = rowsum(dO * O) is computed with ATen before the two backward kernels.
+// Fully masked tiles beyond the causal diagonal are outside the loop bounds.
+//
+// Out of scope for this version (benchmarks/NOTES.md): wgmma / TMA (sm_90a), ldmatrix and
+// cp.async pipelining, 16-byte vector loads, padding-tile skipping.  It exists to be correct
+// first; its speed has not been measured.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "ops.h"
+#include "philox.h"
+
+namespace transformer_fast {
+namespace {
+
+using at::Tensor;
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kFwdBM = 64;     // forward: query rows per CTA (16 per warp)
+constexpr int kFwdBN = 64;     // forward: keys per tile
+constexpr int kKvBN = 64;      // dk/dv: keys per CTA (16 per warp)
+constexpr int kKvBM = 32;      // dk/dv: queries per tile
+constexpr int kDqBM = 64;      // dq: query rows per CTA
+constexpr int kDqBN = 32;      // dq: keys per tile
+constexpr int kPad = 8;        // shared-memory row padding (halves) against bank conflicts
+
+enum MaskType : int { kMaskNone = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBf16 = 3, kMaskFloat = 4 };
+
+struct Params {
+  const uint16_t* q;  // fp16/bf16 bit patterns
+  const uint16_t* k;
+  const uint16_t* v;
+  const uint16_t* dout;  // backward only
+  const float* lse;      // backward: (B, H, Lq) contiguous
+  const float* delta;    // backward: (B, H, Lq) contiguous
+  uint16_t* out;         // forward: out; backward: dq (dq_kernel) / dk (dkdv_kernel)
+  uint16_t* out2;        // dkdv_kernel: dv
+  float* lse_out;        // forward
+  int64_t q_sb, q_sh, q_sm;
+  int64_t k_sb, k_sh, k_sm;
+  int64_t v_sb, v_sh, v_sm;
+  int64_t do_sb, do_sh, do_sm;
+  int B, H, Hkv, Lq, Lk, D;
+  float scale;
+  bool causal;
+  const void* am;
+  int am_type;
+  int64_t am_sb, am_sh, am_sm, am_sn;
+  const bool* kpm;
+  int64_t kpm_sb, kpm_sn;
+  const int64_t* rng;  // device [seed, offset], null without dropout
+  uint32_t drop_threshold;
+  float drop_scale;
+};
+
+// ---- fp16 / bf16 traits: packing two fp32 values into one 32-bit register, and the mma.
+
+template <typename T>
+struct Traits;
+
+template <>
+struct Traits<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ uint16_t bits(float x) {
+    __half h = __float2half_rn(x);
+    return *reinterpret_cast<uint16_t*>(&h);
+  }
+  static __device__ __forceinline__ float to_float(uint16_t b) {
+    return __half2float(*reinterpret_cast<const __half*>(&b));
+  }
+  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                             uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();  // sm_80+ only (the host refuses older devices)
+#endif
+  }
+};
+
+template <>
+struct Traits<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ uint16_t bits(float x) {
+    __nv_bfloat16 h = __float2bfloat16_rn(x);
+    return *reinterpret_cast<uint16_t*>(&h);
+  }
+  static __device__ __forceinline__ float to_float(uint16_t b) {
+    return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&b));
+  }
+  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                             uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+  }
+};
+
+// ---- Fragment helpers.  Lane = 4 * g + t (g = lane / 4, t = lane % 4).  m16n8k16 layouts:
+//   A (16 x 16, row major): reg r holds (row g + 8 * (r & 1), cols 2t + 8 * (r >> 1) + {0, 1})
+//   B (16 x 8, k x n):      reg r holds (k 2t + 8 * r + {0, 1}, n g)
+//   C (16 x 8, fp32):       c[e] is (row g + 8 * (e >> 1), col 2t + (e & 1))
+
+__device__ __forceinline__ uint32_t pack_bits(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// A fragment of a 16 x 16 block of a row-major matrix in global memory (rows row0.., cols col0..),
+// zero outside rows < nrows and cols < ncols.
+__device__ __forceinline__ void load_a_global(uint32_t a[4], const uint16_t* base, int64_t ld,
+                                              int row0, int col0, int nrows, int ncols, int g,
+                                              int t) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = row0 + g + 8 * (r & 1);
+    const int col = col0 + 2 * t + 8 * (r >> 1);
+    uint16_t lo = 0, hi = 0;
+    if (row < nrows) {
+      if (col < ncols) lo = base[row * ld + col];
+      if (col + 1 < ncols) hi = base[row * ld + col + 1];
+    }
+    a[r] = pack_bits(lo, hi);
+  }
+}
+
+// A fragment from a shared-memory tile (row pitch `pitch`, already zero-padded).
+__device__ __forceinline__ void load_a_smem(uint32_t a[4], const uint16_t* s, int pitch, int row0,
+                                            int col0, int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = row0 + g + 8 * (r & 1);
+    const int col = col0 + 2 * t + 8 * (r >> 1);
+    a[r] = *reinterpret_cast<const uint32_t*>(s + row * pitch + col);
+  }
+}
+
+// B fragment (k x n) where B[k][n] = S[n0 + n][k0 + k], S a row-major smem tile: a tile used
+// transposed (K for S = Q K^T).  Pairs along k are adjacent in memory: 32-bit loads.
+__device__ __forceinline__ void load_bt_smem(uint32_t& b0, uint32_t& b1, const uint16_t* s,
+                                             int pitch, int n0, int k0, int g, int t) {
+  const uint16_t* p = s + (n0 + g) * pitch + k0 + 2 * t;
+  b0 = *reinterpret_cast<const uint32_t*>(p);
+  b1 = *reinterpret_cast<const uint32_t*>(p + 8);
+}
+
+// B fragment (k x n) where B[k][n] = S[k0 + k][n0 + n] (V for O += P V): pairs along k are in
+// different rows, loaded as two 16-bit values.
+__device__ __forceinline__ void load_b_smem(uint32_t& b0, uint32_t& b1, const uint16_t* s,
+                                            int pitch, int k0, int n0, int g, int t) {
+  const uint16_t* p = s + (k0 + 2 * t) * pitch + n0 + g;
+  b0 = pack_bits(p[0], p[pitch]);
+  b1 = pack_bits(p[8 * pitch], p[9 * pitch]);
+}
+
+// Cooperative copy of rows [0, rows) x cols [0, DP) of a global row-major tile into shared memory,
+// zero where row >= nrows or col >= ncols.
+template <int DP>
+__device__ __forceinline__ void load_tile(uint16_t* s, const uint16_t* base, int64_t ld, int rows,
+                                          int nrows, int ncols) {
+  for (int idx = threadIdx.x; idx < rows * DP; idx += kThreads) {
+    const int r = idx / DP, c = idx % DP;
+    s[r * (DP + kPad) + c] = (r < nrows && c < ncols) ? base[r * ld + c] : uint16_t(0);
+  }
+}
+
+// Score of (query i, key j) given the raw dot product: scaled, masked (-inf), float mask added.
+template <typename T>
+__device__ __forceinline__ float masked_score(const Params& p, int b, int h, int i, int j,
+                                              float dot) {
+  if (j >= p.Lk || i >= p.Lq) return -INFINITY;
+  if (p.causal && j > i) return -INFINITY;
+  if (p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) return -INFINITY;
+  float s = dot * p.scale;
+  if (p.am_type != kMaskNone) {
+    const int64_t off = b * p.am_sb + h * p.am_sh + i * p.am_sm + j * p.am_sn;
+    switch (p.am_type) {
+      case kMaskBool:
+        if (!static_cast<const bool*>(p.am)[off]) return -INFINITY;
+        break;
+      case kMaskHalf:
+        s += __half2float(static_cast<const __half*>(p.am)[off]);
+        break;
+      case kMaskBf16:
+        s += __bfloat162float(static_cast<const __nv_bfloat16*>(p.am)[off]);
+        break;
+      default:
+        s += static_cast<const float*>(p.am)[off];
+        break;
+    }
+  }
+  return s;
+}
+
+__device__ __forceinline__ float drop_factor(const Params& p, uint64_t seed, uint64_t offset,
+                                             int b, int h, int i, int j) {
+  if (p.rng == nullptr) return 1.0f;
+  const uint64_t idx = ((static_cast<uint64_t>(b) * p.H + h) * p.Lq + i) * p.Lk + j;
+  return philox_word(seed, offset, idx) >= p.drop_threshold ? p.drop_scale : 0.0f;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
+  extern __shared__ __align__(16) uint16_t smem[];
+  constexpr int pitch = DP + kPad;
+  uint16_t* Ks = smem;
+  uint16_t* Vs = smem + kFwdBN * pitch;
+
+  const int nmb = (p.Lq + kFwdBM - 1) / kFwdBM;
+  const int mb = blockIdx.x % nmb;
+  const int bh = blockIdx.x / nmb;
+  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int m0 = mb * kFwdBM;
+  const int row0 = m0 + warp * 16;  // this warp's first query row
+
+  uint64_t seed = 0, offset = 0;
+  if (p.rng != nullptr) {
+    seed = static_cast<uint64_t>(p.rng[0]);
+    offset = static_cast<uint64_t>(p.rng[1]);
+  }
+
+  const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
+  const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
+
+  uint32_t qf[DP / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < DP / 16; ++kc) load_a_global(qf[kc], qh, p.q_sm, row0, kc * 16, p.Lq, p.D, g, t);
+
+  float o[DP / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+  float m_i[2] = {-INFINITY, -INFINITY};  // running max of rows g and g + 8
+  float l_i[2] = {0.0f, 0.0f};            // this thread's part of the running row sums
+
+  const int n_end = p.causal ? min(p.Lk, m0 + kFwdBM) : p.Lk;
+  for (int n0 = 0; n0 < n_end; n0 += kFwdBN) {
+    __syncthreads();  // the previous tile's readers are done
+    load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kFwdBN, p.Lk - n0, p.D);
+    load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kFwdBN, p.Lk - n0, p.D);
+    __syncthreads();
+
+    float s[kFwdBN / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kFwdBN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kc = 0; kc < DP / 16; ++kc) {
+#pragma unroll
+      for (int nt = 0; nt < kFwdBN / 8; ++nt) {
+        uint32_t b0, b1;
+        load_bt_smem(b0, b1, Ks, pitch, nt * 8, kc * 16, g, t);
+        Traits<T>::mma(s[nt], qf[kc], b0, b1);
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < kFwdBN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
+        s[nt][e] = masked_score<T>(p, b, h, i, j, s[nt][e]);
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+      }
+    }
+    float m_use[2], alpha[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const float m_new = fmaxf(m_i[rh], quad_max(mx[rh]));
+      // All masked so far: exponentiate against 0 (exp(-inf) = 0), nothing to rescale.
+      m_use[rh] = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[rh] = __expf(m_i[rh] - m_use[rh]);
+      m_i[rh] = m_new;
+      l_i[rh] *= alpha[rh];
+    }
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      o[dt][0] *= alpha[0];
+      o[dt][1] *= alpha[0];
+      o[dt][2] *= alpha[1];
+      o[dt][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int nt = 0; nt < kFwdBN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = __expf(s[nt][e] - m_use[e >> 1]);
+        l_i[e >> 1] += pe;
+        const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
+        s[nt][e] = pe == 0.0f ? 0.0f : pe * drop_factor(p, seed, offset, b, h, i, j);
+      }
+    }
+    // O += P V: P's accumulators of n-tiles 2kk, 2kk+1 form the A fragment of keys 16kk..16kk+15.
+#pragma unroll
+    for (int kk = 0; kk < kFwdBN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = Traits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = Traits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = Traits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = Traits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) {
+        uint32_t b0, b1;
+        load_b_smem(b0, b1, Vs, pitch, kk * 16, dt * 8, g, t);
+        Traits<T>::mma(o[dt], a, b0, b1);
+      }
+    }
+  }
+
+  // Finalise: O / l, lse = m + log(l); a row with nothing visible gets 0 and -inf.
+  float inv[2];
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const float l = quad_sum(l_i[rh]);
+    const int i = row0 + g + 8 * rh;
+    const bool dead = !(l > 0.0f);
+    inv[rh] = dead ? 0.0f : 1.0f / l;
+    if (t == 0 && i < p.Lq) {
+      p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] + __logf(l);
+    }
+  }
+  uint16_t* oh = p.out + static_cast<int64_t>(bh) * p.Lq * p.D;
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = row0 + g + 8 * (e >> 1), d = dt * 8 + 2 * t + (e & 1);
+      if (i < p.Lq && d < p.D) oh[static_cast<int64_t>(i) * p.D + d] = Traits<T>::bits(o[dt][e] * inv[e >> 1]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: dK, dV
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
+  extern __shared__ __align__(16) uint16_t smem[];
+  constexpr int pitch = DP + kPad;
+  uint16_t* Ks = smem;
+  uint16_t* Vs = Ks + kKvBN * pitch;
+  uint16_t* Qs = Vs + kKvBN * pitch;
+  uint16_t* Os = Qs + kKvBM * pitch;  // dO tile
+  float* lse_s = reinterpret_cast<float*>(Os + kKvBM * pitch);
+  float* delta_s = lse_s + kKvBM;
+
+  const int nnb = (p.Lk + kKvBN - 1) / kKvBN;
+  const int nb = blockIdx.x % nnb;
+  const int bhk = blockIdx.x / nnb;
+  const int b = bhk / p.Hkv, hk = bhk % p.Hkv, group = p.H / p.Hkv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int n0 = nb * kKvBN;
+  const int key0 = warp * 16;  // this warp's first key within the tile
+
+  uint64_t seed = 0, offset = 0;
+  if (p.rng != nullptr) {
+    seed = static_cast<uint64_t>(p.rng[0]);
+    offset = static_cast<uint64_t>(p.rng[1]);
+  }
+  load_tile<DP>(Ks, p.k + b * p.k_sb + hk * p.k_sh + n0 * p.k_sm, p.k_sm, kKvBN, p.Lk - n0, p.D);
+  load_tile<DP>(Vs, p.v + b * p.v_sb + hk * p.v_sh + n0 * p.v_sm, p.v_sm, kKvBN, p.Lk - n0, p.D);
+
+  float dk[DP / 8][4], dv[DP / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.0f;
+  }
+
+  const int m_start = p.causal ? (n0 / kKvBM) * kKvBM : 0;  // rows i < n0 see none of these keys
+  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+    const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
+    const uint16_t* doh = p.dout + b * p.do_sb + h * p.do_sh;
+    for (int m0 = m_start; m0 < p.Lq; m0 += kKvBM) {
+      __syncthreads();
+      load_tile<DP>(Qs, qh + m0 * p.q_sm, p.q_sm, kKvBM, p.Lq - m0, p.D);
+      load_tile<DP>(Os, doh + m0 * p.do_sm, p.do_sm, kKvBM, p.Lq - m0, p.D);
+      for (int r = threadIdx.x; r < kKvBM; r += kThreads) {
+        const bool in = m0 + r < p.Lq;
+        lse_s[r] = in ? p.lse[bh * p.Lq + m0 + r] : -INFINITY;
+        delta_s[r] = in ? p.delta[bh * p.Lq + m0 + r] : 0.0f;
+      }
+      __syncthreads();
+
+      float st[kKvBM / 8][4], dpt[kKvBM / 8][4];  // S^T, dP^T: rows = keys, cols = queries
+#pragma unroll
+      for (int nt = 0; nt < kKvBM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.0f;
+      }
+#pragma unroll
+      for (int kc = 0; kc < DP / 16; ++kc) {
+        uint32_t ka[4], va[4];
+        load_a_smem(ka, Ks, pitch, key0, kc * 16, g, t);
+        load_a_smem(va, Vs, pitch, key0, kc * 16, g, t);
+#pragma unroll
+        for (int nt = 0; nt < kKvBM / 8; ++nt) {
+          uint32_t b0, b1;
+          load_bt_smem(b0, b1, Qs, pitch, nt * 8, kc * 16, g, t);
+          Traits<T>::mma(st[nt], ka, b0, b1);
+          load_bt_smem(b0, b1, Os, pitch, nt * 8, kc * 16, g, t);
+          Traits<T>::mma(dpt[nt], va, b0, b1);
+        }
+      }
+      // st <- P^T . Z (for dV), dpt <- dS^T (for dK)
+#pragma unroll
+      for (int nt = 0; nt < kKvBM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = n0 + key0 + g + 8 * (e >> 1);
+          const int ii = nt * 8 + 2 * t + (e & 1), i = m0 + ii;
+          const float s = masked_score<T>(p, b, h, i, j, st[nt][e]);
+          const float l = lse_s[ii];
+          const float pe = (s == -INFINITY || l == -INFINITY) ? 0.0f : __expf(s - l);
+          const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
+          dpt[nt][e] = pe * (dpt[nt][e] * z - delta_s[ii]);
+          st[nt][e] = pe * z;
+        }
+      }
+      // dV += (P Z)^T dO and dK += dS^T Q: A from the accumulators, B from the Q / dO tiles.
+#pragma unroll
+      for (int kk = 0; kk < kKvBM / 16; ++kk) {
+        uint32_t pa[4], sa[4];
+        pa[0] = Traits<T>::pack(st[2 * kk][0], st[2 * kk][1]);
+        pa[1] = Traits<T>::pack(st[2 * kk][2], st[2 * kk][3]);
+        pa[2] = Traits<T>::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+        pa[3] = Traits<T>::pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+        sa[0] = Traits<T>::pack(dpt[2 * kk][0], dpt[2 * kk][1]);
+        sa[1] = Traits<T>::pack(dpt[2 * kk][2], dpt[2 * kk][3]);
+        sa[2] = Traits<T>::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+        sa[3] = Traits<T>::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+        for (int dt = 0; dt < DP / 8; ++dt) {
+          uint32_t b0, b1;
+          load_b_smem(b0, b1, Os, pitch, kk * 16, dt * 8, g, t);
+          Traits<T>::mma(dv[dt], pa, b0, b1);
+          load_b_smem(b0, b1, Qs, pitch, kk * 16, dt * 8, g, t);
+          Traits<T>::mma(dk[dt], sa, b0, b1);
+        }
+      }
+    }
+  }
+  // dk, dv: (B, Hkv, Lk, D) contiguous
+  const int64_t base = (static_cast<int64_t>(bhk) * p.Lk) * p.D;
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = n0 + key0 + g + 8 * (e >> 1), d = dt * 8 + 2 * t + (e & 1);
+      if (j < p.Lk && d < p.D) {
+        p.out[base + static_cast<int64_t>(j) * p.D + d] = Traits<T>::bits(dk[dt][e] * p.scale);
+        p.out2[base + static_cast<int64_t>(j) * p.D + d] = Traits<T>::bits(dv[dt][e]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: dQ
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
+  extern __shared__ __align__(16) uint16_t smem[];
+  constexpr int pitch = DP + kPad;
+  uint16_t* Ks = smem;
+  uint16_t* Vs = Ks + kDqBN * pitch;
+
+  const int nmb = (p.Lq + kDqBM - 1) / kDqBM;
+  const int mb = blockIdx.x % nmb;
+  const int bh = blockIdx.x / nmb;
+  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int m0 = mb * kDqBM;
+  const int row0 = m0 + warp * 16;
+
+  uint64_t seed = 0, offset = 0;
+  if (p.rng != nullptr) {
+    seed = static_cast<uint64_t>(p.rng[0]);
+    offset = static_cast<uint64_t>(p.rng[1]);
+  }
+  const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
+  const uint16_t* doh = p.dout + b * p.do_sb + h * p.do_sh;
+  const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
+
+  uint32_t qf[DP / 16][4], dof[DP / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < DP / 16; ++kc) {
+    load_a_global(qf[kc], qh, p.q_sm, row0, kc * 16, p.Lq, p.D, g, t);
+    load_a_global(dof[kc], doh, p.do_sm, row0, kc * 16, p.Lq, p.D, g, t);
+  }
+  float lse_r[2], delta_r[2];
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int i = row0 + g + 8 * rh;
+    lse_r[rh] = i < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + i] : -INFINITY;
+    delta_r[rh] = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
+  }
+  float dq[DP / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
+
+  const int n_end = p.causal ? min(p.Lk, m0 + kDqBM) : p.Lk;
+  for (int n0 = 0; n0 < n_end; n0 += kDqBN) {
+    __syncthreads();
+    load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kDqBN, p.Lk - n0, p.D);
+    load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kDqBN, p.Lk - n0, p.D);
+    __syncthreads();
+    float s[kDqBN / 8][4], dp[kDqBN / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kDqBN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.0f;
+    }
+#pragma unroll
+    for (int kc = 0; kc < DP / 16; ++kc) {
+#pragma unroll
+      for (int nt = 0; nt < kDqBN / 8; ++nt) {
+        uint32_t b0, b1;
+        load_bt_smem(b0, b1, Ks, pitch, nt * 8, kc * 16, g, t);
+        Traits<T>::mma(s[nt], qf[kc], b0, b1);
+        load_bt_smem(b0, b1, Vs, pitch, nt * 8, kc * 16, g, t);
+        Traits<T>::mma(dp[nt], dof[kc], b0, b1);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kDqBN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
+        const float sc = masked_score<T>(p, b, h, i, j, s[nt][e]);
+        const float l = lse_r[e >> 1];
+        const float pe = (sc == -INFINITY || l == -INFINITY) ? 0.0f : __expf(sc - l);
+        const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
+        s[nt][e] = pe * (dp[nt][e] * z - delta_r[e >> 1]);  // dS
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kDqBN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = Traits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = Traits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = Traits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = Traits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) {
+        uint32_t b0, b1;
+        load_b_smem(b0, b1, Ks, pitch, kk * 16, dt * 8, g, t);
+        Traits<T>::mma(dq[dt], a, b0, b1);
+      }
+    }
+  }
+  uint16_t* dqh = p.out + static_cast<int64_t>(bh) * p.Lq * p.D;
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = row0 + g + 8 * (e >> 1), d = dt * 8 + 2 * t + (e & 1);
+      if (i < p.Lq && d < p.D) dqh[static_cast<int64_t>(i) * p.D + d] = Traits<T>::bits(dq[dt][e] * p.scale);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+Tensor unit_last(const Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+Params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
+                   const std::optional<Tensor>& attn_mask, const std::optional<Tensor>& kpm,
+                   bool causal, double scale, double dropout_p, const std::optional<Tensor>& rng) {
+  Params p{};
+  p.q = static_cast<const uint16_t*>(q.const_data_ptr());
+  p.k = static_cast<const uint16_t*>(k.const_data_ptr());
+  p.v = static_cast<const uint16_t*>(v.const_data_ptr());
+  p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_sm = q.stride(2);
+  p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_sm = k.stride(2);
+  p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_sm = v.stride(2);
+  p.B = static_cast<int>(q.size(0));
+  p.H = static_cast<int>(q.size(1));
+  p.Lq = static_cast<int>(q.size(2));
+  p.D = static_cast<int>(q.size(3));
+  p.Hkv = static_cast<int>(k.size(1));
+  p.Lk = static_cast<int>(k.size(2));
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  p.am_type = kMaskNone;
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    const Tensor& m = *attn_mask;
+    p.am = m.const_data_ptr();
+    switch (m.scalar_type()) {
+      case at::kBool: p.am_type = kMaskBool; break;
+      case at::kHalf: p.am_type = kMaskHalf; break;
+      case at::kBFloat16: p.am_type = kMaskBf16; break;
+      default: p.am_type = kMaskFloat; break;
+    }
+    p.am_sb = m.stride(0), p.am_sh = m.stride(1), p.am_sm = m.stride(2), p.am_sn = m.stride(3);
+  }
+  if (kpm.has_value() && kpm->defined()) {
+    p.kpm = kpm->const_data_ptr<bool>();
+    p.kpm_sb = kpm->stride(0), p.kpm_sn = kpm->stride(1);
+  }
+  if (dropout_p > 0.0) {
+    p.rng = rng->const_data_ptr<int64_t>();
+    p.drop_threshold = dropout_threshold(dropout_p);
+    p.drop_scale = dropout_scale(dropout_p);
+  }
+  return p;
+}
+
+void check_cuda_inputs(const Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "attention (cuda): q must be float16 or bfloat16 (the kernels run mma.sync "
+              "m16n8k16); got ", q.scalar_type(), ": use the triton or torch backend for fp32");
+  const int dev = q.get_device();
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  TORCH_CHECK(major >= 8, "attention (cuda): needs compute capability 8.0+ (mma.sync bf16/fp16 "
+              "with fp32 accumulation); device ", dev, " is ", major, ".", minor);
+  const int64_t L = std::max(q.size(2), int64_t{1});
+  TORCH_CHECK(q.numel() / L < (int64_t{1} << 31) && q.size(2) < (int64_t{1} << 30),
+              "attention (cuda): sizes too large for 32-bit grid/row indices");
+}
+
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, size_t smem, const Params& p) {
+  TORCH_CHECK(blocks < (int64_t{1} << 31), "attention (cuda): too many CTAs (", blocks, ")");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Head-dim bucket: the padded width the kernels are instantiated for.
+int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
+
+template <typename T, int DP>
+void run_fwd(const Params& p) {
+  const int64_t blocks = int64_t{p.B} * p.H * ((p.Lq + kFwdBM - 1) / kFwdBM);
+  launch(fwd_kernel<T, DP>, blocks, size_t{2} * kFwdBN * (DP + kPad) * sizeof(uint16_t), p);
+}
+
+template <typename T, int DP>
+void run_bwd(const Params& pkv, const Params& pq) {
+  const int64_t kv_blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kKvBN - 1) / kKvBN);
+  const size_t kv_smem = size_t{2} * (kKvBN + kKvBM) * (DP + kPad) * sizeof(uint16_t) +
+                         size_t{2} * kKvBM * sizeof(float);
+  launch(dkdv_kernel<T, DP>, kv_blocks, kv_smem, pkv);
+  const int64_t q_blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDqBM - 1) / kDqBM);
+  launch(dq_kernel<T, DP>, q_blocks, size_t{2} * kDqBN * (DP + kPad) * sizeof(uint16_t), pq);
+}
+
+}  // namespace
+
+Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
+  (void)allow_tf32;  // fp16 / bf16 only
+  check_attention_fwd_args(q, k, v, attn_mask, key_padding_mask, scale, dropout_p, rng, at::kCUDA);
+  check_cuda_inputs(q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Tensor q_ = unit_last(q), k_ = unit_last(k), v_ = unit_last(v);
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, lse};
+  Params p = make_params(q_, k_, v_, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
+  p.out = static_cast<uint16_t*>(out.mutable_data_ptr());
+  p.lse_out = lse.mutable_data_ptr<float>();
+  const bool half = q.scalar_type() == at::kHalf;
+  switch (bucket(p.D)) {
+    case 64: half ? run_fwd<__half, 64>(p) : run_fwd<__nv_bfloat16, 64>(p); break;
+    case 128: half ? run_fwd<__half, 128>(p) : run_fwd<__nv_bfloat16, 128>(p); break;
+    default: half ? run_fwd<__half, 256>(p) : run_fwd<__nv_bfloat16, 256>(p); break;
+  }
+  return {out, lse};
+}
+
+Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
+  (void)allow_tf32;
+  check_attention_bwd_args(dout, q, k, v, out, lse, attn_mask, key_padding_mask, scale, dropout_p,
+                           rng, at::kCUDA);
+  check_cuda_inputs(q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Tensor q_ = unit_last(q), k_ = unit_last(k), v_ = unit_last(v), do_ = unit_last(dout);
+  Tensor dq = at::empty(q.sizes(), q.options());
+  Tensor dk = at::empty(k.sizes(), k.options());
+  Tensor dv = at::empty(v.sizes(), v.options());
+  if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
+  // delta_i = rowsum(dO_i * O_i) in fp32 (ATen, on the current stream).
+  const Tensor delta = dout.to(at::kFloat).mul(out.to(at::kFloat)).sum(-1).contiguous();
+  const Tensor lse_c = lse.contiguous();
+  Params p = make_params(q_, k_, v_, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
+  p.dout = static_cast<const uint16_t*>(do_.const_data_ptr());
+  p.do_sb = do_.stride(0), p.do_sh = do_.stride(1), p.do_sm = do_.stride(2);
+  p.lse = lse_c.const_data_ptr<float>();
+  p.delta = delta.const_data_ptr<float>();
+  Params pkv = p, pq = p;
+  pkv.out = static_cast<uint16_t*>(dk.mutable_data_ptr());
+  pkv.out2 = static_cast<uint16_t*>(dv.mutable_data_ptr());
+  pq.out = static_cast<uint16_t*>(dq.mutable_data_ptr());
+  const bool half = q.scalar_type() == at::kHalf;
+  switch (bucket(p.D)) {
+    case 64: half ? run_bwd<__half, 64>(pkv, pq) : run_bwd<__nv_bfloat16, 64>(pkv, pq); break;
+    case 128: half ? run_bwd<__half, 128>(pkv, pq) : run_bwd<__nv_bfloat16, 128>(pkv, pq); break;
+    default: half ? run_bwd<__half, 256>(pkv, pq) : run_bwd<__nv_bfloat16, 256>(pkv, pq); break;
+  }
+  return {dq, dk, dv};
+}
+
+TORCH_LIBRARY_IMPL(transformer_fast_C, CUDA, m) {
+  m.impl("attention_fwd", &attention_fwd_cuda);
+  m.impl("attention_bwd", &attention_bwd_cuda);
+}
+
+}  // namespace transformer_fast
