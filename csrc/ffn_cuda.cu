@@ -21,7 +21,8 @@
 //            (fixed-order two-stage sum in double, no atomics).
 // Any fused epilogue the cuBLASLt heuristic rejects for a shape/alignment falls back to the
 // plain GEMM plus our kernels.  The cuBLASLt handle (per device) and a 32 MiB workspace (per
-// device and stream) are created once and cached for the life of the process.
+// device and stream, from PyTorch's caching allocator; per call while a CUDA graph is being
+// captured) are created once and cached for the life of the process.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -62,14 +63,20 @@ struct LtContext {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  Tensor call_workspace;  // set while a CUDA graph is being captured (see below)
 };
 
+// The workspace comes from PyTorch's caching allocator, so that it is stream-ordered and legal
+// under CUDA graph capture.  Outside capture it is cached per (device, stream): work on one
+// stream is serial, so a cached workspace is never used twice at once.  During capture a fresh
+// one is taken for the call (the graph's private pool keeps it for replays), never cached.
 LtContext lt_context(int device, cudaStream_t stream) {
   static std::mutex mu;
   // Leaked on purpose: destroying handles / freeing device memory during static destruction
   // races the CUDA runtime's own teardown.
   static auto* handles = new std::map<int, cublasLtHandle_t>();
-  static auto* workspaces = new std::map<std::pair<int, cudaStream_t>, void*>();
+  static auto* workspaces = new std::map<std::pair<int, cudaStream_t>, Tensor>();
+  const auto bytes_opts = at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, device));
   std::lock_guard<std::mutex> lock(mu);
   LtContext ctx;
   auto h = handles->find(device);
@@ -79,16 +86,20 @@ LtContext lt_context(int device, cudaStream_t stream) {
     h = handles->emplace(device, handle).first;
   }
   ctx.handle = h->second;
+  ctx.workspace_bytes = kWorkspaceBytes;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    ctx.call_workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, bytes_opts);
+    ctx.workspace = ctx.call_workspace.mutable_data_ptr();
+    return ctx;
+  }
   const auto key = std::make_pair(device, stream);
   auto w = workspaces->find(key);
   if (w == workspaces->end()) {
-    void* ptr = nullptr;
-    // One workspace per stream: work on one stream is serial, so it is never used twice at once.
-    C10_CUDA_CHECK(cudaMalloc(&ptr, kWorkspaceBytes));
-    w = workspaces->emplace(key, ptr).first;
+    w = workspaces->emplace(key, at::empty({static_cast<int64_t>(kWorkspaceBytes)}, bytes_opts)).first;
   }
-  ctx.workspace = w->second;
-  ctx.workspace_bytes = kWorkspaceBytes;
+  ctx.workspace = w->second.mutable_data_ptr();
   return ctx;
 }
 

@@ -5,6 +5,8 @@ through TRITON_INTERPRET=1 on the CPU (or on CUDA when present), cuda on the GPU
 checked exactly: the reference drops the elements of transformer_fast.philox's keep mask for
 the rng the op draws (same torch seed), in forward and in every gradient.
 """
+import os
+
 import pytest
 import torch
 
@@ -311,6 +313,23 @@ def test_fused_backends_drop_the_same_elements():
             torch.manual_seed(2024)
             y = F.linear_bias_act(x.cuda(), w.cuda(), None, activation="relu", dropout_p=0.3, backend=name)
             assert torch.equal((y != 0).cpu(), want), name
+
+
+# --------------------------------------------------------------------------------------------
+# The extension holds the FFN kernels
+
+
+@pytest.mark.parametrize("op", ["ffn_linear_fwd", "ffn_linear_dgrad", "ffn_linear_wgrad", "ffn_act_bwd"])
+def test_cxx_ffn_kernels_registered(op):
+    """CPU kernels always; CUDA kernels whenever _C was built with its CUDA part (CI sets
+    TRANSFORMER_FAST_CUDA=1: csrc/ffn_cuda.cu must have compiled, linked cuBLASLt, registered)."""
+    if not backends.extension_status()[0]:
+        if os.environ.get("CI"):
+            pytest.fail(backends.extension_status()[1])
+        pytest.skip("extension not built")
+    assert backends.cxx_op_has_kernel(op, "CPU")
+    if backends.extension_cuda_status()[0] or os.environ.get("TRANSFORMER_FAST_CUDA") == "1":
+        assert backends.cxx_op_has_kernel(op, "CUDA")
 
 
 # --------------------------------------------------------------------------------------------
