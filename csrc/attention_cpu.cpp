@@ -228,6 +228,9 @@ float mask_value(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   }
 }
 
+// max that propagates NaN (std::max(m, NaN) would drop it and turn a NaN row into a dead row).
+inline float nan_max(float m, float x) { return (x > m || std::isnan(x)) ? x : m; }
+
 // sum_d a[d] * b[d] in double (four partial sums: independent chains the compiler can pipeline).
 double dot_d(const float* a, const float* b, int64_t n) {
   double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
@@ -307,7 +310,7 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
         for (int64_t r = 0; r < bm; ++r) {
           const float* sr = s.data() + r * kBlockN;
           float m_new = m_i[r];
-          for (int64_t c = 0; c < bn; ++c) m_new = std::max(m_new, sr[c]);
+          for (int64_t c = 0; c < bn; ++c) m_new = nan_max(m_new, sr[c]);
           if (m_new == kNegInf) continue;  // nothing visible yet in this row
           // Rescale what was summed under the old max (exp(-inf) = 0 on the first visible tile).
           const float alpha = std::exp(m_i[r] - m_new);
@@ -318,8 +321,9 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
             if (sr[c] == kNegInf) continue;
             const float pij = std::exp(sr[c] - m_new);
             l_i[r] += pij;  // the softmax denominator counts dropped elements too
+            // No skip for w == 0 (dropped): 0 * v keeps a NaN / Inf in v visible, as the
+            // reference's p @ v does.
             const float w = pij * drop_factor(p, b, h, m0 + r, n0 + c);
-            if (w == 0.0f) continue;
             const float* vj = v + (n0 + c) * D;
             for (int64_t d = 0; d < D; ++d) ar[d] += static_cast<double>(w) * vj[d];
           }
@@ -330,7 +334,7 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
         const int64_t i = m0 + r;
         float* o = out32 + (bh * p.Lq + i) * D;
         const double* ar = acc.data() + r * D;
-        if (l_i[r] > 0.0) {
+        if (l_i[r] != 0.0) {  // NaN (a NaN / +Inf score) propagates like the reference's softmax
           const double inv = 1.0 / l_i[r];
           for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(ar[d] * inv);
           lse[bh * p.Lq + i] = m_i[r] + static_cast<float>(std::log(l_i[r]));

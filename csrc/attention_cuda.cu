@@ -248,9 +248,13 @@ __device__ __forceinline__ float drop_factor(const Params& p, uint64_t seed, uin
   return philox_word(seed, offset, idx) >= p.drop_threshold ? p.drop_scale : 0.0f;
 }
 
+// max that propagates NaN (fmaxf drops it, which would turn a NaN row into a dead row instead
+// of the NaN row the reference gives).
+__device__ __forceinline__ float nan_max(float m, float x) { return (x > m || x != x) ? x : m; }
+
 __device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return nan_max(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
 __device__ __forceinline__ float quad_sum(float x) {
@@ -322,13 +326,13 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
       for (int e = 0; e < 4; ++e) {
         const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
         s[nt][e] = masked_score<T>(p, b, h, i, j, s[nt][e]);
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        mx[e >> 1] = nan_max(mx[e >> 1], s[nt][e]);
       }
     }
     float m_use[2], alpha[2];
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
-      const float m_new = fmaxf(m_i[rh], quad_max(mx[rh]));
+      const float m_new = nan_max(m_i[rh], quad_max(mx[rh]));
       // All masked so far: exponentiate against 0 (exp(-inf) = 0), nothing to rescale.
       m_use[rh] = m_new == -INFINITY ? 0.0f : m_new;
       alpha[rh] = __expf(m_i[rh] - m_use[rh]);
@@ -349,7 +353,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
         const float pe = __expf(s[nt][e] - m_use[e >> 1]);
         l_i[e >> 1] += pe;
         const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
-        s[nt][e] = pe == 0.0f ? 0.0f : pe * drop_factor(p, seed, offset, b, h, i, j);
+        s[nt][e] = s[nt][e] == -INFINITY ? 0.0f : pe * drop_factor(p, seed, offset, b, h, i, j);
       }
     }
     // O += P V: P's accumulators of n-tiles 2kk, 2kk+1 form the A fragment of keys 16kk..16kk+15.
@@ -375,7 +379,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   for (int rh = 0; rh < 2; ++rh) {
     const float l = quad_sum(l_i[rh]);
     const int i = row0 + g + 8 * rh;
-    const bool dead = !(l > 0.0f);
+    const bool dead = l == 0.0f;  // NaN (a NaN / +Inf score) propagates as in the reference
     inv[rh] = dead ? 0.0f : 1.0f / l;
     if (t == 0 && i < p.Lq) {
       p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] + __logf(l);
