@@ -27,16 +27,26 @@
 // Out of scope for this version (benchmarks/NOTES.md): wgmma / TMA (sm_90a), ldmatrix and
 // cp.async pipelining, 16-byte vector loads, padding-tile skipping.  It exists to be correct
 // first; its speed has not been measured.
+//
+// TF_ATTN_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
+// warp primitives emulated by threads and barriers (mma.sync by its documented fragment layout),
+// so that the kernels' indexing, masking and tiling run against the oracle without a GPU.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#ifndef TF_ATTN_EMULATE
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cuda_runtime.h>
+#define TF_ATTN_DEVICE at::kCUDA
+#else
+#define TF_ATTN_DEVICE at::kCPU
+#endif
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -113,6 +123,8 @@ struct Traits<__half> {
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(TF_ATTN_EMULATE)
+    emulated_mma(c, a, b0, b1, /*bf16=*/false);
 #else
     __trap();  // sm_80+ only (the host refuses older devices)
 #endif
@@ -140,8 +152,10 @@ struct Traits<__nv_bfloat16> {
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(TF_ATTN_EMULATE)
+    emulated_mma(c, a, b0, b1, /*bf16=*/true);
 #else
-    __trap();
+    __trap();  // sm_80+ only (the host refuses older devices)
 #endif
   }
 };
@@ -675,6 +689,7 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
   return p;
 }
 
+#ifndef TF_ATTN_EMULATE
 void check_cuda_inputs(const Tensor& q) {
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "attention (cuda): q must be float16 or bfloat16 (the kernels run mma.sync "
@@ -698,6 +713,7 @@ void launch(Kernel kernel, int64_t blocks, size_t smem, const Params& p) {
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+#endif  // TF_ATTN_EMULATE (the emulation provides check_cuda_inputs and launch)
 
 // Head-dim bucket: the padded width the kernels are instantiated for.
 int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
@@ -722,9 +738,11 @@ void run_bwd(const Params& pkv, const Params& pq) {
 
 Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
   (void)allow_tf32;  // fp16 / bf16 only
-  check_attention_fwd_args(q, k, v, attn_mask, key_padding_mask, scale, dropout_p, rng, at::kCUDA);
+  check_attention_fwd_args(q, k, v, attn_mask, key_padding_mask, scale, dropout_p, rng, TF_ATTN_DEVICE);
   check_cuda_inputs(q);
+#ifndef TF_ATTN_EMULATE
   const c10::cuda::CUDAGuard guard(q.device());
+#endif
   const Tensor q_ = unit_last(q), k_ = unit_last(k), v_ = unit_last(v);
   Tensor out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
@@ -744,9 +762,11 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
 Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
   (void)allow_tf32;
   check_attention_bwd_args(dout, q, k, v, out, lse, attn_mask, key_padding_mask, scale, dropout_p,
-                           rng, at::kCUDA);
+                           rng, TF_ATTN_DEVICE);
   check_cuda_inputs(q);
+#ifndef TF_ATTN_EMULATE
   const c10::cuda::CUDAGuard guard(q.device());
+#endif
   const Tensor q_ = unit_last(q), k_ = unit_last(k), v_ = unit_last(v), do_ = unit_last(dout);
   Tensor dq = at::empty(q.sizes(), q.options());
   Tensor dk = at::empty(k.sizes(), k.options());
@@ -773,9 +793,11 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
   return {dq, dk, dv};
 }
 
+#ifndef TF_ATTN_EMULATE
 TORCH_LIBRARY_IMPL(transformer_fast_C, CUDA, m) {
   m.impl("attention_fwd", &attention_fwd_cuda);
   m.impl("attention_bwd", &attention_bwd_cuda);
 }
+#endif
 
 }  // namespace transformer_fast

@@ -188,3 +188,249 @@ def test_opcheck(device):
     q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1, 5, 7, 16, dtype, device))
     mask = (torch.rand(1, 1, 5, 7, device=device) < 0.8).expand(1, 2, 5, 7)
     torch.library.opcheck(op.attention_fwd, (q, k, v, mask, None, True, 0.25, 0.0, None, False, BACKEND))
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernels, emulated on the CPU (slow: compiles csrc/attention_cuda.cu as host C++)
+#
+# csrc/attention_cuda.cu has never run on a GPU.  Compiled with TF_ATTN_EMULATE, each CTA runs as
+# 128 std::threads (__syncthreads = a CTA barrier; shuffles and mma.sync exchange values between
+# the 32 lanes of a warp through a buffer and two warp barriers; mma.sync m16n8k16 is computed
+# from the PTX fragment layouts).  That runs the kernels' own indexing, masking, tiling, online
+# softmax and backward against the oracle.  It cannot see timing, memory-model or real-hardware
+# issues: compute-sanitizer and tests/test_gpu_attention_cuda.py on a GPU still decide.
+
+_EMU_HARNESS = r"""
+// Host emulation of csrc/attention_cuda.cu (see TF_ATTN_EMULATE there): every CTA runs as
+// kThreads std::threads; __syncthreads is a CTA barrier; warp shuffles and mma.sync exchange
+// values through a per-warp buffer between two warp barriers.  mma.sync m16n8k16 is computed from
+// the PTX ISA fragment layouts (an independent statement of the layouts the kernels assume).
+#define TF_ATTN_EMULATE 1
+#include <torch/extension.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__
+#define __align__(x)
+
+struct EmuDim3 { unsigned x = 0, y = 0, z = 0; };
+thread_local EmuDim3 threadIdx, blockIdx;
+
+namespace emu {
+struct Warp {
+  std::barrier<> bar{32};
+  float f[32];
+  uint32_t a[32][4];
+  uint32_t b[32][2];
+};
+Warp* warps = nullptr;            // 4 per CTA
+std::barrier<>* block_bar = nullptr;
+
+inline float bits_to_float(uint16_t h, bool bf16) {
+  if (bf16) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half x;
+  std::memcpy(&x, &h, 2);
+  return __half2float(x);
+}
+inline uint16_t half_of(uint32_t r, int which) { return which ? uint16_t(r >> 16) : uint16_t(r & 0xffff); }
+}  // namespace emu
+
+inline void __syncthreads() { emu::block_bar->arrive_and_wait(); }
+inline void __trap() { std::abort(); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+
+inline float __shfl_xor_sync(unsigned, float x, int m) {
+  emu::Warp& w = emu::warps[threadIdx.x / 32];
+  const int lane = threadIdx.x % 32;
+  w.f[lane] = x;
+  w.bar.arrive_and_wait();
+  const float r = w.f[lane ^ m];
+  w.bar.arrive_and_wait();
+  return r;
+}
+
+// D = A (16x16) B (16x8) + C for the calling lane's four C elements.
+inline void emulated_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf16) {
+  emu::Warp& w = emu::warps[threadIdx.x / 32];
+  const int lane = threadIdx.x % 32;
+  for (int r = 0; r < 4; ++r) w.a[lane][r] = a[r];
+  w.b[lane][0] = b0;
+  w.b[lane][1] = b1;
+  w.bar.arrive_and_wait();
+  auto A = [&](int row, int k) {  // a_i: row g + 8*(i&1), col 2t + 8*(i>>1) + {0,1}
+    const int ln = 4 * (row % 8) + (k % 8) / 2, reg = (row / 8) + 2 * (k / 8);
+    return emu::bits_to_float(emu::half_of(w.a[ln][reg], k % 2), bf16);
+  };
+  auto B = [&](int k, int n) {  // b_i: k 2t + 8*i + {0,1}, n g
+    const int ln = 4 * n + (k % 8) / 2, reg = k / 8;
+    return emu::bits_to_float(emu::half_of(w.b[ln][reg], k % 2), bf16);
+  };
+  const int g = lane / 4, t = lane % 4;
+  float d[4];
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+    float acc = c[e];
+    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+    d[e] = acc;
+  }
+  w.bar.arrive_and_wait();
+  for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+
+namespace transformer_fast {
+using std::min;
+namespace {
+alignas(16) uint16_t smem[1 << 17];
+void check_cuda_inputs(const at::Tensor& q);
+}  // namespace
+// The real argument checks live in attention_cpu.cpp (tested there); not linked here.
+void check_attention_fwd_args(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                              double, double, const std::optional<at::Tensor>&, c10::DeviceType) {}
+void check_attention_bwd_args(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                              double, double, const std::optional<at::Tensor>&, c10::DeviceType) {}
+}  // namespace transformer_fast
+
+#include "attention_cuda.cu"
+
+namespace transformer_fast {
+namespace {
+void check_cuda_inputs(const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "fp16/bf16 only");
+}
+
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const Params& p) {
+  TORCH_CHECK(smem_bytes <= sizeof(smem), "emulated smem too small: ", smem_bytes);
+  std::vector<emu::Warp> warps(kThreads / 32);
+  emu::warps = warps.data();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    std::memset(smem, 0xFF, sizeof(smem));  // NaN bit patterns: reads of unwritten smem show up
+    std::barrier<> bar(kThreads);
+    emu::block_bar = &bar;
+    std::vector<std::thread> threads;
+    for (int tid = 0; tid < kThreads; ++tid) {
+      threads.emplace_back([&, tid] {
+        threadIdx.x = tid;
+        blockIdx.x = static_cast<unsigned>(blk);
+        kernel(p);
+      });
+    }
+    for (auto& th : threads) th.join();
+  }
+}
+}  // namespace
+}  // namespace transformer_fast
+
+std::vector<at::Tensor> fwd(at::Tensor q, at::Tensor k, at::Tensor v, std::optional<at::Tensor> mask,
+                            std::optional<at::Tensor> kpm, bool causal, double scale, double p,
+                            std::optional<at::Tensor> rng) {
+  auto [out, lse] = transformer_fast::attention_fwd_cuda(q, k, v, mask, kpm, causal, scale, p, rng, false);
+  return {out, lse};
+}
+
+std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
+                            at::Tensor lse, std::optional<at::Tensor> mask, std::optional<at::Tensor> kpm,
+                            bool causal, double scale, double p, std::optional<at::Tensor> rng) {
+  auto [dq, dk, dv] = transformer_fast::attention_bwd_cuda(dout, q, k, v, out, lse, mask, kpm, causal,
+                                                           scale, p, rng, false);
+  return {dq, dk, dv};
+}
+"""
+
+
+def _cuda_fp16_include():
+    import glob
+    import os
+
+    from torch.utils import cpp_extension
+
+    roots = [os.path.join(cpp_extension.CUDA_HOME or "/nonexistent", "include")]
+    roots += sorted(glob.glob("/usr/local/cuda*/include"), reverse=True)
+    try:
+        import nvidia
+
+        roots += [os.path.join(p, sub, "include") for p in nvidia.__path__ for sub in ("cu13", "cu12", "cuda_runtime")]
+    except ImportError:
+        pass
+    for root in roots:
+        if os.path.exists(os.path.join(root, "cuda_fp16.h")) and os.path.exists(os.path.join(root, "cuda_bf16.h")):
+            return root
+    return None
+
+
+@pytest.fixture(scope="module")
+def cuda_emulation():
+    import os
+
+    from torch.utils.cpp_extension import load_inline
+
+    inc = _cuda_fp16_include()
+    if inc is None:
+        pytest.skip("cuda_fp16.h / cuda_bf16.h not found (no CUDA toolkit headers)")
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    return load_inline("tf_attention_cuda_emu", cpp_sources=[_EMU_HARNESS], functions=["fwd", "bwd"],
+                       extra_include_paths=[csrc, inc], extra_cflags=["-O1", "-std=c++20"])
+
+
+_EMU_CASES = [  # B, H, Hkv, Lq, Lk, D, dtype, mask kind, dropout
+    (1, 2, 1, 70, 67, 64, torch.bfloat16, "causal", 0.0),
+    (2, 2, 2, 33, 70, 16, torch.float16, "float_bh", 0.0),
+    (2, 2, 2, 33, 70, 80, torch.bfloat16, "causal+bool_b1+kpm", 0.0),
+    (2, 2, 1, 33, 70, 128, torch.float16, "dead", 0.3),
+    (1, 2, 2, 1, 127, 256, torch.bfloat16, "none", 0.0),
+    (1, 2, 2, 127, 7, 32, torch.float16, "causal", 0.2),
+    (1, 4, 2, 130, 65, 64, torch.bfloat16, "causal+float_bh+kpm", 0.1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _EMU_CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-{c[7]}-p{c[8]}")
+def test_cuda_kernels_emulated(cuda_emulation, case):
+    from test_triton_attention import _ref_run
+
+    B, H, Hkv, Lq, Lk, D, dtype, kind, p = case
+    g = generator()
+    q = randn(B, H, Lq, D, dtype=dtype, g=g)
+    k = randn(B, Hkv, Lk, D, dtype=dtype, g=g)
+    v = randn(B, Hkv, Lk, D, dtype=dtype, g=g)
+    m = make_masks(kind, B, H, Lq, Lk, dtype, g)
+    mask = m["attn_mask"]
+    if mask is not None:
+        mask = mask.expand(B, H, Lq, Lk)  # the launcher contract: (B, H, Lq, Lk), stride-0 dims
+    kpm, causal, scale = m["key_padding_mask"], m["is_causal"], D ** -0.5
+    rng = philox.new_rng("cpu") if p > 0 else None
+    keep = philox.dropout_keep_mask(rng, (B, H, Lq, Lk), p) if p > 0 else None
+    do = torch.randn(B, H, Lq, D, dtype=torch.float64)
+    kw = dict(attn_mask=mask, key_padding_mask=kpm, is_causal=causal, scale=scale, keep=keep, dropout_p=p)
+    ref64, g64 = _ref_run(q, k, v, do, lambda t: t.double(), **kw)
+    reflp, glp = _ref_run(q, k, v, do, lambda t: t, **kw)
+    out, lse = cuda_emulation.fwd(q, k, v, mask, kpm, causal, scale, p, rng)
+    dq, dk, dv = cuda_emulation.bwd(do.to(dtype), q, k, v, out, lse, mask, kpm, causal, scale, p, rng)
+    results = [reference.oracle_compare("out", out, reflp, ref64, dtype)]
+    for name, got, lp, r64 in zip(("dq", "dk", "dv"), (dq, dk, dv), glp, g64):
+        results.append(reference.oracle_compare(name, got, lp, r64, dtype))
+    reference.assert_oracle(results, f"emulated cuda {case}")
+    # lse agrees with the C++ cpu kernel (same definition: natural log, -inf for dead rows)
+    _, lse_cpu = _launch_fwd(q, k, v, mask, kpm, causal, scale)
+    torch.testing.assert_close(lse, lse_cpu, rtol=0, atol=1e-3)
