@@ -1,7 +1,9 @@
 // Masked softmax attention on CUDA tensor cores (mma.sync m16n8k16, sm_80+): flash forward and a
-// deterministic flash backward.  UNVERIFIED: written and compiled without a GPU; it has never run.
+// deterministic flash backward.  Written without a GPU: it has NEVER RUN ON ONE.  Its kernels are
+// tested in CPU emulation (TF_ATTN_EMULATE below; tests/test_attention_cpu.py -m slow) against
+// the oracle; races, memory-model issues and speed are unverified until a GPU run.
 // The algorithm (tiles, online-softmax update, lse, backward decomposition) is the one
-// csrc/attention_cpu.cpp runs and tests on the CPU.
+// csrc/attention_cpu.cpp runs as the cpu backend.
 //
 // Contract: transformer_fast/ops/attention.py (the launcher contract of kernels/attention.py),
 // for fp16 / bf16 inputs (fp32 is refused: these kernels have no tf32 / exact-fp32 path).
