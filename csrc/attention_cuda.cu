@@ -257,6 +257,14 @@ __device__ __forceinline__ float masked_score(const Params& p, int b, int h, int
   return s;
 }
 
+// Whether a tile of keys [n0, n0 + bn) needs no masking for any query row >= m0: no masks, all
+// keys in bounds, and (causal) every key at or before the first row.  Uniform over the CTA, so
+// the branch costs nothing; such tiles only scale (the dense interior of every problem).
+__device__ __forceinline__ bool plain_tile(const Params& p, int m0, int n0, int bn) {
+  return p.kpm == nullptr && p.am_type == kMaskNone && n0 + bn <= p.Lk &&
+         (!p.causal || n0 + bn - 1 <= m0);
+}
+
 __device__ __forceinline__ float drop_factor(const Params& p, uint64_t seed, uint64_t offset,
                                              int b, int h, int i, int j) {
   if (p.rng == nullptr) return 1.0f;
@@ -336,12 +344,13 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
       }
     }
     float mx[2] = {-INFINITY, -INFINITY};
+    const bool plain = plain_tile(p, m0, n0, kFwdBN);  // rows >= Lq are never stored
 #pragma unroll
     for (int nt = 0; nt < kFwdBN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
-        s[nt][e] = masked_score<T>(p, b, h, i, j, s[nt][e]);
+        s[nt][e] = plain ? s[nt][e] * p.scale : masked_score<T>(p, b, h, i, j, s[nt][e]);
         mx[e >> 1] = nan_max(mx[e >> 1], s[nt][e]);
       }
     }
@@ -485,14 +494,15 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
           Traits<T>::mma(dpt[nt], va, b0, b1);
         }
       }
-      // st <- P^T . Z (for dV), dpt <- dS^T (for dK)
+      // st <- P^T . Z (for dV), dpt <- dS^T (for dK).  Rows i >= Lq have lse -inf: p = 0.
+      const bool plain = plain_tile(p, m0, n0, kKvBN);
 #pragma unroll
       for (int nt = 0; nt < kKvBM / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = n0 + key0 + g + 8 * (e >> 1);
           const int ii = nt * 8 + 2 * t + (e & 1), i = m0 + ii;
-          const float s = masked_score<T>(p, b, h, i, j, st[nt][e]);
+          const float s = plain ? st[nt][e] * p.scale : masked_score<T>(p, b, h, i, j, st[nt][e]);
           const float l = lse_s[ii];
           const float pe = (s == -INFINITY || l == -INFINITY) ? 0.0f : __expf(s - l);
           const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
@@ -606,12 +616,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
         Traits<T>::mma(dp[nt], dof[kc], b0, b1);
       }
     }
+    const bool plain = plain_tile(p, m0, n0, kDqBN);  // rows >= Lq have lse -inf: p = 0
 #pragma unroll
     for (int nt = 0; nt < kDqBN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
-        const float sc = masked_score<T>(p, b, h, i, j, s[nt][e]);
+        const float sc = plain ? s[nt][e] * p.scale : masked_score<T>(p, b, h, i, j, s[nt][e]);
         const float l = lse_r[e >> 1];
         const float pe = (sc == -INFINITY || l == -INFINITY) ? 0.0f : __expf(sc - l);
         const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);

@@ -381,6 +381,7 @@ def _cuda_fp16_include():
 
 @pytest.fixture(scope="module")
 def cuda_emulation():
+    import hashlib
     import os
 
     from torch.utils.cpp_extension import load_inline
@@ -389,7 +390,14 @@ def cuda_emulation():
     if inc is None:
         pytest.skip("cuda_fp16.h / cuda_bf16.h not found (no CUDA toolkit headers)")
     csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
-    return load_inline("tf_attention_cuda_emu", cpp_sources=[_EMU_HARNESS], functions=["fwd", "bwd"],
+    # torch's JIT cache hashes the inline source only, not the files it includes: name the build
+    # after the sources it includes so that an edited kernel is recompiled.
+    digest = hashlib.sha1()
+    for name in ("attention_cuda.cu", "ops.h", "philox.h"):
+        with open(os.path.join(csrc, name), "rb") as f:
+            digest.update(f.read())
+    return load_inline(f"tf_attention_cuda_emu_{digest.hexdigest()[:12]}", cpp_sources=[_EMU_HARNESS],
+                       functions=["fwd", "bwd"],
                        extra_include_paths=[csrc, inc], extra_cflags=["-O1", "-std=c++20"])
 
 
@@ -401,6 +409,9 @@ _EMU_CASES = [  # B, H, Hkv, Lq, Lk, D, dtype, mask kind, dropout
     (1, 2, 2, 1, 127, 256, torch.bfloat16, "none", 0.0),
     (1, 2, 2, 127, 7, 32, torch.float16, "causal", 0.2),
     (1, 4, 2, 130, 65, 64, torch.bfloat16, "causal+float_bh+kpm", 0.1),
+    # dense interiors: the unmasked tile path (plain_tile) of all three kernels, causal too
+    (1, 2, 2, 200, 200, 64, torch.float16, "causal", 0.0),
+    (1, 2, 1, 150, 150, 128, torch.bfloat16, "none", 0.1),
 ]
 
 
