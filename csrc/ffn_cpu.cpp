@@ -8,8 +8,8 @@
 //             pre = at::addmm(b, x, w^T), then ONE pass pre -> dropout(act(pre)).  torch eager
 //             makes one more pass (dropout's mask and multiply) and keeps the mask tensor.
 //   dgrad     dh = dy @ w (at::mm), then one in-place pass d = dh * act'(aux) * keep * scale.
-//   wgrad     dw = dy^T @ x (at::mm), db = sum of dy's rows (own column-sum pass: fp32 partials
-//             of 32 rows flushed into double).
+//   wgrad     dw = dy^T @ x (at::mm), db = sum of dy's rows (own column-sum pass, double
+//             accumulators).
 //   act_bwd   the same elementwise pass as dgrad's, from dy.
 // The argument checks shared with ffn_cuda.cu live here too (check_ffn_*).
 #include <ATen/core/Tensor.h>
@@ -387,35 +387,32 @@ void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, T
   });
 }
 
-// out[j] = sum_i t[i, j] (t: unit column stride).  Column blocks in parallel; within a block,
-// fp32 vector partials over kFlushRows rows are flushed into double: nearly the accuracy of a
-// double sum (db then carries little more than the rounding of the summed values; an fp32 sum
-// over all rows is as inexact as the reference's own and failed the oracle's 2x bound now and
-// then) at fp32 speed (at::sum with a double accumulator took 7x longer: measured 56 ms vs
-// 8 ms at 4096 x 2048).
+// out[j] = sum_i t[i, j] (t: unit column stride), every element added into a double
+// accumulator (AVX2: 4 lanes of cvtps_pd + add_pd): db carries only the final rounding.  An fp32
+// sum is about as inexact as the reference's own and failed the oracle's 2x bound now and then;
+// at::sum with a double accumulator took 56 ms against 8 ms for fp32 at 4096 x 2048 (measured).
 template <typename T>
 void col_sum_kernel(const Tensor& t, Tensor& out) {
-  constexpr int64_t kFlushRows = 32;
   const int64_t M = t.size(0), N = t.size(1), ld = t.stride(0);
   const T* tp = t.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
   at::parallel_for(0, N, 256, [&](int64_t c0, int64_t c1) {
     const int64_t n = c1 - c0;
     std::vector<double> acc(static_cast<size_t>(n), 0.0);
-    std::vector<float> part(static_cast<size_t>(n)), rowbuf(static_cast<size_t>(n));
-    for (int64_t r0 = 0; r0 < M; r0 += kFlushRows) {
-      std::fill(part.begin(), part.end(), 0.0f);
-      const int64_t r1 = std::min(M, r0 + kFlushRows);
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* row = load_row(tp + r * ld + c0, n, rowbuf.data());
-        int64_t j = 0;
-        for (; j + kV <= n; j += kV) (Vec::loadu(part.data() + j) + Vec::loadu(row + j)).store(part.data() + j);
-        for (; j < n; ++j) part[j] += row[j];
+    std::vector<float> rowbuf(static_cast<size_t>(n));
+    double* a = acc.data();
+    for (int64_t r = 0; r < M; ++r) {
+      const float* row = load_row(tp + r * ld + c0, n, rowbuf.data());
+      int64_t j = 0;
+#ifdef TF_FFN_AVX2_PRAGMA
+      for (; j + 4 <= n; j += 4) {
+        _mm256_storeu_pd(a + j, _mm256_add_pd(_mm256_loadu_pd(a + j), _mm256_cvtps_pd(_mm_loadu_ps(row + j))));
       }
-      for (int64_t j = 0; j < n; ++j) acc[j] += part[j];
+#endif
+      for (; j < n; ++j) a[j] += row[j];
     }
-    for (int64_t j = 0; j < n; ++j) part[j] = static_cast<float>(acc[j]);
-    at::vec::convert(part.data(), op + c0, n);
+    for (int64_t j = 0; j < n; ++j) rowbuf[j] = static_cast<float>(a[j]);
+    at::vec::convert(rowbuf.data(), op + c0, n);
   });
 }
 
