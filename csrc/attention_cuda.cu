@@ -95,6 +95,7 @@ struct Params {
   const bool* kpm;
   int64_t kpm_sb, kpm_sn;
   const int64_t* rng;  // device [seed, offset], null without dropout
+  bool vec16;  // every q/k/v/dout row start is 16-byte aligned and D % 8 == 0: 16-byte loads
   uint32_t drop_threshold;
   float drop_scale;
 };
@@ -219,10 +220,25 @@ __device__ __forceinline__ void load_b_smem(uint32_t& b0, uint32_t& b1, const ui
 }
 
 // Cooperative copy of rows [0, rows) x cols [0, DP) of a global row-major tile into shared memory,
-// zero where row >= nrows or col >= ncols.
+// zero where row >= nrows or col >= ncols.  vec16: 16-byte chunks (the host checked alignment
+// and ncols % 8 == 0, so a chunk is either entirely in or entirely out of [0, ncols)).
+struct alignas(16) Chunk16 {
+  uint32_t w[4];
+};
+
 template <int DP>
 __device__ __forceinline__ void load_tile(uint16_t* s, const uint16_t* base, int64_t ld, int rows,
-                                          int nrows, int ncols) {
+                                          int nrows, int ncols, bool vec16) {
+  if (vec16) {
+    constexpr int kChunks = DP / 8;
+    for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = (idx % kChunks) * 8;
+      Chunk16 val = {{0u, 0u, 0u, 0u}};
+      if (r < nrows && c < ncols) val = *reinterpret_cast<const Chunk16*>(base + r * ld + c);
+      *reinterpret_cast<Chunk16*>(s + r * (DP + kPad) + c) = val;
+    }
+    return;
+  }
   for (int idx = threadIdx.x; idx < rows * DP; idx += kThreads) {
     const int r = idx / DP, c = idx % DP;
     s[r * (DP + kPad) + c] = (r < nrows && c < ncols) ? base[r * ld + c] : uint16_t(0);
@@ -327,8 +343,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   const int n_end = p.causal ? min(p.Lk, m0 + kFwdBM) : p.Lk;
   for (int n0 = 0; n0 < n_end; n0 += kFwdBN) {
     __syncthreads();  // the previous tile's readers are done
-    load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kFwdBN, p.Lk - n0, p.D);
-    load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kFwdBN, p.Lk - n0, p.D);
+    load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kFwdBN, p.Lk - n0, p.D, p.vec16);
+    load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kFwdBN, p.Lk - n0, p.D, p.vec16);
     __syncthreads();
 
     float s[kFwdBN / 8][4];
@@ -448,8 +464,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     seed = static_cast<uint64_t>(p.rng[0]);
     offset = static_cast<uint64_t>(p.rng[1]);
   }
-  load_tile<DP>(Ks, p.k + b * p.k_sb + hk * p.k_sh + n0 * p.k_sm, p.k_sm, kKvBN, p.Lk - n0, p.D);
-  load_tile<DP>(Vs, p.v + b * p.v_sb + hk * p.v_sh + n0 * p.v_sm, p.v_sm, kKvBN, p.Lk - n0, p.D);
+  load_tile<DP>(Ks, p.k + b * p.k_sb + hk * p.k_sh + n0 * p.k_sm, p.k_sm, kKvBN, p.Lk - n0, p.D, p.vec16);
+  load_tile<DP>(Vs, p.v + b * p.v_sb + hk * p.v_sh + n0 * p.v_sm, p.v_sm, kKvBN, p.Lk - n0, p.D, p.vec16);
 
   float dk[DP / 8][4], dv[DP / 8][4];
 #pragma unroll
@@ -465,8 +481,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     const uint16_t* doh = p.dout + b * p.do_sb + h * p.do_sh;
     for (int m0 = m_start; m0 < p.Lq; m0 += kKvBM) {
       __syncthreads();
-      load_tile<DP>(Qs, qh + m0 * p.q_sm, p.q_sm, kKvBM, p.Lq - m0, p.D);
-      load_tile<DP>(Os, doh + m0 * p.do_sm, p.do_sm, kKvBM, p.Lq - m0, p.D);
+      load_tile<DP>(Qs, qh + m0 * p.q_sm, p.q_sm, kKvBM, p.Lq - m0, p.D, p.vec16);
+      load_tile<DP>(Os, doh + m0 * p.do_sm, p.do_sm, kKvBM, p.Lq - m0, p.D, p.vec16);
       for (int r = threadIdx.x; r < kKvBM; r += kThreads) {
         const bool in = m0 + r < p.Lq;
         lse_s[r] = in ? p.lse[bh * p.Lq + m0 + r] : -INFINITY;
@@ -596,8 +612,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   const int n_end = p.causal ? min(p.Lk, m0 + kDqBM) : p.Lk;
   for (int n0 = 0; n0 < n_end; n0 += kDqBN) {
     __syncthreads();
-    load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kDqBN, p.Lk - n0, p.D);
-    load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kDqBN, p.Lk - n0, p.D);
+    load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kDqBN, p.Lk - n0, p.D, p.vec16);
+    load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kDqBN, p.Lk - n0, p.D, p.vec16);
     __syncthreads();
     float s[kDqBN / 8][4], dp[kDqBN / 8][4];
 #pragma unroll
@@ -660,6 +676,12 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 
 Tensor unit_last(const Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
+// Whether every (b, h, row) start of a (B, H, L, D) tensor is 16-byte aligned.
+bool rows_vec16(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
+         t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0;
+}
+
 Params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
                    const std::optional<Tensor>& attn_mask, const std::optional<Tensor>& kpm,
                    bool causal, double scale, double dropout_p, const std::optional<Tensor>& rng) {
@@ -694,6 +716,7 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
     p.kpm = kpm->const_data_ptr<bool>();
     p.kpm_sb = kpm->stride(0), p.kpm_sn = kpm->stride(1);
   }
+  p.vec16 = p.D % 8 == 0 && rows_vec16(q) && rows_vec16(k) && rows_vec16(v);
   if (dropout_p > 0.0) {
     p.rng = rng->const_data_ptr<int64_t>();
     p.drop_threshold = dropout_threshold(dropout_p);
@@ -791,6 +814,7 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
   Params p = make_params(q_, k_, v_, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
   p.dout = static_cast<const uint16_t*>(do_.const_data_ptr());
   p.do_sb = do_.stride(0), p.do_sh = do_.stride(1), p.do_sm = do_.stride(2);
+  p.vec16 = p.vec16 && rows_vec16(do_);
   p.lse = lse_c.const_data_ptr<float>();
   p.delta = delta.const_data_ptr<float>();
   Params pkv = p, pq = p;

@@ -412,6 +412,8 @@ _EMU_CASES = [  # B, H, Hkv, Lq, Lk, D, dtype, mask kind, dropout
     # dense interiors: the unmasked tile path (plain_tile) of all three kernels, causal too
     (1, 2, 2, 200, 200, 64, torch.float16, "causal", 0.0),
     (1, 2, 1, 150, 150, 128, torch.bfloat16, "none", 0.1),
+    # k read through a view whose rows are not 16-byte aligned: the 2-byte load path
+    (1, 2, 2, 70, 67, 64, torch.float16, "misaligned_k", 0.0),
 ]
 
 
@@ -425,6 +427,9 @@ def test_cuda_kernels_emulated(cuda_emulation, case):
     q = randn(B, H, Lq, D, dtype=dtype, g=g)
     k = randn(B, Hkv, Lk, D, dtype=dtype, g=g)
     v = randn(B, Hkv, Lk, D, dtype=dtype, g=g)
+    if kind == "misaligned_k":
+        kind = "none"
+        k = randn(B, Hkv, Lk, D + 1, dtype=dtype, g=g)[..., 1:]  # row starts 2 bytes off
     m = make_masks(kind, B, H, Lq, Lk, dtype, g)
     mask = m["attn_mask"]
     if mask is not None:
