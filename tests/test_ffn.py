@@ -83,13 +83,6 @@ def check_feed_forward(backend, x, w1, b1, w2, b2, activation, dropout_p=0.0, se
     return results
 
 
-def _reference_lba(x, w, b, activation, dropout_p, keep):
-    out = x @ w.transpose(0, 1)
-    if b is not None:
-        out = out + b
-    if activation is not None:
-        out = reference._ACTIVATIONS[activation](out)
-    return reference._dropout(out, dropout_p, keep)
 
 
 def check_linear_bias_act(backend, x, w, b, activation, dropout_p=0.0, seed=99):
@@ -103,7 +96,7 @@ def check_linear_bias_act(backend, x, w, b, activation, dropout_p=0.0, seed=99):
         return F.linear_bias_act(x, w, b, activation=activation, dropout_p=dropout_p, backend=backend)
 
     def ref(x, w, b=None):
-        return _reference_lba(x, w, b, activation, dropout_p, keep)
+        return reference.linear_bias_act(x, w, b, activation, dropout_p, keep)
 
     inputs = {"x": x, "w": w} if b is None else {"x": x, "w": w, "b": b}
     results = reference.run_oracle(kernel, ref, inputs, list(inputs))

@@ -63,16 +63,20 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def linear_bias_act(x, w, b=None, activation=None, dropout_p=0.0, keep=None):
+    """``dropout(act(x W^T + b))`` with the weight as nn.Linear stores it (out, in)."""
+    out = x @ w.transpose(0, 1)
+    if b is not None:
+        out = out + b
+    if activation is not None:
+        out = _ACTIVATIONS[activation](out)
+    return _dropout(out, dropout_p, keep)
+
+
 def feed_forward(x, w1, b1, w2, b2, activation="relu", dropout_p=0.0, keep=None):
     """``dropout(act(x W1^T + b1)) W2^T + b2`` with the weights as nn.Linear stores them."""
-    hidden = x @ w1.transpose(0, 1)
-    if b1 is not None:
-        hidden = hidden + b1
-    hidden = _dropout(_ACTIVATIONS[activation](hidden), dropout_p, keep)
-    out = hidden @ w2.transpose(0, 1)
-    if b2 is not None:
-        out = out + b2
-    return out
+    hidden = linear_bias_act(x, w1, b1, activation, dropout_p, keep)
+    return linear_bias_act(hidden, w2, b2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -220,6 +220,52 @@ def _kv_cache_runner(shape, dtype, device):
     return run
 
 
+@cases("feed_forward")
+def _feed_forward_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
+    shapes = [(1, 16, 24), (7, 33, 65), (100, 64, 256)]  # (M, d_model, d_ff)
+    if device != "cpu":
+        shapes += [(4096, 512, 2048), (1000, 1024, 4096)]
+    for i, shape in enumerate(shapes):
+        activation = ("relu", "gelu", "gelu_tanh")[i % 3]
+        for dropout_p in (0.0, 0.1):
+            yield Case(
+                f"{'x'.join(map(str, shape))} {activation} p={dropout_p}",
+                _feed_forward_runner(shape, dtype, device, activation, dropout_p),
+                philox_dropout=dropout_p > 0,
+            )
+
+
+def _feed_forward_runner(shape, dtype, device, activation, dropout_p):
+    m, d_model, d_ff = shape
+
+    def run(backend):
+        g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+        inputs = {
+            "x": _randn(m, d_model, dtype=dtype, device=device, generator=g),
+            "w1": (_randn(d_ff, d_model, dtype=torch.float32, device=device, generator=g) / d_model**0.5).to(dtype),
+            "b1": _randn(d_ff, dtype=dtype, device=device, generator=g),
+            "w2": (_randn(d_model, d_ff, dtype=torch.float32, device=device, generator=g) / d_ff**0.5).to(dtype),
+            "b2": _randn(d_model, dtype=dtype, device=device, generator=g),
+        }
+        seed = int(torch.randint(0, 2**31, ()))
+        keep = None
+        if dropout_p > 0:
+            torch.manual_seed(seed)
+            keep = philox.dropout_keep_mask(philox.new_rng(device), (m, d_ff), dropout_p)
+
+        def kernel(x, w1, b1, w2, b2):
+            torch.manual_seed(seed)  # the op draws the same rng as `keep` above
+            return functional.feed_forward(x, w1, b1, w2, b2, activation=activation,
+                                           dropout_p=dropout_p, backend=backend)
+
+        def ref(x, w1, b1, w2, b2):
+            return reference.feed_forward(x, w1, b1, w2, b2, activation, dropout_p, keep=keep)
+
+        return reference.run_oracle(kernel, ref, inputs, list(inputs))
+
+    return run
+
+
 # Backends whose dropout draws from transformer_fast.philox (so the oracle can check it exactly).
 PHILOX_BACKENDS = ("triton", "cuda", "cpu")
 # Our kernels must pass; "torch" is PyTorch's own path, the peer we compare against: its rows are
