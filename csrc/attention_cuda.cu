@@ -190,33 +190,62 @@ __device__ __forceinline__ void load_a_global(uint32_t a[4], const uint16_t* bas
   }
 }
 
-// A fragment from a shared-memory tile (row pitch `pitch`, already zero-padded).
+// ldmatrix.m8n8 (.x2 / .x4, optionally .trans): lane l supplies the address of row l % 8 of
+// matrix l / 8 (a 16-byte row in shared memory); register m of lane l receives (row l / 4,
+// cols 2 (l % 4) + {0, 1}) of matrix m, or with .trans (rows 2 (l % 4) + {0, 1}, col l / 4).
+template <int N, bool TRANS>
+__device__ __forceinline__ void ldmatrix(uint32_t* r, const uint16_t* addr) {
+  static_assert((N == 4 && !TRANS) || N == 2, "instantiated forms only");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(addr));
+  if constexpr (N == 4) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  } else if constexpr (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(a));
+  }
+#elif defined(TF_ATTN_EMULATE)
+  emulated_ldmatrix(r, N, addr, TRANS);
+#else
+  __trap();
+#endif
+}
+
+// A fragment of rows row0.., cols col0.. of a shared-memory tile (row pitch `pitch`, zero
+// padded): matrices (rows +0 / +8) x (cols +0 / +8) in the order a0..a3.
 __device__ __forceinline__ void load_a_smem(uint32_t a[4], const uint16_t* s, int pitch, int row0,
                                             int col0, int g, int t) {
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int row = row0 + g + 8 * (r & 1);
-    const int col = col0 + 2 * t + 8 * (r >> 1);
-    a[r] = *reinterpret_cast<const uint32_t*>(s + row * pitch + col);
-  }
+  const int lane = 4 * g + t, m = lane / 8, r = lane % 8;
+  ldmatrix<4, false>(a, s + (row0 + r + 8 * (m & 1)) * pitch + col0 + 8 * (m >> 1));
 }
 
-// B fragment (k x n) where B[k][n] = S[n0 + n][k0 + k], S a row-major smem tile: a tile used
-// transposed (K for S = Q K^T).  Pairs along k are adjacent in memory: 32-bit loads.
+// B fragment (k x n) where B[k][n] = S[n0 + n][k0 + k], S a row-major smem tile used transposed
+// (K for S = Q K^T): the 8x8 blocks at cols k0 and k0 + 8 of rows n0.., read as stored.
 __device__ __forceinline__ void load_bt_smem(uint32_t& b0, uint32_t& b1, const uint16_t* s,
                                              int pitch, int n0, int k0, int g, int t) {
-  const uint16_t* p = s + (n0 + g) * pitch + k0 + 2 * t;
-  b0 = *reinterpret_cast<const uint32_t*>(p);
-  b1 = *reinterpret_cast<const uint32_t*>(p + 8);
+  const int lane = 4 * g + t, m = (lane / 8) & 1, r = lane % 8;  // lanes 16..31: valid, unused
+  uint32_t b[2];
+  ldmatrix<2, false>(b, s + (n0 + r) * pitch + k0 + 8 * m);
+  b0 = b[0];
+  b1 = b[1];
 }
 
-// B fragment (k x n) where B[k][n] = S[k0 + k][n0 + n] (V for O += P V): pairs along k are in
-// different rows, loaded as two 16-bit values.
+// B fragment (k x n) where B[k][n] = S[k0 + k][n0 + n] (V for O += P V): the 8x8 blocks at rows
+// k0 and k0 + 8, transposed by ldmatrix.trans.
 __device__ __forceinline__ void load_b_smem(uint32_t& b0, uint32_t& b1, const uint16_t* s,
                                             int pitch, int k0, int n0, int g, int t) {
-  const uint16_t* p = s + (k0 + 2 * t) * pitch + n0 + g;
-  b0 = pack_bits(p[0], p[pitch]);
-  b1 = pack_bits(p[8 * pitch], p[9 * pitch]);
+  const int lane = 4 * g + t, m = (lane / 8) & 1, r = lane % 8;
+  uint32_t b[2];
+  ldmatrix<2, true>(b, s + (k0 + r + 8 * m) * pitch + n0);
+  b0 = b[0];
+  b1 = b[1];
 }
 
 // Cooperative copy of rows [0, rows) x cols [0, DP) of a global row-major tile into shared memory,

@@ -194,9 +194,9 @@ def test_opcheck(device):
 # The CUDA kernels, emulated on the CPU (slow: compiles csrc/attention_cuda.cu as host C++)
 #
 # csrc/attention_cuda.cu has never run on a GPU.  Compiled with TF_ATTN_EMULATE, each CTA runs as
-# 128 std::threads (__syncthreads = a CTA barrier; shuffles and mma.sync exchange values between
-# the 32 lanes of a warp through a buffer and two warp barriers; mma.sync m16n8k16 is computed
-# from the PTX fragment layouts).  That runs the kernels' own indexing, masking, tiling, online
+# 128 std::threads (__syncthreads = a CTA barrier; shuffles, ldmatrix and mma.sync exchange
+# values between the 32 lanes of a warp through a buffer and two warp barriers; mma.sync m16n8k16
+# and ldmatrix.m8n8 are computed from the PTX fragment layouts).  That runs the kernels' own indexing, masking, tiling, online
 # softmax and backward against the oracle.  It cannot see timing, memory-model or real-hardware
 # issues: compute-sanitizer and tests/test_gpu_attention_cuda.py on a GPU still decide.
 
@@ -234,6 +234,7 @@ struct Warp {
   float f[32];
   uint32_t a[32][4];
   uint32_t b[32][2];
+  const uint16_t* ptr[32];
 };
 Warp* warps = nullptr;            // 4 per CTA
 std::barrier<>* block_bar = nullptr;
@@ -293,6 +294,28 @@ inline void emulated_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t 
   }
   w.bar.arrive_and_wait();
   for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+
+// ldmatrix.m8n8 (.x2 / .x4, .trans): row addresses from lanes 8m..8m+7 for matrix m.
+inline void emulated_ldmatrix(uint32_t* r, int n, const uint16_t* addr, bool trans) {
+  emu::Warp& w = emu::warps[threadIdx.x / 32];
+  const int lane = threadIdx.x % 32;
+  if (reinterpret_cast<uintptr_t>(addr) % 16 != 0) std::abort();  // ldmatrix needs 16-byte rows
+  w.ptr[lane] = addr;
+  w.bar.arrive_and_wait();
+  const int g = lane / 4, t = lane % 4;
+  for (int m = 0; m < n; ++m) {
+    uint16_t lo, hi;
+    if (!trans) {
+      lo = w.ptr[8 * m + g][2 * t];
+      hi = w.ptr[8 * m + g][2 * t + 1];
+    } else {
+      lo = w.ptr[8 * m + 2 * t][g];
+      hi = w.ptr[8 * m + 2 * t + 1][g];
+    }
+    r[m] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  w.bar.arrive_and_wait();
 }
 
 namespace transformer_fast {
