@@ -26,9 +26,11 @@
 //   delta = rowsum(dO * O) is computed with ATen before the two backward kernels.
 // Fully masked tiles beyond the causal diagonal are outside the loop bounds.
 //
-// Out of scope for this version (benchmarks/NOTES.md): wgmma / TMA (sm_90a), ldmatrix and
-// cp.async pipelining, 16-byte vector loads, padding-tile skipping.  It exists to be correct
-// first; its speed has not been measured.
+// Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
+// row start is aligned (2-byte loads otherwise); tiles that need no masking (no masks, in bounds,
+// below the causal diagonal) skip the mask code.  Out of scope for this version
+// (benchmarks/NOTES.md): cp.async pipelining, wgmma / TMA (sm_90a), padding-tile skipping.
+// It exists to be correct first; its speed has not been measured.
 //
 // TF_ATTN_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
 // warp primitives emulated by threads and barriers (mma.sync by its documented fragment layout),
