@@ -276,6 +276,47 @@ __device__ __forceinline__ void load_tile(uint16_t* s, const uint16_t* base, int
   }
 }
 
+// cp.async (sm_80+): 16-byte global -> shared copies that run while the CTA computes on the
+// other buffer.  `valid` false zero-fills (src-size 0: nothing is read; `src` is still a valid
+// address).  The emulation and the host pass copy synchronously.
+__device__ __forceinline__ void cp_async16(uint16_t* dst, const uint16_t* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+#else
+  Chunk16 v = {{0u, 0u, 0u, 0u}};
+  if (valid) v = *reinterpret_cast<const Chunk16*>(src);
+  *reinterpret_cast<Chunk16*>(dst) = v;
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// load_tile's vec16 path issued as cp.async (the caller commits and waits).
+template <int DP>
+__device__ __forceinline__ void load_tile_async(uint16_t* s, const uint16_t* base, int64_t ld,
+                                                int rows, int nrows, int ncols) {
+  constexpr int kChunks = DP / 8;
+  for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = (idx % kChunks) * 8;
+    const bool valid = r < nrows && c < ncols;
+    cp_async16(s + r * (DP + kPad) + c, valid ? base + r * ld + c : base, valid);
+  }
+}
+
 // Score of (query i, key j) given the raw dot product: scaled, masked (-inf), float mask added.
 template <typename T>
 __device__ __forceinline__ float masked_score(const Params& p, int b, int h, int i, int j,
@@ -340,8 +381,8 @@ template <typename T, int DP>
 __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   extern __shared__ __align__(16) uint16_t smem[];
   constexpr int pitch = DP + kPad;
-  uint16_t* Ks = smem;
-  uint16_t* Vs = smem + kFwdBN * pitch;
+  // Two K/V buffers: with vec16 the next tile is copied (cp.async) while this one is computed.
+  constexpr int kBuf = 2 * kFwdBN * pitch;  // K then V of one buffer
 
   const int nmb = (p.Lq + kFwdBM - 1) / kFwdBM;
   const int mb = blockIdx.x % nmb;
@@ -372,11 +413,32 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   float l_i[2] = {0.0f, 0.0f};            // this thread's part of the running row sums
 
   const int n_end = p.causal ? min(p.Lk, m0 + kFwdBM) : p.Lk;
-  for (int n0 = 0; n0 < n_end; n0 += kFwdBN) {
-    __syncthreads();  // the previous tile's readers are done
-    load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kFwdBN, p.Lk - n0, p.D, p.vec16);
-    load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kFwdBN, p.Lk - n0, p.D, p.vec16);
-    __syncthreads();
+  const int ntiles = (n_end + kFwdBN - 1) / kFwdBN;
+  if (p.vec16) {  // prologue: tile 0 into buffer 0
+    load_tile_async<DP>(smem, kh, p.k_sm, kFwdBN, p.Lk, p.D);
+    load_tile_async<DP>(smem + kFwdBN * pitch, vh, p.v_sm, kFwdBN, p.Lk, p.D);
+    cp_async_commit();
+  }
+  for (int it = 0; it < ntiles; ++it) {
+    const int n0 = it * kFwdBN;
+    uint16_t* Ks = smem + (it & 1) * kBuf;
+    uint16_t* Vs = Ks + kFwdBN * pitch;
+    if (p.vec16) {
+      if (it + 1 < ntiles) {  // buffer (it+1)&1 was released by the barrier ending iteration it-1
+        const int n1 = n0 + kFwdBN;
+        uint16_t* Kn = smem + ((it + 1) & 1) * kBuf;
+        load_tile_async<DP>(Kn, kh + n1 * p.k_sm, p.k_sm, kFwdBN, p.Lk - n1, p.D);
+        load_tile_async<DP>(Kn + kFwdBN * pitch, vh + n1 * p.v_sm, p.v_sm, kFwdBN, p.Lk - n1, p.D);
+        cp_async_commit();
+        cp_async_wait<1>();  // this thread's copies of tile `it` have landed
+      } else {
+        cp_async_wait<0>();
+      }
+    } else {
+      load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kFwdBN, p.Lk - n0, p.D, false);
+      load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kFwdBN, p.Lk - n0, p.D, false);
+    }
+    __syncthreads();  // tile `it` is visible to every warp
 
     float s[kFwdBN / 8][4];
 #pragma unroll
@@ -443,6 +505,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
         Traits<T>::mma(o[dt], a, b0, b1);
       }
     }
+    __syncthreads();  // every warp is done with this buffer before it is refilled
   }
 
   // Finalise: O / l, lse = m + log(l); a row with nothing visible gets 0 and -inf.
@@ -788,7 +851,7 @@ int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
 template <typename T, int DP>
 void run_fwd(const Params& p) {
   const int64_t blocks = int64_t{p.B} * p.H * ((p.Lq + kFwdBM - 1) / kFwdBM);
-  launch(fwd_kernel<T, DP>, blocks, size_t{2} * kFwdBN * (DP + kPad) * sizeof(uint16_t), p);
+  launch(fwd_kernel<T, DP>, blocks, size_t{4} * kFwdBN * (DP + kPad) * sizeof(uint16_t), p);
 }
 
 template <typename T, int DP>
