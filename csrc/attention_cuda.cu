@@ -27,9 +27,10 @@
 // Fully masked tiles beyond the causal diagonal are outside the loop bounds.
 //
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
-// row start is aligned (2-byte loads otherwise); tiles that need no masking (no masks, in bounds,
-// below the causal diagonal) skip the mask code.  Out of scope for this version
-// (benchmarks/NOTES.md): cp.async pipelining, wgmma / TMA (sm_90a), padding-tile skipping.
+// row start is aligned (2-byte loads otherwise), and the forward double-buffers K/V with cp.async
+// in that case; tiles that need no masking (no masks, in bounds, below the causal diagonal) skip
+// the mask code.  Out of scope for this version (benchmarks/NOTES.md): cp.async in the backward
+// kernels, wgmma / TMA (sm_90a), padding-tile skipping.
 // It exists to be correct first; its speed has not been measured.
 //
 // TF_ATTN_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
