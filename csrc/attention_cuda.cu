@@ -22,15 +22,16 @@
 //   dkdv_kernel  one CTA per (b, kv head, 64 keys); warp w owns keys 16w..16w+15; loops over the
 //                query heads of the GQA group and over 32-query tiles of Q / dO in shared memory:
 //                S^T = K Q^T, dP^T = V dO^T, dV += (P.Z)^T dO, dK += dS^T Q.  No atomics.
-//   dq_kernel    one CTA per (b, h, 64 query rows), loops over 32-key tiles: dQ += dS K.
+//   dq_kernel    one CTA per (b, h, 64 query rows), loops over 32-key tiles: dQ += dS K
+//                (K/V double-buffered with cp.async like the forward).
 //   delta = rowsum(dO * O) is computed with ATen before the two backward kernels.
 // Fully masked tiles beyond the causal diagonal are outside the loop bounds.
 //
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
-// row start is aligned (2-byte loads otherwise), and the forward double-buffers K/V with cp.async
-// in that case; tiles that need no masking (no masks, in bounds, below the causal diagonal) skip
-// the mask code.  Out of scope for this version (benchmarks/NOTES.md): cp.async in the backward
-// kernels, wgmma / TMA (sm_90a), padding-tile skipping.
+// row start is aligned (2-byte loads otherwise), and then fwd_kernel and dq_kernel double-buffer
+// K/V with cp.async; tiles that need no masking (no masks, in bounds, below the causal diagonal)
+// skip the mask code.  Out of scope for this version (benchmarks/NOTES.md): cp.async in the dK/dV
+// kernel, wgmma / TMA (sm_90a), padding-tile skipping.
 // It exists to be correct first; its speed has not been measured.
 //
 // TF_ATTN_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
@@ -666,8 +667,7 @@ template <typename T, int DP>
 __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   extern __shared__ __align__(16) uint16_t smem[];
   constexpr int pitch = DP + kPad;
-  uint16_t* Ks = smem;
-  uint16_t* Vs = Ks + kDqBN * pitch;
+  constexpr int kBuf = 2 * kDqBN * pitch;  // K then V of one of the two buffers (as fwd_kernel)
 
   const int nmb = (p.Lq + kDqBM - 1) / kDqBM;
   const int mb = blockIdx.x % nmb;
@@ -705,11 +705,32 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   for (int dt = 0; dt < DP / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
 
   const int n_end = p.causal ? min(p.Lk, m0 + kDqBM) : p.Lk;
-  for (int n0 = 0; n0 < n_end; n0 += kDqBN) {
-    __syncthreads();
-    load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kDqBN, p.Lk - n0, p.D, p.vec16);
-    load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kDqBN, p.Lk - n0, p.D, p.vec16);
-    __syncthreads();
+  const int ntiles = (n_end + kDqBN - 1) / kDqBN;
+  if (p.vec16) {  // prologue: tile 0 into buffer 0
+    load_tile_async<DP>(smem, kh, p.k_sm, kDqBN, p.Lk, p.D);
+    load_tile_async<DP>(smem + kDqBN * pitch, vh, p.v_sm, kDqBN, p.Lk, p.D);
+    cp_async_commit();
+  }
+  for (int it = 0; it < ntiles; ++it) {
+    const int n0 = it * kDqBN;
+    uint16_t* Ks = smem + (it & 1) * kBuf;
+    uint16_t* Vs = Ks + kDqBN * pitch;
+    if (p.vec16) {
+      if (it + 1 < ntiles) {  // buffer (it+1)&1 was released by the barrier ending iteration it-1
+        const int n1 = n0 + kDqBN;
+        uint16_t* Kn = smem + ((it + 1) & 1) * kBuf;
+        load_tile_async<DP>(Kn, kh + n1 * p.k_sm, p.k_sm, kDqBN, p.Lk - n1, p.D);
+        load_tile_async<DP>(Kn + kDqBN * pitch, vh + n1 * p.v_sm, p.v_sm, kDqBN, p.Lk - n1, p.D);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+    } else {
+      load_tile<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kDqBN, p.Lk - n0, p.D, false);
+      load_tile<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kDqBN, p.Lk - n0, p.D, false);
+    }
+    __syncthreads();  // tile `it` is visible to every warp
     float s[kDqBN / 8][4], dp[kDqBN / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kDqBN / 8; ++nt) {
@@ -754,6 +775,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
         Traits<T>::mma(dq[dt], a, b0, b1);
       }
     }
+    __syncthreads();  // every warp is done with this buffer before it is refilled
   }
   uint16_t* dqh = p.out + static_cast<int64_t>(bh) * p.Lq * p.D;
 #pragma unroll
@@ -862,7 +884,7 @@ void run_bwd(const Params& pkv, const Params& pq) {
                          size_t{2} * kKvBM * sizeof(float);
   launch(dkdv_kernel<T, DP>, kv_blocks, kv_smem, pkv);
   const int64_t q_blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDqBM - 1) / kDqBM);
-  launch(dq_kernel<T, DP>, q_blocks, size_t{2} * kDqBN * (DP + kPad) * sizeof(uint16_t), pq);
+  launch(dq_kernel<T, DP>, q_blocks, size_t{4} * kDqBN * (DP + kPad) * sizeof(uint16_t), pq);
 }
 
 }  // namespace
