@@ -20,7 +20,8 @@
 //                and O += PV on mma.sync; P goes from the S accumulators to A fragments in
 //                registers (the m16n8 C layout of two adjacent n-tiles is the m16k16 A layout).
 //   dkdv_kernel  one CTA per (b, kv head, 64 keys); warp w owns keys 16w..16w+15; loops over the
-//                query heads of the GQA group and over 32-query tiles of Q / dO in shared memory:
+//                query heads of the GQA group and over 32-query tiles of Q / dO in shared memory
+//                (one flattened loop, so the next tile's copy crosses head boundaries):
 //                S^T = K Q^T, dP^T = V dO^T, dV += (P.Z)^T dO, dK += dS^T Q.  No atomics.
 //   dq_kernel    one CTA per (b, h, 64 query rows), loops over 32-key tiles: dQ += dS K
 //                (K/V double-buffered with cp.async like the forward).
@@ -28,10 +29,10 @@
 // Fully masked tiles beyond the causal diagonal are outside the loop bounds.
 //
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
-// row start is aligned (2-byte loads otherwise), and then fwd_kernel and dq_kernel double-buffer
-// K/V with cp.async; tiles that need no masking (no masks, in bounds, below the causal diagonal)
-// skip the mask code.  Out of scope for this version (benchmarks/NOTES.md): cp.async in the dK/dV
-// kernel, wgmma / TMA (sm_90a), padding-tile skipping.
+// row start is aligned (2-byte loads otherwise), and then every kernel double-buffers its
+// streamed tiles with cp.async (fwd / dq: K and V; dkdv: Q and dO); tiles that need no masking
+// (no masks, in bounds, below the causal diagonal) skip the mask code.  Out of scope for this
+// version (benchmarks/NOTES.md): deeper pipelines, wgmma / TMA (sm_90a), padding-tile skipping.
 // It exists to be correct first; its speed has not been measured.
 //
 // TF_ATTN_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
@@ -542,10 +543,10 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   constexpr int pitch = DP + kPad;
   uint16_t* Ks = smem;
   uint16_t* Vs = Ks + kKvBN * pitch;
-  uint16_t* Qs = Vs + kKvBN * pitch;
-  uint16_t* Os = Qs + kKvBM * pitch;  // dO tile
-  float* lse_s = reinterpret_cast<float*>(Os + kKvBM * pitch);
-  float* delta_s = lse_s + kKvBM;
+  // Two buffers of (Q tile, dO tile) and of (lse, delta): the next query tile is copied (cp.async
+  // when rows are aligned) while this one is computed.
+  uint16_t* qo_buf = Vs + kKvBN * pitch;                                  // [2][Q, dO][kKvBM][pitch]
+  float* stat_buf = reinterpret_cast<float*>(qo_buf + 4 * kKvBM * pitch);  // [2][lse, delta][kKvBM]
 
   const int nnb = (p.Lk + kKvBN - 1) / kKvBN;
   const int nb = blockIdx.x % nnb;
@@ -571,20 +572,47 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   }
 
   const int m_start = p.causal ? (n0 / kKvBM) * kKvBM : 0;  // rows i < n0 see none of these keys
-  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+  // Iterations run over (query head of the group, query tile), flattened so the copy of the next
+  // tile can cross from one head to the next.
+  const int nm = m_start < p.Lq ? (p.Lq - m_start + kKvBM - 1) / kKvBM : 0;
+  const int ntiles = group * nm;
+  auto issue = [&](int it, int buf) {  // copy tile `it` into buffer `buf`
+    const int h = hk * group + it / nm, m0 = m_start + (it % nm) * kKvBM;
     const int64_t bh = static_cast<int64_t>(b) * p.H + h;
-    const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
-    const uint16_t* doh = p.dout + b * p.do_sb + h * p.do_sh;
-    for (int m0 = m_start; m0 < p.Lq; m0 += kKvBM) {
-      __syncthreads();
-      load_tile<DP>(Qs, qh + m0 * p.q_sm, p.q_sm, kKvBM, p.Lq - m0, p.D, p.vec16);
-      load_tile<DP>(Os, doh + m0 * p.do_sm, p.do_sm, kKvBM, p.Lq - m0, p.D, p.vec16);
-      for (int r = threadIdx.x; r < kKvBM; r += kThreads) {
-        const bool in = m0 + r < p.Lq;
-        lse_s[r] = in ? p.lse[bh * p.Lq + m0 + r] : -INFINITY;
-        delta_s[r] = in ? p.delta[bh * p.Lq + m0 + r] : 0.0f;
-      }
-      __syncthreads();
+    const uint16_t* qsrc = p.q + b * p.q_sb + h * p.q_sh + m0 * p.q_sm;
+    const uint16_t* dsrc = p.dout + b * p.do_sb + h * p.do_sh + m0 * p.do_sm;
+    uint16_t* Qd = qo_buf + buf * 2 * kKvBM * pitch;
+    if (p.vec16) {
+      load_tile_async<DP>(Qd, qsrc, p.q_sm, kKvBM, p.Lq - m0, p.D);
+      load_tile_async<DP>(Qd + kKvBM * pitch, dsrc, p.do_sm, kKvBM, p.Lq - m0, p.D);
+      cp_async_commit();
+    } else {
+      load_tile<DP>(Qd, qsrc, p.q_sm, kKvBM, p.Lq - m0, p.D, false);
+      load_tile<DP>(Qd + kKvBM * pitch, dsrc, p.do_sm, kKvBM, p.Lq - m0, p.D, false);
+    }
+    float* st_ = stat_buf + buf * 2 * kKvBM;
+    for (int r = threadIdx.x; r < kKvBM; r += kThreads) {
+      const bool in = m0 + r < p.Lq;
+      st_[r] = in ? p.lse[bh * p.Lq + m0 + r] : -INFINITY;
+      st_[kKvBM + r] = in ? p.delta[bh * p.Lq + m0 + r] : 0.0f;
+    }
+  };
+  if (ntiles > 0) issue(0, 0);
+  for (int it = 0; it < ntiles; ++it) {
+    const int h = hk * group + it / nm, m0 = m_start + (it % nm) * kKvBM;
+    const int buf = it & 1;
+    if (it + 1 < ntiles) {  // buffer buf^1 was released by the barrier ending iteration it-1
+      issue(it + 1, buf ^ 1);
+      if (p.vec16) cp_async_wait<1>();  // this thread's copies of tile `it` have landed
+    } else if (p.vec16) {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // tile `it` (and at it = 0 the K/V tiles) is visible to every warp
+    {
+      const uint16_t* Qs = qo_buf + buf * 2 * kKvBM * pitch;
+      const uint16_t* Os = Qs + kKvBM * pitch;  // dO tile
+      const float* lse_s = stat_buf + buf * 2 * kKvBM;
+      const float* delta_s = lse_s + kKvBM;
 
       float st[kKvBM / 8][4], dpt[kKvBM / 8][4];  // S^T, dP^T: rows = keys, cols = queries
 #pragma unroll
@@ -644,6 +672,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
         }
       }
     }
+    __syncthreads();  // every warp is done with buffer `buf` before it is refilled
   }
   // dk, dv: (B, Hkv, Lk, D) contiguous
   const int64_t base = (static_cast<int64_t>(bhk) * p.Lk) * p.D;
@@ -880,8 +909,8 @@ void run_fwd(const Params& p) {
 template <typename T, int DP>
 void run_bwd(const Params& pkv, const Params& pq) {
   const int64_t kv_blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kKvBN - 1) / kKvBN);
-  const size_t kv_smem = size_t{2} * (kKvBN + kKvBM) * (DP + kPad) * sizeof(uint16_t) +
-                         size_t{2} * kKvBM * sizeof(float);
+  const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (DP + kPad) * sizeof(uint16_t) +
+                         size_t{4} * kKvBM * sizeof(float);
   launch(dkdv_kernel<T, DP>, kv_blocks, kv_smem, pkv);
   const int64_t q_blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDqBM - 1) / kDqBM);
   launch(dq_kernel<T, DP>, q_blocks, size_t{4} * kDqBN * (DP + kPad) * sizeof(uint16_t), pq);
