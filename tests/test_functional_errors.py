@@ -59,11 +59,13 @@ def test_sdpa_bad_inputs(case):
         F.scaled_dot_product_attention(**kwargs)
 
 
-def test_sdpa_unimplemented_backend_lists_alternatives():
+def test_unimplemented_backend_lists_alternatives():
     from transformer_fast.backends import BackendError
 
+    d = Q.shape[-1]
+    caches = torch.zeros(2, 4, 8, d), torch.zeros(2, 4, 8, d)
     with pytest.raises(BackendError, match="no cpu implementation yet.*Backends that can: reference, torch"):
-        F.scaled_dot_product_attention(Q, K, V, backend="cpu")
+        F.attention_with_kv_cache(Q[:, :, :1], *caches, torch.zeros(2, dtype=torch.int32), backend="cpu")
 
 
 def test_errors_happen_before_computation(monkeypatch):
