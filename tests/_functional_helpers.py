@@ -101,8 +101,9 @@ def oracle_atol(backend, dtype):
     the bound degenerates to atol (one visible key: softmax exactly 1, ref_lp exact), its
     reordered fp32 sums land up to ~4e-6 absolute on O(10) gradients (fp32 epsilon), and in
     half precision its dV reduction over Lq = 127 queries exceeds 2x ref_lp's error by up to
-    ~0.8 atol.  So it is held to 10x atol in fp32 and 3x in half precision (kept off the edge so
-    the grid is not flaky); our own backends get the oracle's bound unchanged."""
+    ~0.8 atol, and in fp16 at head dim 128 its dV once landed 1.01x past 3x atol (CI).  So it is
+    held to 10x atol in fp32 and 5x in half precision (kept off the edge so the grid is not
+    flaky); our own backends get the oracle's bound unchanged."""
     if backend == "torch":
-        return (10 if dtype == torch.float32 else 3) * reference.ATOL[dtype]
+        return (10 if dtype == torch.float32 else 5) * reference.ATOL[dtype]
     return None
