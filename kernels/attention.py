@@ -880,14 +880,25 @@ class _Common:
                     PRECISE=self.precise, DCHUNK=self.dchunk, INTERPRET=_INTERPRET)
 
 
+def empty_in_layout_of(q, shape):
+    """An empty (B, H, L, D) tensor whose B, H, L dims lie in memory in the order q's do (D last,
+    unit stride).  q/k/v viewed from a packed projection, (B, L, 3, H, D) or (L, B, 3, H, D),
+    then give an output whose head merge back to (B, L, H*D) or (L, B, H*D) is a view."""
+    order = sorted(range(3), key=lambda i: -q.stride(i))  # stable: ties keep B, H, L order
+    inverse = [order.index(i) for i in range(3)]
+    base = torch.empty([shape[i] for i in order] + [shape[3]], dtype=q.dtype, device=q.device)
+    return base.permute(*inverse, 3)
+
+
 def attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal: bool, scale: float,
                   dropout_p: float, rng, allow_tf32: bool):
-    """Returns ``(out, lse)``: out (B, H, Lq, D) contiguous in q's dtype, lse (B, H, Lq) fp32, the
-    natural-log logsumexp of the scaled scores (-inf for rows with no key)."""
+    """Returns ``(out, lse)``: out (B, H, Lq, D) in q's dtype and memory order
+    (empty_in_layout_of), lse (B, H, Lq) fp32, the natural-log logsumexp of the scaled scores
+    (-inf for rows with no key)."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     c = _Common(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32)
     B, H, Lq, D = q.shape
-    out = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    out = empty_in_layout_of(q, (B, H, Lq, D))
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))

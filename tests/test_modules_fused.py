@@ -141,9 +141,11 @@ class _CountOps(TorchDispatchMode):
 @pytest.mark.parametrize("batch_first", [False, True], ids=["seqfirst", "bf"])
 @pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.triton)])
 def test_encoder_layer_forward_copies_and_syncs(backend, batch_first, norm_first, training):
-    """An encoder layer's forward makes exactly one copy, the head merge of the attention output
-    ((N, H, L, D) from the kernel -> (N, L, H*D) rows for the out-projection), and no host sync:
-    q/k/v reach the attention kernel as strided views, masks are not converted per head.
+    """An encoder layer's forward makes no host sync and no copy on the triton backend: q/k/v
+    reach the attention kernel as strided views, masks are not converted per head, and the
+    kernel writes its output in q's memory order, so the head merge back to (N, L, H*D) rows for
+    the out-projection is a view.  Torch's SDPA (auto on the CPU) returns (N, H, L, D)
+    contiguous, which costs that merge one copy.
     On "auto" (the CPU: C++ add_layer_norm / FFN, torch's SDPA) dropout is 0, because torch's
     CPU SDPA with dropout runs its math path, which copies q/k internally; the triton kernels
     (through the interpreter) take dropout 0.1 with the same single copy.  Torch's own layer
@@ -158,7 +160,7 @@ def test_encoder_layer_forward_copies_and_syncs(backend, batch_first, norm_first
     with transformer_fast.use_backend(backend), _CountOps() as ops:
         layer(x, src_key_padding_mask=kpm)
     assert ops.syncs() == {}
-    assert ops.copies() == {"clone": 1}, ops.counts
+    assert ops.copies() == ({} if backend == "triton" else {"clone": 1}), ops.counts
     theirs = torch.nn.TransformerEncoderLayer(E, H, FF, dropout=p, batch_first=batch_first,
                                              norm_first=norm_first).train(training)
     with _CountOps() as torch_ops:
@@ -255,7 +257,7 @@ def test_encoder_layer_forward_copies_and_syncs_on_gpu():
     with _CountOps() as ops:
         layer(x, src_key_padding_mask=pad)
     assert ops.syncs() == {}
-    assert ops.copies() == {"clone": 1}, ops.counts
+    assert ops.copies() == {}, ops.counts  # auto on a GPU: the triton kernels, no head-merge copy
 
 
 def test_compile_decoder_layer_mha_and_prenorm_stack_fullgraph():

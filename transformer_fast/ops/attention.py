@@ -59,7 +59,12 @@ def attention_fwd(
 @attention_fwd.register_fake
 def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32, backend):
     b, h, lq, _ = q.shape
-    out = q.new_empty((b, h, lq, v.shape[-1]))
+    if backend == "triton":  # the Triton launcher lays out out like q (no head-merge copy)
+        from transformer_fast.kernels.attention import empty_in_layout_of
+
+        out = empty_in_layout_of(q, (b, h, lq, v.shape[-1]))
+    else:
+        out = q.new_empty((b, h, lq, v.shape[-1]))
     return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
 
