@@ -73,6 +73,10 @@ def _worker(rank, port, wrapper, out_path):
             grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         if rank == 0:
             torch.save(grads, out_path)
+        # Every rank's collectives (FSDP2 issues them asynchronously) finish before any rank
+        # tears gloo down: a rank leaving early aborted the other ("terminate called without an
+        # active exception", seen once in CI).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
