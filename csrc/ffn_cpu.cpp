@@ -123,7 +123,7 @@ void check_ffn_wgrad_args(const Tensor& dy, const Tensor& x, c10::DeviceType dev
 // the baseline build turns at::vec::Vectorized<float> into scalar code).  The torch headers
 // above are included first, outside the target region.
 #if defined(__x86_64__) && !defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
-#define TF_FFN_AVX2_PRAGMA 1
+#define TF_CPU_AVX2_PRAGMA 1
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #pragma GCC push_options
@@ -135,12 +135,14 @@ void check_ffn_wgrad_args(const Tensor& dy, const Tensor& x, c10::DeviceType dev
 #define __F16C__ 1
 #endif
 #include <ATen/cpu/vec/vec.h>
-#ifdef TF_FFN_AVX2_PRAGMA
+#ifdef TF_CPU_AVX2_PRAGMA
 #undef __AVX__
 #undef __AVX2__
 #undef __FMA__
 #undef __F16C__
 #endif
+
+#include "dropout_cpu.h"  // inside the AVX2 target region
 
 namespace transformer_fast {
 namespace {
@@ -169,63 +171,9 @@ struct Drop {
   float scale = 1.0f;
 };
 
-#ifdef TF_FFN_AVX2_PRAGMA
-// 32x32 -> (lo, hi) products of 8 uint32 lanes (AVX2 multiplies the even lanes only).
-inline void mul_wide8(__m256i a, __m256i b, __m256i& lo, __m256i& hi) {
-  const __m256i ev = _mm256_mul_epu32(a, b);
-  const __m256i od = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), _mm256_srli_epi64(b, 32));
-  lo = _mm256_blend_epi32(ev, _mm256_slli_epi64(od, 32), 0xAA);
-  hi = _mm256_blend_epi32(_mm256_srli_epi64(ev, 32), od, 0xAA);
-}
-#endif
-
-// out[j] = scale if element first + j is kept, else 0 (philox.h's stream, 8 lanes at a time).
+// out[j] = scale if element first + j is kept, else 0 (csrc/dropout_cpu.h).
 void keep_factors(const Drop& dr, uint64_t first, int64_t n, float* out) {
-  int64_t j = 0;
-#ifdef TF_FFN_AVX2_PRAGMA
-  const __m256i ka = _mm256_set1_epi32(static_cast<int>(kPhiloxA));
-  const __m256i kb = _mm256_set1_epi32(static_cast<int>(kPhiloxB));
-  const __m256i off_lo = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(dr.offset)));
-  const __m256i off_hi = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(dr.offset >> 32)));
-  const __m256i thr = _mm256_set1_epi32(static_cast<int>(dr.threshold));
-  const __m256 vscale = _mm256_set1_ps(dr.scale);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (; j + 8 <= n; j += 8) {
-    const uint64_t base = first + static_cast<uint64_t>(j);
-    __m256i c0, c1;
-    if (static_cast<uint32_t>(base) <= 0xFFFFFFFFu - 7u) {  // no carry into the high word
-      c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base))), lane);
-      c1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 32)));
-    } else {
-      alignas(32) uint32_t lo[8], hi[8];
-      for (int l = 0; l < 8; ++l) {
-        lo[l] = static_cast<uint32_t>(base + l);
-        hi[l] = static_cast<uint32_t>((base + l) >> 32);
-      }
-      c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
-      c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
-    }
-    __m256i c2 = off_lo, c3 = off_hi;
-    uint32_t k0 = static_cast<uint32_t>(dr.seed), k1 = static_cast<uint32_t>(dr.seed >> 32);
-    for (int r = 0; r < 10; ++r) {
-      __m256i lo_b, hi_b, lo_a, hi_a;
-      mul_wide8(kb, c2, lo_b, hi_b);
-      mul_wide8(ka, c0, lo_a, hi_a);
-      c0 = _mm256_xor_si256(_mm256_xor_si256(hi_b, c1), _mm256_set1_epi32(static_cast<int>(k0)));
-      c1 = lo_b;
-      c2 = _mm256_xor_si256(_mm256_xor_si256(hi_a, c3), _mm256_set1_epi32(static_cast<int>(k1)));
-      c3 = lo_a;
-      k0 += kPhiloxKeyA;
-      k1 += kPhiloxKeyB;
-    }
-    const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(c0, thr), c0);  // c0 >= thr, unsigned
-    _mm256_storeu_ps(out + j, _mm256_and_ps(_mm256_castsi256_ps(keep), vscale));
-  }
-#endif
-  for (; j < n; ++j) {
-    out[j] = philox_word(dr.seed, dr.offset, first + static_cast<uint64_t>(j)) >= dr.threshold
-                 ? dr.scale : 0.0f;
-  }
+  dropout_factors(dr.seed, dr.offset, first, n, dr.threshold, dr.scale, out);
 }
 
 inline Vec act_vec(Vec v, FfnAct act) {
@@ -404,7 +352,7 @@ void col_sum_kernel(const Tensor& t, Tensor& out) {
     for (int64_t r = 0; r < M; ++r) {
       const float* row = load_row(tp + r * ld + c0, n, rowbuf.data());
       int64_t j = 0;
-#ifdef TF_FFN_AVX2_PRAGMA
+#ifdef TF_CPU_AVX2_PRAGMA
       for (; j + 4 <= n; j += 4) {
         _mm256_storeu_pd(a + j, _mm256_add_pd(_mm256_loadu_pd(a + j), _mm256_cvtps_pd(_mm_loadu_ps(row + j))));
       }
@@ -433,7 +381,7 @@ void run_dact(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, Te
 }  // namespace
 }  // namespace transformer_fast
 
-#ifdef TF_FFN_AVX2_PRAGMA
+#ifdef TF_CPU_AVX2_PRAGMA
 #pragma GCC pop_options
 #endif
 
@@ -441,7 +389,7 @@ namespace transformer_fast {
 namespace {
 
 void check_cpu_features_ffn() {
-#ifdef TF_FFN_AVX2_PRAGMA
+#ifdef TF_CPU_AVX2_PRAGMA
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                          __builtin_cpu_supports("f16c");
   TORCH_CHECK(ok, "transformer_fast cpu backend: this CPU lacks AVX2/FMA/F16C, which the "
