@@ -244,7 +244,13 @@ def _gemm_kernel(
         k_ok = rk < K - k
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = dot(a, b, acc, DOT_FP32, IEEE)
+        if INTERPRET and IEEE:
+            # Exact fp32 under the interpreter: each tile's product in fp64, rounded once.  numpy's
+            # sequential fp32 matmul drifted past the oracle's bound on dW (e.g. 1.06x, CI); the
+            # GPU compiles the branch below.
+            acc = acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+        else:
+            acc = dot(a, b, acc, DOT_FP32, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
