@@ -1,6 +1,6 @@
 // Masked softmax attention on CUDA tensor cores (mma.sync m16n8k16, sm_80+): flash forward and a
 // deterministic flash backward.  Written without a GPU: it has NEVER RUN ON ONE.  Its kernels are
-// tested in CPU emulation (TF_ATTN_EMULATE below; tests/test_attention_cpu.py -m slow) against
+// tested in CPU emulation (TF_CUDA_EMULATE below; tests/test_attention_cpu.py -m slow) against
 // the oracle; races, memory-model issues and speed are unverified until a GPU run.
 // The algorithm (tiles, online-softmax update, lse, backward decomposition) is the one
 // csrc/attention_cpu.cpp runs as the cpu backend.
@@ -35,12 +35,12 @@
 // version (benchmarks/NOTES.md): deeper pipelines, wgmma / TMA (sm_90a), padding-tile skipping.
 // It exists to be correct first; its speed has not been measured.
 //
-// TF_ATTN_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
+// TF_CUDA_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
 // warp primitives emulated by threads and barriers (mma.sync by its documented fragment layout),
 // so that the kernels' indexing, masking and tiling run against the oracle without a GPU.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#ifndef TF_ATTN_EMULATE
+#ifndef TF_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -131,7 +131,7 @@ struct Traits<__half> {
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#elif defined(TF_ATTN_EMULATE)
+#elif defined(TF_CUDA_EMULATE)
     emulated_mma(c, a, b0, b1, /*bf16=*/false);
 #else
     __trap();  // sm_80+ only (the host refuses older devices)
@@ -160,7 +160,7 @@ struct Traits<__nv_bfloat16> {
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#elif defined(TF_ATTN_EMULATE)
+#elif defined(TF_CUDA_EMULATE)
     emulated_mma(c, a, b0, b1, /*bf16=*/true);
 #else
     __trap();  // sm_80+ only (the host refuses older devices)
@@ -216,7 +216,7 @@ __device__ __forceinline__ void ldmatrix(uint32_t* r, const uint16_t* addr) {
                  : "=r"(r[0]), "=r"(r[1])
                  : "r"(a));
   }
-#elif defined(TF_ATTN_EMULATE)
+#elif defined(TF_CUDA_EMULATE)
   emulated_ldmatrix(r, N, addr, TRANS);
 #else
   __trap();
@@ -871,7 +871,7 @@ Params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
   return p;
 }
 
-#ifndef TF_ATTN_EMULATE
+#ifndef TF_CUDA_EMULATE
 void check_cuda_inputs(const Tensor& q) {
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "attention (cuda): q must be float16 or bfloat16 (the kernels run mma.sync "
@@ -895,7 +895,7 @@ void launch(Kernel kernel, int64_t blocks, size_t smem, const Params& p) {
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-#endif  // TF_ATTN_EMULATE (the emulation provides check_cuda_inputs and launch)
+#endif  // TF_CUDA_EMULATE (the emulation provides check_cuda_inputs and launch)
 
 // Head-dim bucket: the padded width the kernels are instantiated for.
 int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
@@ -922,7 +922,7 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
   (void)allow_tf32;  // fp16 / bf16 only
   check_attention_fwd_args(q, k, v, attn_mask, key_padding_mask, scale, dropout_p, rng, TF_ATTN_DEVICE);
   check_cuda_inputs(q);
-#ifndef TF_ATTN_EMULATE
+#ifndef TF_CUDA_EMULATE
   const c10::cuda::CUDAGuard guard(q.device());
 #endif
   const Tensor q_ = unit_last(q), k_ = unit_last(k), v_ = unit_last(v);
@@ -946,7 +946,7 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
   check_attention_bwd_args(dout, q, k, v, out, lse, attn_mask, key_padding_mask, scale, dropout_p,
                            rng, TF_ATTN_DEVICE);
   check_cuda_inputs(q);
-#ifndef TF_ATTN_EMULATE
+#ifndef TF_CUDA_EMULATE
   const c10::cuda::CUDAGuard guard(q.device());
 #endif
   const Tensor q_ = unit_last(q), k_ = unit_last(k), v_ = unit_last(v), do_ = unit_last(dout);
@@ -976,7 +976,7 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
   return {dq, dk, dv};
 }
 
-#ifndef TF_ATTN_EMULATE
+#ifndef TF_CUDA_EMULATE
 TORCH_LIBRARY_IMPL(transformer_fast_C, CUDA, m) {
   m.impl("attention_fwd", &attention_fwd_cuda);
   m.impl("attention_bwd", &attention_bwd_cuda);

@@ -51,6 +51,32 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS);
 Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS);
 #endif
 
+// ---- masked softmax (masked_softmax_cpu.cpp holds the checks shared with masked_softmax_cuda.cu;
+//      contract in kernels/masked_softmax.py)
+#define TF_MASKED_SOFTMAX_FWD_ARGS                                                          \
+  const at::Tensor &scores, const std::optional<at::Tensor>&mask, double scale, bool is_causal, \
+      double dropout_p, const std::optional<at::Tensor>&rng
+#define TF_MASKED_SOFTMAX_BWD_ARGS \
+  const at::Tensor &dout, const at::Tensor &probs, double scale, double dropout_p,           \
+      const std::optional<at::Tensor>&rng
+Tensor2 masked_softmax_fwd_cpu(TF_MASKED_SOFTMAX_FWD_ARGS);
+at::Tensor masked_softmax_bwd_cpu(TF_MASKED_SOFTMAX_BWD_ARGS);
+#ifdef TF_WITH_CUDA
+Tensor2 masked_softmax_fwd_cuda(TF_MASKED_SOFTMAX_FWD_ARGS);
+at::Tensor masked_softmax_bwd_cuda(TF_MASKED_SOFTMAX_BWD_ARGS);
+#endif
+
+// ---- attention over a KV cache (decode_cpu.cpp holds the checks shared with decode_cuda.cu;
+//      contract in kernels/decode.py)
+#define TF_KV_CACHE_ARGS                                                                     \
+  const at::Tensor &q, at::Tensor &k_cache, at::Tensor &v_cache, const at::Tensor &cache_seqlens, \
+      const std::optional<at::Tensor>&k_new, const std::optional<at::Tensor>&v_new, double scale, \
+      bool allow_tf32
+at::Tensor attention_with_kv_cache_fwd_cpu(TF_KV_CACHE_ARGS);
+#ifdef TF_WITH_CUDA
+at::Tensor attention_with_kv_cache_fwd_cuda(TF_KV_CACHE_ARGS);
+#endif
+
 // ---- FFN (ffn_cpu.cpp holds the checks shared with ffn_cuda.cu)
 enum class FfnAct { kNone = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3 };
 FfnAct parse_ffn_activation(c10::string_view activation);

@@ -21,6 +21,16 @@ TORCH_LIBRARY(transformer_fast_C, m) {
       "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? attn_mask, Tensor? key_padding_mask, bool is_causal, float scale, float dropout_p, "
       "Tensor? rng, bool allow_tf32) -> (Tensor, Tensor, Tensor)");
+  // Fused masked softmax (contract: kernels/masked_softmax.py; kernels: masked_softmax_{cpu,cuda}).
+  m.def(
+      "masked_softmax_fwd(Tensor scores, Tensor? mask, float scale, bool is_causal, float dropout_p, "
+      "Tensor? rng) -> (Tensor, Tensor)");
+  m.def("masked_softmax_bwd(Tensor dout, Tensor probs, float scale, float dropout_p, Tensor? rng) -> Tensor");
+  // Attention over a KV cache (contract: kernels/decode.py; kernels: decode_{cpu,cuda}). Appends
+  // k_new / v_new into the caches in place.
+  m.def(
+      "attention_with_kv_cache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor cache_seqlens, Tensor? k_new, Tensor? v_new, float scale, bool allow_tf32) -> Tensor");
   // FFN primitives (contract: kernels/ffn.py; autograd: transformer_fast/ops/ffn.py).
   m.def(
       "ffn_linear_fwd(Tensor x, Tensor w, Tensor? b, str activation, float dropout_p, Tensor? rng, "

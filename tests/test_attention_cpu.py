@@ -18,6 +18,7 @@ from transformer_fast import philox, reference
 from _functional_helpers import DTYPES, MASK_KINDS, dt_id, generator, make_masks, randn
 from conftest import require_backend
 from test_functional_attention import check_sdpa
+from cuda_emulation import build as cuda_emulation_build
 
 # The cuda test module monkeypatches these two (module globals are read at call time).
 BACKEND = "cpu"
@@ -193,135 +194,17 @@ def test_opcheck(device):
 # ---------------------------------------------------------------------------------------------
 # The CUDA kernels, emulated on the CPU (slow: compiles csrc/attention_cuda.cu as host C++)
 #
-# csrc/attention_cuda.cu has never run on a GPU.  Compiled with TF_ATTN_EMULATE, each CTA runs as
-# 128 std::threads (__syncthreads = a CTA barrier; shuffles, ldmatrix and mma.sync exchange
-# values between the 32 lanes of a warp through a buffer and two warp barriers; mma.sync m16n8k16
-# and ldmatrix.m8n8 are computed from the PTX fragment layouts).  That runs the kernels' own indexing, masking, tiling, online
-# softmax and backward against the oracle.  It cannot see timing, memory-model or real-hardware
-# issues: compute-sanitizer and tests/test_gpu_attention_cuda.py on a GPU still decide.
+# csrc/attention_cuda.cu has never run on a GPU.  tests/cuda_emulation.py compiles it as host C++
+# (each CTA as 128 threads; shuffles, ldmatrix and mma.sync emulated from the PTX fragment layouts),
+# which runs the kernels' own indexing, masking, tiling, online softmax and backward against the
+# oracle.  It cannot see timing, memory-model or real-hardware issues: compute-sanitizer and
+# tests/test_gpu_attention_cuda.py on a GPU still decide.
 
 _EMU_HARNESS = r"""
-// Host emulation of csrc/attention_cuda.cu (see TF_ATTN_EMULATE there): every CTA runs as
-// kThreads std::threads; __syncthreads is a CTA barrier; warp shuffles and mma.sync exchange
-// values through a per-warp buffer between two warp barriers.  mma.sync m16n8k16 is computed from
-// the PTX ISA fragment layouts (an independent statement of the layouts the kernels assume).
-#define TF_ATTN_EMULATE 1
-#include <torch/extension.h>
-
-#include <barrier>
-#include <cmath>
-#include <cstring>
-#include <thread>
-#include <vector>
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __launch_bounds__(x)
-#define __shared__
-#define __align__(x)
-
-struct EmuDim3 { unsigned x = 0, y = 0, z = 0; };
-thread_local EmuDim3 threadIdx, blockIdx;
-
-namespace emu {
-struct Warp {
-  std::barrier<> bar{32};
-  float f[32];
-  uint32_t a[32][4];
-  uint32_t b[32][2];
-  const uint16_t* ptr[32];
-};
-Warp* warps = nullptr;            // 4 per CTA
-std::barrier<>* block_bar = nullptr;
-
-inline float bits_to_float(uint16_t h, bool bf16) {
-  if (bf16) {
-    uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  __half x;
-  std::memcpy(&x, &h, 2);
-  return __half2float(x);
-}
-inline uint16_t half_of(uint32_t r, int which) { return which ? uint16_t(r >> 16) : uint16_t(r & 0xffff); }
-}  // namespace emu
-
-inline void __syncthreads() { emu::block_bar->arrive_and_wait(); }
-inline void __trap() { std::abort(); }
-inline float __expf(float x) { return std::exp(x); }
-inline float __logf(float x) { return std::log(x); }
-
-inline float __shfl_xor_sync(unsigned, float x, int m) {
-  emu::Warp& w = emu::warps[threadIdx.x / 32];
-  const int lane = threadIdx.x % 32;
-  w.f[lane] = x;
-  w.bar.arrive_and_wait();
-  const float r = w.f[lane ^ m];
-  w.bar.arrive_and_wait();
-  return r;
-}
-
-// D = A (16x16) B (16x8) + C for the calling lane's four C elements.
-inline void emulated_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf16) {
-  emu::Warp& w = emu::warps[threadIdx.x / 32];
-  const int lane = threadIdx.x % 32;
-  for (int r = 0; r < 4; ++r) w.a[lane][r] = a[r];
-  w.b[lane][0] = b0;
-  w.b[lane][1] = b1;
-  w.bar.arrive_and_wait();
-  auto A = [&](int row, int k) {  // a_i: row g + 8*(i&1), col 2t + 8*(i>>1) + {0,1}
-    const int ln = 4 * (row % 8) + (k % 8) / 2, reg = (row / 8) + 2 * (k / 8);
-    return emu::bits_to_float(emu::half_of(w.a[ln][reg], k % 2), bf16);
-  };
-  auto B = [&](int k, int n) {  // b_i: k 2t + 8*i + {0,1}, n g
-    const int ln = 4 * n + (k % 8) / 2, reg = k / 8;
-    return emu::bits_to_float(emu::half_of(w.b[ln][reg], k % 2), bf16);
-  };
-  const int g = lane / 4, t = lane % 4;
-  float d[4];
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-    float acc = c[e];
-    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
-    d[e] = acc;
-  }
-  w.bar.arrive_and_wait();
-  for (int e = 0; e < 4; ++e) c[e] = d[e];
-}
-
-// ldmatrix.m8n8 (.x2 / .x4, .trans): row addresses from lanes 8m..8m+7 for matrix m.
-inline void emulated_ldmatrix(uint32_t* r, int n, const uint16_t* addr, bool trans) {
-  emu::Warp& w = emu::warps[threadIdx.x / 32];
-  const int lane = threadIdx.x % 32;
-  if (reinterpret_cast<uintptr_t>(addr) % 16 != 0) std::abort();  // ldmatrix needs 16-byte rows
-  w.ptr[lane] = addr;
-  w.bar.arrive_and_wait();
-  const int g = lane / 4, t = lane % 4;
-  for (int m = 0; m < n; ++m) {
-    uint16_t lo, hi;
-    if (!trans) {
-      lo = w.ptr[8 * m + g][2 * t];
-      hi = w.ptr[8 * m + g][2 * t + 1];
-    } else {
-      lo = w.ptr[8 * m + 2 * t][g];
-      hi = w.ptr[8 * m + 2 * t + 1][g];
-    }
-    r[m] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-  }
-  w.bar.arrive_and_wait();
-}
-
 namespace transformer_fast {
 using std::min;
 namespace {
-alignas(16) uint16_t smem[1 << 17];
+alignas(16) uint16_t smem[1 << 17];  // the kernels' `extern __shared__ uint16_t smem[]`
 void check_cuda_inputs(const at::Tensor& q);
 }  // namespace
 // The real argument checks live in attention_cpu.cpp (tested there); not linked here.
@@ -344,23 +227,8 @@ void check_cuda_inputs(const at::Tensor& q) {
 
 template <typename Kernel>
 void launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const Params& p) {
-  TORCH_CHECK(smem_bytes <= sizeof(smem), "emulated smem too small: ", smem_bytes);
-  std::vector<emu::Warp> warps(kThreads / 32);
-  emu::warps = warps.data();
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    std::memset(smem, 0xFF, sizeof(smem));  // NaN bit patterns: reads of unwritten smem show up
-    std::barrier<> bar(kThreads);
-    emu::block_bar = &bar;
-    std::vector<std::thread> threads;
-    for (int tid = 0; tid < kThreads; ++tid) {
-      threads.emplace_back([&, tid] {
-        threadIdx.x = tid;
-        blockIdx.x = static_cast<unsigned>(blk);
-        kernel(p);
-      });
-    }
-    for (auto& th : threads) th.join();
-  }
+  emu::run_grid(EmuDim3{static_cast<unsigned>(blocks), 1, 1}, kThreads, smem, sizeof(smem), smem_bytes,
+                [&] { kernel(p); });
 }
 }  // namespace
 }  // namespace transformer_fast
@@ -382,46 +250,10 @@ std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Ten
 """
 
 
-def _cuda_fp16_include():
-    import glob
-    import os
-
-    from torch.utils import cpp_extension
-
-    roots = [os.path.join(cpp_extension.CUDA_HOME or "/nonexistent", "include")]
-    roots += sorted(glob.glob("/usr/local/cuda*/include"), reverse=True)
-    try:
-        import nvidia
-
-        roots += [os.path.join(p, sub, "include") for p in nvidia.__path__ for sub in ("cu13", "cu12", "cuda_runtime")]
-    except ImportError:
-        pass
-    for root in roots:
-        if os.path.exists(os.path.join(root, "cuda_fp16.h")) and os.path.exists(os.path.join(root, "cuda_bf16.h")):
-            return root
-    return None
-
-
 @pytest.fixture(scope="module")
 def cuda_emulation():
-    import hashlib
-    import os
-
-    from torch.utils.cpp_extension import load_inline
-
-    inc = _cuda_fp16_include()
-    if inc is None:
-        pytest.skip("cuda_fp16.h / cuda_bf16.h not found (no CUDA toolkit headers)")
-    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
-    # torch's JIT cache hashes the inline source only, not the files it includes: name the build
-    # after the sources it includes so that an edited kernel is recompiled.
-    digest = hashlib.sha1()
-    for name in ("attention_cuda.cu", "ops.h", "philox.h"):
-        with open(os.path.join(csrc, name), "rb") as f:
-            digest.update(f.read())
-    return load_inline(f"tf_attention_cuda_emu_{digest.hexdigest()[:12]}", cpp_sources=[_EMU_HARNESS],
-                       functions=["fwd", "bwd"],
-                       extra_include_paths=[csrc, inc], extra_cflags=["-O1", "-std=c++20"])
+    return cuda_emulation_build("tf_attention_cuda_emu", _EMU_HARNESS,
+                                ("attention_cuda.cu", "ops.h", "philox.h"), ("fwd", "bwd"))
 
 
 _EMU_CASES = [  # B, H, Hkv, Lq, Lk, D, dtype, mask kind, dropout

@@ -1,0 +1,241 @@
+"""Run the CUDA kernels of csrc/ on the CPU, for machines without a GPU.
+
+A .cu file is compiled as host C++ after PRELUDE, which defines the CUDA qualifiers away and
+emulates what a kernel uses of the CUDA programming model:
+  * a CTA is `threads` std::threads started together; CTAs of the grid run one after another
+    (so function-local state shared by a CTA may be a `static` variable);
+  * __syncthreads is a barrier over the CTA, __syncwarp one over the warp;
+  * warp shuffles (__shfl_sync / _xor / _down / _up, any trivially copyable 4- or 8-byte type)
+    exchange values through a per-warp buffer between two warp barriers;
+  * mma.sync m16n8k16 (fp16 / bf16 -> fp32) and ldmatrix.m8n8 (.x2 / .x4, .trans) are computed
+    from the PTX ISA fragment layouts, an independent statement of the layouts a kernel assumes;
+  * dynamic shared memory is a buffer of the harness's choosing, filled with 0xFF (NaN bit
+    patterns) before every CTA so that reads of unwritten shared memory show up.
+A kernel file guards what the emulation provides itself (its launch function, its device checks)
+with `#ifndef TF_CUDA_EMULATE`.  The harness (`build(...)`) then defines the launch and the
+bindings the test calls.
+
+It runs a kernel's own indexing, masking, tiling and arithmetic against the oracle; it cannot see
+timing, the memory model, or real-hardware behaviour: compute-sanitizer and the `gpu` tests on a
+GPU still decide.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+
+import pytest
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+PRELUDE = r"""
+#define TF_CUDA_EMULATE 1
+#include <torch/extension.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__
+#define __align__(x)
+#define __restrict__
+
+struct EmuDim3 { unsigned x = 0, y = 0, z = 0; };
+thread_local EmuDim3 threadIdx, blockIdx;
+EmuDim3 blockDim, gridDim;
+
+namespace emu {
+struct Warp {
+  std::barrier<> bar{32};
+  uint64_t raw[32];
+  uint32_t a[32][4];
+  uint32_t b[32][2];
+  const uint16_t* ptr[32];
+};
+Warp* warps = nullptr;
+std::barrier<>* block_bar = nullptr;
+
+inline float bits_to_float(uint16_t h, bool bf16) {
+  if (bf16) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half x;
+  std::memcpy(&x, &h, 2);
+  return __half2float(x);
+}
+inline uint16_t half_of(uint32_t r, int which) { return which ? uint16_t(r >> 16) : uint16_t(r & 0xffff); }
+inline Warp& my_warp() { return warps[threadIdx.x / 32]; }
+inline int my_lane() { return threadIdx.x % 32; }
+
+// Every lane publishes x, then reads the value of lane src(lane) (its own when out of range).
+template <typename T, typename Src>
+T exchange(T x, Src src) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "4- or 8-byte shuffle types");
+  Warp& w = my_warp();
+  const int lane = my_lane();
+  uint64_t bits = 0;
+  std::memcpy(&bits, &x, sizeof(T));
+  w.raw[lane] = bits;
+  w.bar.arrive_and_wait();
+  int from = src(lane);
+  if (from < 0 || from >= 32) from = lane;
+  T r;
+  std::memcpy(&r, &w.raw[from], sizeof(T));
+  w.bar.arrive_and_wait();
+  return r;
+}
+
+// Runs body() as `threads` threads per CTA over the grid, CTA after CTA.
+inline void run_grid(EmuDim3 grid, int threads, void* smem, size_t smem_capacity, size_t smem_bytes,
+                     const std::function<void()>& body) {
+  TORCH_CHECK(threads % 32 == 0 && threads > 0 && threads <= 1024, "emulated CTA: bad thread count ", threads);
+  TORCH_CHECK(smem_bytes <= smem_capacity, "emulated shared memory too small: ", smem_bytes, " > ", smem_capacity);
+  gridDim = grid;
+  blockDim = EmuDim3{static_cast<unsigned>(threads), 1, 1};
+  for (unsigned z = 0; z < std::max(grid.z, 1u); ++z)
+    for (unsigned y = 0; y < std::max(grid.y, 1u); ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        if (smem != nullptr) std::memset(smem, 0xFF, smem_capacity);
+        std::vector<Warp> ws(threads / 32);
+        warps = ws.data();
+        std::barrier<> bar(threads);
+        block_bar = &bar;
+        std::vector<std::thread> pool;
+        for (int tid = 0; tid < threads; ++tid) {
+          pool.emplace_back([&, tid] {
+            threadIdx = EmuDim3{static_cast<unsigned>(tid), 0, 0};
+            blockIdx = EmuDim3{x, y, z};
+            body();
+          });
+        }
+        for (auto& th : pool) th.join();
+      }
+}
+}  // namespace emu
+
+inline void __syncthreads() { emu::block_bar->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::my_warp().bar.arrive_and_wait(); }
+inline void __trap() { std::abort(); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+
+template <typename T> T __shfl_sync(unsigned, T x, int src, int width = 32) {
+  return emu::exchange(x, [&](int lane) { return (lane / width) * width + src % width; });
+}
+template <typename T> T __shfl_xor_sync(unsigned, T x, int m, int width = 32) {
+  return emu::exchange(x, [&](int lane) { return (lane ^ m) / width == lane / width ? lane ^ m : lane; });
+}
+template <typename T> T __shfl_down_sync(unsigned, T x, unsigned d, int width = 32) {
+  return emu::exchange(x, [&](int lane) { return (lane % width) + int(d) < width ? lane + int(d) : lane; });
+}
+template <typename T> T __shfl_up_sync(unsigned, T x, unsigned d, int width = 32) {
+  return emu::exchange(x, [&](int lane) { return (lane % width) >= int(d) ? lane - int(d) : lane; });
+}
+
+// D = A (16x16) B (16x8) + C for the calling lane's four C elements.
+inline void emulated_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf16) {
+  emu::Warp& w = emu::my_warp();
+  const int lane = emu::my_lane();
+  for (int r = 0; r < 4; ++r) w.a[lane][r] = a[r];
+  w.b[lane][0] = b0;
+  w.b[lane][1] = b1;
+  w.bar.arrive_and_wait();
+  auto A = [&](int row, int k) {  // a_i: row g + 8*(i&1), col 2t + 8*(i>>1) + {0,1}
+    const int ln = 4 * (row % 8) + (k % 8) / 2, reg = (row / 8) + 2 * (k / 8);
+    return emu::bits_to_float(emu::half_of(w.a[ln][reg], k % 2), bf16);
+  };
+  auto B = [&](int k, int n) {  // b_i: k 2t + 8*i + {0,1}, n g
+    const int ln = 4 * n + (k % 8) / 2, reg = k / 8;
+    return emu::bits_to_float(emu::half_of(w.b[ln][reg], k % 2), bf16);
+  };
+  const int g = lane / 4, t = lane % 4;
+  float d[4];
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+    float acc = c[e];
+    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+    d[e] = acc;
+  }
+  w.bar.arrive_and_wait();
+  for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+
+// ldmatrix.m8n8 (.x2 / .x4, .trans): row addresses from lanes 8m..8m+7 for matrix m.
+inline void emulated_ldmatrix(uint32_t* r, int n, const uint16_t* addr, bool trans) {
+  emu::Warp& w = emu::my_warp();
+  const int lane = emu::my_lane();
+  if (reinterpret_cast<uintptr_t>(addr) % 16 != 0) std::abort();  // ldmatrix needs 16-byte rows
+  w.ptr[lane] = addr;
+  w.bar.arrive_and_wait();
+  const int g = lane / 4, t = lane % 4;
+  for (int m = 0; m < n; ++m) {
+    uint16_t lo, hi;
+    if (!trans) {
+      lo = w.ptr[8 * m + g][2 * t];
+      hi = w.ptr[8 * m + g][2 * t + 1];
+    } else {
+      lo = w.ptr[8 * m + 2 * t][g];
+      hi = w.ptr[8 * m + 2 * t + 1][g];
+    }
+    r[m] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  w.bar.arrive_and_wait();
+}
+"""
+
+
+def cuda_include_dir():
+    """A folder with cuda_fp16.h and cuda_bf16.h (the CUDA toolkit's or an nvidia wheel's)."""
+    from torch.utils import cpp_extension
+
+    roots = [os.path.join(cpp_extension.CUDA_HOME or "/nonexistent", "include")]
+    roots += sorted(glob.glob("/usr/local/cuda*/include"), reverse=True)
+    try:
+        import nvidia
+
+        roots += [os.path.join(p, sub, "include") for p in nvidia.__path__ for sub in ("cu13", "cu12", "cuda_runtime")]
+    except ImportError:
+        pass
+    for root in roots:
+        if os.path.exists(os.path.join(root, "cuda_fp16.h")) and os.path.exists(os.path.join(root, "cuda_bf16.h")):
+            return root
+    return None
+
+
+def build(name: str, harness: str, csrc_files, functions):
+    """Compiles PRELUDE + harness (which #includes the kernel file) as a host extension module.
+
+    torch's JIT cache hashes the inline source only, not the files it includes: the build is named
+    after the csrc/ files it includes, so that an edited kernel is recompiled.  Skips the calling
+    test when the CUDA fp16/bf16 headers are not on this machine.
+    """
+    from torch.utils.cpp_extension import load_inline
+
+    inc = cuda_include_dir()
+    if inc is None:
+        pytest.skip("cuda_fp16.h / cuda_bf16.h not found (no CUDA toolkit headers)")
+    digest = hashlib.sha1((PRELUDE + harness).encode())
+    for file in csrc_files:
+        with open(os.path.join(CSRC, file), "rb") as f:
+            digest.update(f.read())
+    return load_inline(f"{name}_{digest.hexdigest()[:12]}", cpp_sources=[PRELUDE + harness],
+                       functions=list(functions), extra_include_paths=[CSRC, inc],
+                       extra_cflags=["-O1", "-std=c++20"])
