@@ -377,6 +377,10 @@ def device_slug(device: torch.device) -> str:
 
 
 def git_commit() -> str:
+    """The measured commit: TRANSFORMER_FAST_COMMIT when set (a copy of the tree without .git, as
+    on a lent GPU machine, is told it by benchmarks/gpu_suite.sh's caller), else git's."""
+    if os.environ.get("TRANSFORMER_FAST_COMMIT"):
+        return os.environ["TRANSFORMER_FAST_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                                 capture_output=True, check=True).stdout.strip()

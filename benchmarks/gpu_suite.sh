@@ -5,17 +5,29 @@
 # (`python -m benchmarks --quick`).  Every step runs even if an earlier one failed; the summary
 # lists each step's exit status and the script exits non-zero if any failed.
 #   OUT=dir   where results go (default benchmarks/results/<device>/<date>-<commit>)
-#   PYTHON    interpreter (default python)
+#   PYTHON    interpreter (default: python3, else python; the lent GPU machines' torch is python3)
+#   TRANSFORMER_FAST_COMMIT  the commit measured, where the tree has no .git (a copy sent to a lent
+#             GPU machine): e.g. TRANSFORMER_FAST_COMMIT=$(git rev-parse --short HEAD) in the command
 #   BENCH_ARGS  arguments for the benchmark step instead of --quick (e.g. "" for the full sweep)
+#   STEPS     run only these steps (words match step-name prefixes), e.g. STEPS="build install
+#             pytest_gpu verify" in one device call and STEPS="build install sanitizer benchmarks"
+#             in the next: one device call may run 10 minutes, and all of it may not fit
+#   STEP_TIMEOUT  seconds per step before it is killed (default 420 for build, pytest_gpu and
+#             benchmarks, 240 for the others)
 # What lands in OUT stays small enough to copy back from a lent machine (at most 8 files, a few
 # MB): meta.json, summary.txt, logs.txt (every step's full output, one after the other),
 # verify.md, and the benchmarks' results.json, results.md, ops.png, end_to_end.png.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain -- csrc kernels transformer_fast 'benchmarks/*.py' 2>/dev/null | head -1)
-[ -n "$DIRTY" ] && COMMIT="$COMMIT-dirty"
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+if [ -n "${TRANSFORMER_FAST_COMMIT:-}" ]; then
+    COMMIT=$TRANSFORMER_FAST_COMMIT
+else
+    COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+    DIRTY=$(git status --porcelain -- csrc kernels transformer_fast 'benchmarks/*.py' 2>/dev/null | head -1)
+    [ -n "$DIRTY" ] && COMMIT="$COMMIT-dirty"
+fi
+export TRANSFORMER_FAST_COMMIT=$COMMIT  # benchmarks/common.py records the same commit
 # The device slug as benchmarks/common.py's device_slug (runs of both land in one folder).
 SLUG=$($PY -c "import re, torch; print(re.sub(r'[^A-Za-z0-9._-]+', '_', torch.cuda.get_device_name(0)).strip('_') if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo unknown)
 OUT=${OUT:-benchmarks/results/$SLUG/$(date -u +%Y-%m-%d)-$COMMIT}
@@ -26,18 +38,33 @@ LOGS="$OUT/logs.txt"
 : > "$LOGS"
 FAILED=0
 
-step() {  # step NAME COMMAND...: run, append its output to $LOGS, record the exit status
+step_budget() {  # seconds a step may run before it is killed (a hung step must not eat the call)
+    case "$1" in
+        build|pytest_gpu|benchmarks) echo "${STEP_TIMEOUT:-420}" ;;
+        *) echo "${STEP_TIMEOUT:-240}" ;;
+    esac
+}
+
+selected() {  # whether step NAME is in STEPS (words are name prefixes; empty STEPS = all)
+    [ -z "${STEPS:-}" ] && return 0
+    local w
+    for w in $STEPS; do [[ "$1" == "$w"* ]] && return 0; done
+    return 1
+}
+
+step() {  # step NAME COMMAND...: run (output straight into $LOGS, so a killed call keeps it), record rc
     local name=$1; shift
+    selected "$name" || return 0
     local start=$(date +%s)
-    local log
-    log=$(mktemp)
     echo "=== $name: $*"
-    "$@" > "$log" 2>&1
+    echo "=================== $name: $*" >> "$LOGS"
+    local mark
+    mark=$(wc -l < "$LOGS")
+    timeout --kill-after=10 "$(step_budget "$name")" "$@" >> "$LOGS" 2>&1
     local rc=$?
     local secs=$(( $(date +%s) - start ))
-    tail -n 25 "$log"
-    { echo "=================== $name (rc=$rc, ${secs}s): $*"; cat "$log"; echo; } >> "$LOGS"
-    rm -f "$log"
+    tail -n +"$((mark + 1))" "$LOGS" | tail -n 25
+    echo "------------------- $name: rc=$rc, ${secs}s" >> "$LOGS"
     printf '%-28s rc=%-3s %5ss  %s\n' "$name" "$rc" "$secs" "$*" | tee -a "$SUMMARY"
     [ "$rc" -ne 0 ] && FAILED=1
     return 0
