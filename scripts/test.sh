@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Triton 3.6 (the GPU machines' version) beside the venv's 3.8, for the compile check in
+# tests/test_triton_compile.py only (never imported by the package; no dependencies).
+if [ ! -d .venv/triton36/triton ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target .venv/triton36 \
+        triton==3.6.0
+fi
 set +e
 .venv/bin/python -m pytest tests "$@"
 status=$?
