@@ -35,20 +35,59 @@ def attention_cases(backend, device):
                                                  key_padding_mask=pad, backend=backend)
             out.backward(torch.randn_like(out))
             yield f"sdpa {dtype} {b}x{h}x{hkv}x{lq}x{lk}x{d}", (out, q.grad, k.grad, v.grad)
-            scores = torch.randn(b, h, lq, lk, device=device, dtype=dtype, requires_grad=True)
-            probs = F.masked_softmax(scores, pad[:, None, None, :].logical_not(), is_causal=True,
-                                     dropout_p=0.1, backend=backend)
-            probs.backward(torch.randn_like(probs))
-            yield f"masked_softmax {dtype} {b}x{h}x{lq}x{lk}", (probs, scores.grad)
-            with torch.no_grad():
-                l_max = lk + 5
-                kc = torch.randn(b, hkv, l_max, d, device=device, dtype=dtype)
-                vc = torch.randn_like(kc)
-                lens = torch.randint(0, l_max - 2, (b,), device=device, dtype=torch.int32)
-                kn = torch.randn(b, hkv, 2, d, device=device, dtype=dtype)
-                q_new = torch.randn(b, h, 2, d, device=device, dtype=dtype)
-                out = F.attention_with_kv_cache(q_new, kc, vc, lens, kn, torch.randn_like(kn), backend=backend)
-            yield f"kv_cache {dtype} {b}x{h}x{hkv}x{l_max}x{d}", (out,)
+
+
+def masked_softmax_cases(backend, device):
+    """Odd row lengths over every masked_softmax kernel (cuda: the warp kernels' register buckets
+    and the block kernel past 1024; triton: fused and looped paths), key-padding masks with dead
+    rows, causal, dropout, and a misaligned strided view of the scores (scalar-access paths)."""
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for b, h, lq, lk in ((1, 2, 1, 1), (2, 4, 7, 33), (1, 2, 129, 67), (2, 2, 5, 1000),
+                             (1, 2, 3, 1025), (1, 1, 2, 4097), (1, 1, 2, 65537)):
+            pad = torch.rand(b, lk, device=device) < 0.3
+            pad[-1] = True  # batch b-1: every key padded, all its rows dead
+            for view in ("contiguous", "misaligned"):
+                base = torch.randn(b * h * lq * (lk + 1) + 1, device=device, dtype=dtype)
+                if view == "contiguous":
+                    scores = base[: b * h * lq * lk].view(b, h, lq, lk)
+                else:  # one element off an aligned start, rows of lk + 1
+                    scores = base[1:].view(b, h, lq, lk + 1)[..., :lk]
+                scores = scores.detach().requires_grad_(True)
+                probs = F.masked_softmax(scores, pad[:, None, None, :].logical_not(), is_causal=True,
+                                         dropout_p=0.1, backend=backend)
+                probs.backward(torch.randn_like(probs))
+                yield f"masked_softmax {dtype} {b}x{h}x{lq}x{lk} {view}", (probs, scores.grad)
+
+
+def kv_cache_cases(backend, device):
+    """attention_with_kv_cache (triton, cuda, cpu): decoding steps and chunks over GQA groups 1 /
+    4 / 8 (the packed-row buckets of csrc/decode_cuda.cu), head dims 16..256 with Dv != D once,
+    with and without k_new, unsplit and split-K (TRANSFORMER_FAST_KV_SPLITS forces the C++ split
+    count; Triton's heuristic splits the B = 1 cases), a row at 0 and one at L_max - L_new."""
+    import os
+
+    shapes = ((1, 2, 2, 1, 6, 16, 16), (2, 8, 2, 2, 38, 80, 80), (1, 8, 1, 1, 300, 128, 128),
+              (2, 4, 1, 7, 133, 256, 40), (1, 2, 1, 64, 200, 64, 64))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for b, h, hkv, l_new, l_max, d, dv in shapes:
+            dv = d if backend == "triton" else dv  # the Triton kernels need Dv == D
+            for with_new, splits in ((True, None), (True, "3"), (False, "2")):
+                if splits is None:
+                    os.environ.pop("TRANSFORMER_FAST_KV_SPLITS", None)
+                else:
+                    os.environ["TRANSFORMER_FAST_KV_SPLITS"] = splits
+                with torch.no_grad():
+                    kc = torch.randn(b, hkv, l_max, d, device=device, dtype=dtype)
+                    vc = torch.randn(b, hkv, l_max, dv, device=device, dtype=dtype)
+                    lens = torch.randint(l_new, l_max - l_new + 1, (b,), device=device, dtype=torch.int32)
+                    lens[0] = 0 if with_new else l_new
+                    lens[-1] = l_max - l_new
+                    kn = torch.randn(b, hkv, l_new, d, device=device, dtype=dtype) if with_new else None
+                    vn = torch.randn(b, hkv, l_new, dv, device=device, dtype=dtype) if with_new else None
+                    q_new = torch.randn(b, h, l_new, d, device=device, dtype=dtype)
+                    out = F.attention_with_kv_cache(q_new, kc, vc, lens, kn, vn, backend=backend)
+                yield f"kv_cache {dtype} {b}x{h}x{hkv}x{l_new}x{l_max}x{d}x{dv} new={with_new} splits={splits}", (out,)
+    os.environ.pop("TRANSFORMER_FAST_KV_SPLITS", None)
 
 
 def sdpa_cases(backend, device):
@@ -105,6 +144,9 @@ def main():
         cases.append(attention_cases(args.backend, args.device))
     if args.backend in ("cuda", "cpu"):
         cases.append(sdpa_cases(args.backend, args.device))
+    if args.backend in ("triton", "cuda", "cpu"):
+        cases.append(kv_cache_cases(args.backend, args.device))
+        cases.append(masked_softmax_cases(args.backend, args.device))
     for name, tensors in (case for group in cases for case in group):
         if args.device == "cuda":
             torch.cuda.synchronize()

@@ -115,39 +115,8 @@ void check_add_layer_norm_bwd_args(const Tensor& dy, const std::optional<Tensor>
 
 }  // namespace transformer_fast
 
-// --------------------------------------------------------------------------------------------
-// CPU kernels
-//
-// at::vec::Vectorized<float> is only truly vectorised when the translation unit is compiled for
-// a CPU capability (PyTorch builds its kernels once per capability); the default build of an
-// extension is baseline x86-64, where the generic Vectorized compiles to scalar code through
-// the stack (measured: ~5x slower here).  So on x86-64 the kernels below (and nothing that is
-// shared with other translation units: the torch headers above are included first) are compiled
-// for AVX2+FMA via a target pragma, in at::vec's own AVX2 namespace, and the op entry points
-// check at run time that the CPU has AVX2/FMA before calling them.
-#if defined(__x86_64__) && !defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
-#define TF_CPU_AVX2_PRAGMA 1
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#pragma GCC diagnostic ignored "-Wpsabi"  // __m256 by value in header-internal inline helpers
-// The ISA macros the headers test (Sleef declares its AVX2 entry points only under them); they
-// are true inside this region and undefined again right after the include.
-#define __AVX__ 1
-#define __AVX2__ 1
-#define __FMA__ 1
-#define __F16C__ 1
-#endif
-#include <ATen/cpu/vec/vec.h>
-#ifdef TF_CPU_AVX2_PRAGMA
-#undef __AVX__
-#undef __AVX2__
-#undef __FMA__
-#undef __F16C__
-#endif
-
-#include "dropout_cpu.h"  // inside the AVX2 target region
+// Kernels compiled for AVX2/FMA/F16C on x86-64 (csrc/cpu_avx2_begin.h says why).
+#include "cpu_avx2_begin.h"
 
 namespace transformer_fast {
 namespace {
@@ -182,32 +151,6 @@ template <typename T>
 void store_row(const float* src, T* dst, int64_t n) {
   at::vec::convert(src, dst, n);  // vectorised float->float copy or float->half/bf16 rounding
 }
-
-// A row sum in fp32 vector lanes, flushed into a double every kFlush vectors: a plain fp32
-// running sum over a 64k-wide row drifted past the oracle's bound (measured on dweight).
-struct RowSum {
-  static constexpr int kFlush = 32;
-  Vec acc{0.0f};
-  double total = 0.0;
-  int pending = 0;
-  void add(const Vec& v) {
-    acc = acc + v;
-    if (++pending == kFlush) flush();
-  }
-  void add_product(const Vec& a, const Vec& b) {
-    acc = at::vec::fmadd(a, b, acc);
-    if (++pending == kFlush) flush();
-  }
-  void flush() {
-    total += at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, acc);
-    acc = Vec(0.0f);
-    pending = 0;
-  }
-  double value() {
-    flush();
-    return total;
-  }
-};
 
 // h = r + x (* m) into hbuf; returns sum(h).
 double residual_add(const float* x, const float* r, const float* m, float* h, int64_t n) {
@@ -449,21 +392,10 @@ void run_bwd(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tensor& 
 }  // namespace
 }  // namespace transformer_fast
 
-#ifdef TF_CPU_AVX2_PRAGMA
-#pragma GCC pop_options
-#endif
+#include "cpu_avx2_end.h"
 
 namespace transformer_fast {
 namespace {
-
-void check_cpu_features() {
-#ifdef TF_CPU_AVX2_PRAGMA
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  TORCH_CHECK(ok, "transformer_fast cpu backend: this CPU lacks AVX2/FMA/F16C, which the "
-              "compiled CPU kernels need");
-#endif
-}
 
 Tensor as_float_param(const std::optional<Tensor>& t) {
   if (!has(t)) return Tensor();
@@ -479,7 +411,7 @@ Tensor4 add_layer_norm_fwd_cpu(const Tensor& x, const Tensor& residual,
                                const std::optional<Tensor>& bias, double eps, double dropout_p,
                                const std::optional<Tensor>& rng, bool prenorm) {
   check_add_layer_norm_fwd_args(x, residual, weight, bias, eps, dropout_p, rng, c10::DeviceType::CPU);
-  check_cpu_features();
+  check_cpu_avx2();
   const int64_t M = x.size(0), N = x.size(1);
   Tensor y = at::empty({M, N}, x.options());
   Tensor h = prenorm ? at::empty({M, N}, x.options()) : empty0(x);
@@ -509,7 +441,7 @@ Tensor4 add_layer_norm_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& dh
                                const std::optional<Tensor>& rng) {
   check_add_layer_norm_bwd_args(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p, rng,
                                 c10::DeviceType::CPU);
-  check_cpu_features();
+  check_cpu_avx2();
   const int64_t M = x.size(0), N = x.size(1);
   const bool drop = dropout_p > 0.0;
   Tensor dres = at::empty({M, N}, x.options());

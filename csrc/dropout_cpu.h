@@ -1,7 +1,6 @@
 // Dropout factors for the C++ CPU kernels: keep/(1-p) per element from philox.h's stream, 8
-// Philox streams at a time with AVX2.  Include it inside the including file's AVX2 target region
-// (after `#define TF_CPU_AVX2_PRAGMA` and `#pragma GCC target("avx2,...")`, see
-// add_layer_norm_cpu.cpp for why); without that it compiles to the scalar loop alone.
+// Philox streams at a time with AVX2.  Included by csrc/cpu_avx2_begin.h, inside the AVX2 target
+// region; without that region it compiles to the scalar loop alone.
 #pragma once
 
 #include <cstdint>

@@ -118,31 +118,8 @@ void check_ffn_wgrad_args(const Tensor& dy, const Tensor& x, c10::DeviceType dev
 
 }  // namespace transformer_fast
 
-// --------------------------------------------------------------------------------------------
-// CPU epilogue kernels, compiled for AVX2/FMA/F16C on x86-64 (see add_layer_norm_cpu.cpp for why:
-// the baseline build turns at::vec::Vectorized<float> into scalar code).  The torch headers
-// above are included first, outside the target region.
-#if defined(__x86_64__) && !defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
-#define TF_CPU_AVX2_PRAGMA 1
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#pragma GCC diagnostic ignored "-Wpsabi"
-#define __AVX__ 1
-#define __AVX2__ 1
-#define __FMA__ 1
-#define __F16C__ 1
-#endif
-#include <ATen/cpu/vec/vec.h>
-#ifdef TF_CPU_AVX2_PRAGMA
-#undef __AVX__
-#undef __AVX2__
-#undef __FMA__
-#undef __F16C__
-#endif
-
-#include "dropout_cpu.h"  // inside the AVX2 target region
+// Kernels compiled for AVX2/FMA/F16C on x86-64 (csrc/cpu_avx2_begin.h says why).
+#include "cpu_avx2_begin.h"
 
 namespace transformer_fast {
 namespace {
@@ -381,21 +358,10 @@ void run_dact(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, Te
 }  // namespace
 }  // namespace transformer_fast
 
-#ifdef TF_CPU_AVX2_PRAGMA
-#pragma GCC pop_options
-#endif
+#include "cpu_avx2_end.h"
 
 namespace transformer_fast {
 namespace {
-
-void check_cpu_features_ffn() {
-#ifdef TF_CPU_AVX2_PRAGMA
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  TORCH_CHECK(ok, "transformer_fast cpu backend: this CPU lacks AVX2/FMA/F16C, which the "
-              "compiled CPU kernels need");
-#endif
-}
 
 Drop make_drop(double p, const std::optional<Tensor>& rng) {
   Drop dr;
@@ -433,7 +399,7 @@ Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional
   check_ffn_linear_fwd_args(x, w, b, c10::DeviceType::CPU);
   const FfnAct act = parse_ffn_activation(activation);
   check_ffn_dropout(dropout_p, rng, x);
-  check_cpu_features_ffn();
+  check_cpu_avx2();
   const int64_t M = x.size(0), N = w.size(0);
   if (M == 0 || N == 0 || x.size(1) == 0) {
     // at::mm of an empty reduction is zeros; the epilogue still adds the bias.
@@ -475,7 +441,7 @@ Tensor2 ffn_linear_dgrad_cpu(const Tensor& dy, const Tensor& w, const std::optio
   const int64_t M = dy.size(0), N = w.size(1);
   check_ffn_aux(aux, act, M, N, dy, c10::DeviceType::CPU);
   check_ffn_dropout(dropout_p, rng, dy);
-  check_cpu_features_ffn();
+  check_cpu_avx2();
   Tensor d = (dy.size(1) == 0 || M == 0 || N == 0) ? at::zeros({M, N}, dy.options()) : at::mm(dy, w);
   if (!d.is_contiguous()) d = d.contiguous();
   if ((act != FfnAct::kNone || dropout_p > 0.0) && M > 0 && N > 0) {
@@ -504,7 +470,7 @@ Tensor2 ffn_act_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& aux,
   const int64_t M = dy.size(0), N = dy.size(1);
   check_ffn_aux(aux, act, M, N, dy, c10::DeviceType::CPU);
   check_ffn_dropout(dropout_p, rng, dy);
-  check_cpu_features_ffn();
+  check_cpu_avx2();
   Tensor d = at::empty({M, N}, dy.options());
   if (M > 0 && N > 0) {
     const Tensor g = unit_cols(dy);

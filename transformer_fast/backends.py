@@ -31,8 +31,8 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
     "cuda": {
         "add_layer_norm": ("cuda", "triton", "torch"),
         "scaled_dot_product_attention": ("triton", "cuda", "torch"),
-        "attention_with_kv_cache": ("triton", "cuda", "torch"),
-        "masked_softmax": ("triton", "cuda", "torch"),
+        "attention_with_kv_cache": ("triton", "cuda", "torch"),  # cuda: never run on a GPU yet
+        "masked_softmax": ("triton", "cuda", "torch"),  # cuda: never run on a GPU yet (NOTES.md)
         "feed_forward": ("triton", "cuda", "torch"),
         "linear_bias_act": ("triton", "cuda", "torch"),
     },
@@ -40,8 +40,8 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
         "add_layer_norm": ("cpu", "torch"),
         # C++ cpu attention measured 2-10x slower than torch's SDPA (benchmarks/NOTES.md).
         "scaled_dot_product_attention": ("torch", "cpu"),
-        "attention_with_kv_cache": ("cpu", "torch"),
-        "masked_softmax": ("cpu", "torch"),
+        "attention_with_kv_cache": ("cpu", "torch"),  # decode steps 0.9-1.9x torch (NOTES.md)
+        "masked_softmax": ("cpu", "torch"),  # cpu measured 2-10x faster than torch (NOTES.md)
         # C++ cpu measured below torch eager without dropout (benchmarks/NOTES.md, FFN).
         "feed_forward": ("torch", "cpu"),
         "linear_bias_act": ("torch", "cpu"),

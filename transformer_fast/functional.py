@@ -313,7 +313,61 @@ def _fused_masked_softmax_support(backend):
 
 
 backends.register("attention_with_kv_cache", "triton", _fused_kv_cache_support("triton"))
+
+# Whether _C holds the C++ KV-cache kernels (csrc/decode_cpu.cpp, csrc/decode_cuda.cu); read once
+# at import, like _ATTENTION_CXX.
+_KV_CACHE_CXX = {
+    name: backends.extension_status()[0] and backends.cxx_op_has_kernel("attention_with_kv_cache_fwd", key)
+    for name, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+}
+
+
+def _cxx_kv_cache_support(backend):
+    def check(inputs):
+        q, v_cache = inputs["q"], inputs["v_cache"]
+        reasons = _checks.kernel_dtype_reasons(backend, q=q)
+        # The C++ kernels take any head dims up to 256, and a value head dim of its own.
+        d, dv = q.shape[-1], v_cache.shape[-1]
+        if not (1 <= d <= 256 and 1 <= dv <= 256):
+            reasons.append(f"{backend} supports head dims 1..256; got {d} (q) and {dv} (v_cache)")
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in inputs.values()
+        ):
+            reasons.append(f"{backend} decoding is inference only (an input requires grad)")
+        if not _KV_CACHE_CXX[backend]:
+            reasons.append(f"transformer_fast._C has no {backend} KV-cache kernels (rebuild the extension)")
+        return reasons
+
+    return check
+
+
+for _name in ("cpu", "cuda"):
+    backends.register("attention_with_kv_cache", _name, _cxx_kv_cache_support(_name))
+
 backends.register("masked_softmax", "triton", _fused_masked_softmax_support("triton"))
+
+# Whether _C holds the C++ masked_softmax kernels (csrc/masked_softmax_{cpu.cpp,cuda.cu}); read
+# once at import, like _ATTENTION_CXX.
+_MASKED_SOFTMAX_CXX = {
+    name: backends.extension_status()[0] and backends.cxx_op_has_kernel("masked_softmax_fwd", key)
+    for name, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+}
+
+
+def _cxx_masked_softmax_support(backend):
+    fused = _fused_masked_softmax_support(backend)
+
+    def check(inputs):
+        reasons = fused(inputs)
+        if not _MASKED_SOFTMAX_CXX[backend]:
+            reasons.append(f"transformer_fast._C has no {backend} masked_softmax kernels (rebuild the extension)")
+        return reasons
+
+    return check
+
+
+for _name in ("cpu", "cuda"):
+    backends.register("masked_softmax", _name, _cxx_masked_softmax_support(_name))
 
 
 def _allow_tf32(dtype: torch.dtype) -> bool:
@@ -380,7 +434,7 @@ def scaled_dot_product_attention(
         enable_gqa: allow Hkv < Hq (grouped-query attention).
         key_padding_mask: (B, Lk) with B = query.shape[0]; nn.MultiheadAttention polarity: bool
             True = PADDING (the key is removed); float is added.
-        backend: "auto", "reference" or "torch" (fused backends arrive later); None = the
+        backend: "auto", "reference", "torch", "triton", "cuda" or "cpu"; None = the
             current default (see transformer_fast.use_backend).
 
     Returns:
@@ -528,7 +582,8 @@ def attention_with_kv_cache(
         k_new, v_new: (B, Hkv, Lq, D) / (B, Hkv, Lq, Dv) keys and values of the new tokens, or
             both None when the caller has already written them.
         scale: multiplies q @ k^T; None = 1/sqrt(D).
-        backend: "auto", "reference" or "torch" (fused backends arrive later).
+        backend: "auto", "reference", "torch", "triton", "cuda" or "cpu"; None = the current
+            default (see transformer_fast.use_backend).
 
     Semantics:
         k_new/v_new are copied into the caches at positions cache_seqlens[b] ..
@@ -578,7 +633,8 @@ def masked_softmax(scores, mask=None, *, scale=1.0, is_causal=False, dropout_p=0
         is_causal: remove entries j > i of the last two dims (top-left aligned); combines
             with ``mask``.
         dropout_p: dropout on the probabilities, in [0, 1); applied whenever > 0.
-        backend: "auto", "reference" or "torch" (fused backends arrive later).
+        backend: "auto", "reference", "torch", "triton", "cuda" or "cpu"; None = the current
+            default (see transformer_fast.use_backend).
 
     Returns:
         Probabilities shaped and typed like ``scores``.  A row with every entry removed (or

@@ -4,7 +4,9 @@ Inference only: the op appends k_new/v_new into the caches in place (so it decla
 mutated) and has no autograd formula; the functional layer sends inputs that require grad to
 a backend with autograd.
 
-Launcher contract (transformer_fast.kernels.decode):
+Launcher contract (transformer_fast.kernels.decode; the "cpu" / "cuda" backends run the same contract
+in C++: torch.ops.transformer_fast_C.attention_with_kv_cache_fwd, csrc/decode_cpu.cpp and
+csrc/decode_cuda.cu):
   attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new?, v_new?, scale,
                               allow_tf32) -> out (B, H, L_new, D)
 """
@@ -15,12 +17,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import backends
+
 
 def _launcher(backend: str):
     if backend == "triton":
         from transformer_fast.kernels import decode
 
         return decode.attention_with_kv_cache_fwd
+    if backend in ("cpu", "cuda"):
+        backends.extension_status()  # imports _C, which registers the ops
+        return torch.ops.transformer_fast_C.attention_with_kv_cache_fwd
     raise ValueError(f"attention_with_kv_cache op: no fused implementation named {backend!r}")
 
 

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import backends
+
 _EMPTY_SHAPE = (0,)
 
 
@@ -22,6 +24,10 @@ def _launcher(backend: str):
         from transformer_fast.kernels import masked_softmax
 
         return masked_softmax.masked_softmax_fwd, masked_softmax.masked_softmax_bwd
+    if backend in ("cpu", "cuda"):  # csrc/masked_softmax_{cpu.cpp,cuda.cu}: the same contract
+        backends.extension_status()  # imports _C, which registers the ops
+        ops = torch.ops.transformer_fast_C
+        return ops.masked_softmax_fwd, ops.masked_softmax_bwd
     raise ValueError(f"masked_softmax op: no fused implementation named {backend!r}")
 
 

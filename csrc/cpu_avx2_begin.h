@@ -1,0 +1,70 @@
+// Opens the AVX2 code region of a C++ CPU kernel file; csrc/cpu_avx2_end.h closes it.
+//
+// at::vec::Vectorized<float> is only truly vectorised when the translation unit is compiled for
+// a CPU capability (PyTorch builds its kernels once per capability); the default build of an
+// extension is baseline x86-64, where the generic Vectorized compiles to scalar code through
+// the stack (measured: ~5x slower here).  So on x86-64 the kernels between the two headers are
+// compiled for AVX2+FMA+F16C via a target pragma, in at::vec's own AVX2 namespace, and the op
+// entry points call check_cpu_avx2() (cpu_avx2_end.h) at run time before calling them.
+//
+// Include it after every torch header (nothing shared with other translation units may be
+// compiled for AVX2), at file scope, once per file; everything it defines has internal linkage.
+#pragma once
+
+#if defined(__x86_64__) && !defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
+#define TF_CPU_AVX2_PRAGMA 1
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#pragma GCC diagnostic ignored "-Wpsabi"  // __m256 by value in header-internal inline helpers
+// The ISA macros the headers test (Sleef declares its AVX2 entry points only under them); they
+// are true inside this region and undefined again right after the include.
+#define __AVX__ 1
+#define __AVX2__ 1
+#define __FMA__ 1
+#define __F16C__ 1
+#endif
+#include <ATen/cpu/vec/vec.h>
+#ifdef TF_CPU_AVX2_PRAGMA
+#undef __AVX__
+#undef __AVX2__
+#undef __FMA__
+#undef __F16C__
+#endif
+
+#include "dropout_cpu.h"  // inside the AVX2 target region
+
+namespace transformer_fast {
+namespace {
+
+// A row sum in fp32 vector lanes, flushed into a double every kFlush vectors: a plain fp32
+// running sum over a 64k-wide row drifted past the oracle's bound (measured on add_layer_norm's
+// dweight); the flush costs nothing measurable.
+struct RowSum {
+  using Vec = at::vec::Vectorized<float>;
+  static constexpr int kFlush = 32;
+  Vec acc{0.0f};
+  double total = 0.0;
+  int pending = 0;
+  void add(const Vec& v) {
+    acc = acc + v;
+    if (++pending == kFlush) flush();
+  }
+  void add_product(const Vec& a, const Vec& b) {
+    acc = at::vec::fmadd(a, b, acc);
+    if (++pending == kFlush) flush();
+  }
+  void flush() {
+    total += at::vec::vec_reduce_all([](Vec& u, Vec& v) { return u + v; }, acc);
+    acc = Vec(0.0f);
+    pending = 0;
+  }
+  double value() {
+    flush();
+    return total;
+  }
+};
+
+}  // namespace
+}  // namespace transformer_fast

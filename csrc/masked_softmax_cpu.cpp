@@ -1,0 +1,398 @@
+// Fused scale + mask + softmax (+ dropout) on the CPU: the `cpu` backend of
+// transformer_fast.functional.masked_softmax, forward and backward.
+//
+// Contract (identical to the Triton launchers; docstring of kernels/masked_softmax.py):
+//   masked_softmax_fwd(scores, mask?, scale, is_causal, dropout_p, rng?) -> (out, probs)
+//   masked_softmax_bwd(dout, probs, scale, dropout_p, rng?) -> dscores
+// scores / dout / probs (B, H, Lq, Lk) fp32/fp16/bf16, any strides with unit last stride (else
+// copied); mask (B, H, Lq, Lk) read through all four strides (stride-0 dims of an expanded mask
+// included), bool True = takes part, float added after scaling; top-left causal.  Outputs are
+// contiguous.  A row with nothing allowed (or only -inf) is zeros; NaN / +inf scores give a NaN
+// row, as in the reference.  Dropout keeps element ((b*H + h)*Lq + i)*Lk + j iff its Philox word
+// (philox.h) is >= the threshold; kept values are scaled by 1/(1-p).
+//
+// Algorithm, one row at a time (rows split over threads with at::parallel_for; every row is
+// independent, so the result does not depend on the thread count):
+//   forward   pass 1  s = scores * scale, masked (-inf) / + float mask, into a per-thread fp32
+//                     buffer (the row then sits in L1/L2), and its max m;
+//             pass 2  e = exp(s - m) in place and l = sum(e) (fp32 lanes flushed to double);
+//             pass 3  p = e / l (zeros when l == 0: a dead row), dropout, store.
+//             Entries past the causal diagonal are neither read nor computed.
+//   backward  dp = dout (* keep / (1-p)); delta = sum(dp * probs); ds = scale * probs * (dp - delta).
+// fp32 arithmetic, vectorised with at::vec::Vectorized<float> (AVX2 on x86-64, see below).
+//
+// The argument checks shared with masked_softmax_cuda.cu are in masked_softmax.h.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "masked_softmax.h"
+#include "ops.h"
+#include "philox.h"
+
+// Kernels compiled for AVX2/FMA/F16C on x86-64 (csrc/cpu_avx2_begin.h says why).
+#include "cpu_avx2_begin.h"
+
+namespace transformer_fast {
+namespace {
+
+using at::Tensor;
+using Vec = at::vec::Vectorized<float>;
+
+constexpr int64_t kV = Vec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum MaskKind : int { kMaskNone = 0, kMaskBool = 1, kMaskFloat = 2 };
+
+struct FwdArgs {
+  const void* s;  // scores, (B, H, Lq, Lk) with unit last stride
+  int64_t s_sb, s_sh, s_sm;
+  const void* am;  // mask or nullptr
+  c10::ScalarType am_type;
+  int kind;
+  int64_t am_sb, am_sh, am_sm, am_sn;
+  void* out;    // (B, H, Lq, Lk) contiguous
+  void* probs;  // idem, only with dropout
+  int64_t H, Lq, Lk;
+  float scale;
+  bool causal;
+  bool drop;
+  uint64_t seed, offset;
+  uint32_t threshold;
+  float drop_scale;
+};
+
+struct BwdArgs {
+  const void* dout;
+  int64_t d_sb, d_sh, d_sm;
+  const void* probs;
+  int64_t p_sb, p_sh, p_sm;
+  void* ds;  // contiguous
+  int64_t H, Lq, Lk;
+  float scale;
+  bool drop;
+  uint64_t seed, offset;
+  uint32_t threshold;
+  float drop_scale;
+};
+
+// Element offset of the start of row `row` (= (b*H + h)*Lq + i) in a tensor with strides
+// (sb, sh, sm, 1).
+inline int64_t row_offset(int64_t row, int64_t H, int64_t Lq, int64_t sb, int64_t sh, int64_t sm) {
+  const int64_t i = row % Lq, bh = row / Lq;
+  return (bh / H) * sb + (bh % H) * sh + i * sm;
+}
+
+// A row of T as fp32: the row itself for float, else converted into buf.
+template <typename T>
+const float* row_as_float(const T* src, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    at::vec::convert(src, buf, n);
+    return buf;
+  }
+}
+
+// The mask's entries [0, n) of one row as fp32: 1/0 (takes part / removed) for a bool mask, the
+// additive value for a float one.  A contiguous fp32 mask row is used in place.
+const float* mask_row(const FwdArgs& a, int64_t row, int64_t n, float* buf) {
+  const int64_t off = row_offset(row, a.H, a.Lq, a.am_sb, a.am_sh, a.am_sm);
+  const int64_t sn = a.am_sn;
+  auto gather = [&](auto* m) {
+    if (sn == 1 && a.kind == kMaskFloat) {
+      at::vec::convert(m, buf, n);
+    } else if (sn == 1) {  // bool, contiguous: bytes 0/1 -> 0.f/1.f (a loop the compiler vectorises)
+      const uint8_t* u = reinterpret_cast<const uint8_t*>(m);
+      for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<float>(u[j] != 0);
+    } else if (sn == 0) {  // one value along the row (e.g. a (B, H, Lq, 1) mask expanded)
+      const float v = a.kind == kMaskBool ? (m[0] ? 1.0f : 0.0f) : static_cast<float>(m[0]);
+      std::fill(buf, buf + n, v);
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const auto v = m[j * sn];
+        buf[j] = a.kind == kMaskBool ? (v ? 1.0f : 0.0f) : static_cast<float>(v);
+      }
+    }
+    return static_cast<const float*>(buf);
+  };
+  switch (a.am_type) {
+    case at::kBool: return gather(static_cast<const bool*>(a.am) + off);
+    case at::kHalf: return gather(static_cast<const c10::Half*>(a.am) + off);
+    case at::kBFloat16: return gather(static_cast<const c10::BFloat16*>(a.am) + off);
+    default: {  // float32 (float64 masks are converted on the host)
+      const float* m = static_cast<const float*>(a.am) + off;
+      return sn == 1 ? m : gather(m);
+    }
+  }
+}
+
+template <typename T>
+void store_row(const float* src, T* dst, int64_t n) {
+  at::vec::convert(src, dst, n);  // float -> float copy, or rounding to half / bf16
+}
+
+template <typename T>
+void fwd_rows(const FwdArgs& a, int64_t begin, int64_t end) {
+  const int64_t Lk = a.Lk;
+  std::vector<float> buf(static_cast<size_t>(2 * Lk));
+  float* s = buf.data();   // the row: scores -> masked scaled scores -> exp -> probabilities
+  float* mb = s + Lk;      // the mask row, then the dropout factors
+  const Vec vscale(a.scale), vninf(kNegInf), vzero(0.0f);
+  const T* scores = static_cast<const T*>(a.s);
+  T* out = static_cast<T*>(a.out);
+  T* probs = static_cast<T*>(a.probs);
+
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t i = row % a.Lq;
+    // Top-left causal: query i sees keys j <= i; entries j >= n are removed.
+    const int64_t n = a.causal ? std::min(Lk, i + 1) : Lk;
+    const float* x = row_as_float(scores + row_offset(row, a.H, a.Lq, a.s_sb, a.s_sh, a.s_sm), n, s);
+    const float* m = a.kind != kMaskNone ? mask_row(a, row, n, mb) : nullptr;
+
+    // pass 1: s = x * scale, masked; running max
+    Vec vmax(kNegInf);
+    int64_t j = 0;
+    for (; j + kV <= n; j += kV) {
+      Vec v = Vec::loadu(x + j) * vscale;
+      if (a.kind == kMaskBool) {
+        v = Vec::blendv(vninf, v, Vec::loadu(m + j) != vzero);
+      } else if (a.kind == kMaskFloat) {
+        v = v + Vec::loadu(m + j);
+      }
+      v.store(s + j);
+      vmax = at::vec::maximum(vmax, v);  // propagates NaN
+    }
+    float mx = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return at::vec::maximum(u, v); }, vmax);
+    for (; j < n; ++j) {
+      float v = x[j] * a.scale;
+      if (a.kind == kMaskBool) {
+        v = m[j] != 0.0f ? v : kNegInf;
+      } else if (a.kind == kMaskFloat) {
+        v += m[j];
+      }
+      s[j] = v;
+      mx = (v > mx || v != v) ? v : mx;
+    }
+
+    // pass 2: e = exp(s - m), l = sum(e).  A dead row has m = -inf: shift by 0 instead, so that
+    // exp gives 0 everywhere (never exp(-inf + inf) = NaN) and l = 0.  A NaN or +inf score makes
+    // l NaN, and the whole row NaN, like the reference.
+    const float shift = mx == kNegInf ? 0.0f : mx;
+    const Vec vshift(shift);
+    RowSum sum;
+    j = 0;
+    for (; j + kV <= n; j += kV) {
+      const Vec e = (Vec::loadu(s + j) - vshift).exp();
+      e.store(s + j);
+      sum.add(e);
+    }
+    double l = sum.value();
+    for (; j < n; ++j) {
+      s[j] = std::exp(s[j] - shift);
+      l += s[j];
+    }
+    const float inv = l == 0.0 ? 0.0f : static_cast<float>(1.0 / l);
+
+    // pass 3: p = e * inv (+ dropout).  Entries past the causal diagonal are exp(-inf) * inv:
+    // 0, or NaN in a NaN row (as the reference's 0 / NaN; dropout keeps NaN * 0 = NaN too).
+    const Vec vinv(inv);
+    const T tail(0.0f * inv);
+    T* orow = out + row * Lk;
+    if (!a.drop && std::is_same_v<T, float>) {
+      float* o = reinterpret_cast<float*>(orow);
+      j = 0;
+      for (; j + kV <= n; j += kV) (Vec::loadu(s + j) * vinv).store(o + j);
+      for (; j < n; ++j) o[j] = s[j] * inv;
+    } else {
+      j = 0;
+      for (; j + kV <= n; j += kV) (Vec::loadu(s + j) * vinv).store(s + j);
+      for (; j < n; ++j) s[j] *= inv;
+      if (a.drop) {
+        store_row(s, probs + row * Lk, n);
+        std::fill(probs + row * Lk + n, probs + (row + 1) * Lk, tail);
+        dropout_factors(a.seed, a.offset, static_cast<uint64_t>(row) * Lk, n, a.threshold,
+                        a.drop_scale, mb);
+        j = 0;
+        for (; j + kV <= n; j += kV) (Vec::loadu(s + j) * Vec::loadu(mb + j)).store(s + j);
+        for (; j < n; ++j) s[j] *= mb[j];
+      }
+      store_row(s, orow, n);
+    }
+    std::fill(orow + n, orow + Lk, tail);
+  }
+}
+
+template <typename T>
+void bwd_rows(const BwdArgs& a, int64_t begin, int64_t end) {
+  const int64_t Lk = a.Lk;
+  std::vector<float> buf(static_cast<size_t>(3 * Lk));
+  float* pbuf = buf.data();
+  float* dbuf = pbuf + Lk;
+  float* fbuf = dbuf + Lk;  // dropout factors; then dscores
+  const T* dout = static_cast<const T*>(a.dout);
+  const T* probs = static_cast<const T*>(a.probs);
+  T* ds = static_cast<T*>(a.ds);
+  const Vec vscale(a.scale);
+
+  for (int64_t row = begin; row < end; ++row) {
+    const float* p = row_as_float(probs + row_offset(row, a.H, a.Lq, a.p_sb, a.p_sh, a.p_sm), Lk, pbuf);
+    const float* d = row_as_float(dout + row_offset(row, a.H, a.Lq, a.d_sb, a.d_sh, a.d_sm), Lk, dbuf);
+    if (a.drop) {  // dp = dout * keep / (1 - p), the forward's mask regenerated
+      dropout_factors(a.seed, a.offset, static_cast<uint64_t>(row) * Lk, Lk, a.threshold,
+                      a.drop_scale, fbuf);
+      int64_t j = 0;
+      for (; j + kV <= Lk; j += kV) (Vec::loadu(d + j) * Vec::loadu(fbuf + j)).store(dbuf + j);
+      for (; j < Lk; ++j) dbuf[j] = d[j] * fbuf[j];
+      d = dbuf;
+    }
+    RowSum sum;
+    int64_t j = 0;
+    for (; j + kV <= Lk; j += kV) sum.add_product(Vec::loadu(d + j), Vec::loadu(p + j));
+    double delta_d = sum.value();
+    for (; j < Lk; ++j) delta_d += static_cast<double>(d[j]) * p[j];
+    const float delta = static_cast<float>(delta_d);
+    const Vec vdelta(delta);
+    float* o = std::is_same_v<T, float> ? reinterpret_cast<float*>(ds + row * Lk) : fbuf;
+    j = 0;
+    for (; j + kV <= Lk; j += kV) {
+      const Vec pv = Vec::loadu(p + j);
+      (vscale * (pv * (Vec::loadu(d + j) - vdelta))).store(o + j);
+    }
+    for (; j < Lk; ++j) o[j] = a.scale * (p[j] * (d[j] - delta));
+    if constexpr (!std::is_same_v<T, float>) store_row(fbuf, ds + row * Lk, Lk);
+  }
+}
+
+template <typename F>
+void dispatch_dtype(c10::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "masked_softmax: unsupported dtype ", t);
+  }
+}
+
+// ~64 KiB of row data per task at least, so that small problems are not split across threads.
+int64_t grain_for(int64_t Lk) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(Lk, 1)); }
+
+// Non-template launchers, defined inside the target region (so the kernels instantiate there).
+void run_fwd(const FwdArgs& a, c10::ScalarType dtype, int64_t M) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    at::parallel_for(0, M, grain_for(a.Lk), [&](int64_t begin, int64_t end) {
+      fwd_rows<decltype(tag)>(a, begin, end);
+    });
+  });
+}
+
+void run_bwd(const BwdArgs& a, c10::ScalarType dtype, int64_t M) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    at::parallel_for(0, M, grain_for(a.Lk), [&](int64_t begin, int64_t end) {
+      bwd_rows<decltype(tag)>(a, begin, end);
+    });
+  });
+}
+
+}  // namespace
+}  // namespace transformer_fast
+
+#include "cpu_avx2_end.h"
+
+namespace transformer_fast {
+namespace {
+
+Tensor unit_last(const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// [seed, offset] from a CPU int64 tensor.
+void read_rng(const std::optional<Tensor>& rng, uint64_t& seed, uint64_t& offset) {
+  const Tensor r = rng->reshape({-1}).contiguous();
+  const int64_t* v = r.const_data_ptr<int64_t>();
+  seed = static_cast<uint64_t>(v[0]);
+  offset = static_cast<uint64_t>(v[1]);
+}
+
+}  // namespace
+
+Tensor2 masked_softmax_fwd_cpu(TF_MASKED_SOFTMAX_FWD_ARGS) {
+  check_masked_softmax_fwd_args(scores, mask, scale, dropout_p, rng, c10::DeviceType::CPU);
+  check_cpu_avx2();
+  const int64_t B = scores.size(0), H = scores.size(1), Lq = scores.size(2), Lk = scores.size(3);
+  const bool drop = dropout_p > 0.0;
+  Tensor out = at::empty({B, H, Lq, Lk}, scores.options());
+  Tensor probs = drop ? at::empty({B, H, Lq, Lk}, scores.options()) : at::empty({0}, scores.options());
+  const int64_t M = B * H * Lq;
+  if (M == 0 || Lk == 0) return {out, probs};
+
+  const Tensor s = unit_last(scores);
+  FwdArgs a{};
+  a.s = s.const_data_ptr();
+  a.s_sb = s.stride(0), a.s_sh = s.stride(1), a.s_sm = s.stride(2);
+  a.kind = kMaskNone;
+  Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->scalar_type() == at::kDouble ? mask->to(at::kFloat) : *mask;
+    a.am = m.const_data_ptr();
+    a.am_type = m.scalar_type();
+    a.kind = a.am_type == at::kBool ? kMaskBool : kMaskFloat;
+    a.am_sb = m.stride(0), a.am_sh = m.stride(1), a.am_sm = m.stride(2), a.am_sn = m.stride(3);
+  }
+  a.out = out.mutable_data_ptr();
+  a.probs = drop ? probs.mutable_data_ptr() : nullptr;
+  a.H = H, a.Lq = Lq, a.Lk = Lk;
+  a.scale = static_cast<float>(scale);
+  a.causal = is_causal;
+  a.drop = drop;
+  if (drop) {
+    read_rng(rng, a.seed, a.offset);
+    a.threshold = dropout_threshold(dropout_p);
+    a.drop_scale = dropout_scale(dropout_p);
+  }
+  run_fwd(a, scores.scalar_type(), M);
+  return {out, probs};
+}
+
+Tensor masked_softmax_bwd_cpu(TF_MASKED_SOFTMAX_BWD_ARGS) {
+  check_masked_softmax_bwd_args(dout, probs, scale, dropout_p, rng, c10::DeviceType::CPU);
+  check_cpu_avx2();
+  const int64_t B = probs.size(0), H = probs.size(1), Lq = probs.size(2), Lk = probs.size(3);
+  const int64_t M = B * H * Lq;
+  // Mixed dtypes (not produced by the op layer): compute on fp32 copies.
+  const bool mixed = dout.scalar_type() != probs.scalar_type();
+  const auto dtype = mixed ? at::kFloat : dout.scalar_type();
+  Tensor ds = at::empty({B, H, Lq, Lk}, dout.options().dtype(dtype));
+  if (M > 0 && Lk > 0) {
+    const Tensor d = unit_last(mixed ? dout.to(at::kFloat) : dout);
+    const Tensor p = unit_last(mixed ? probs.to(at::kFloat) : probs);
+    BwdArgs a{};
+    a.dout = d.const_data_ptr();
+    a.d_sb = d.stride(0), a.d_sh = d.stride(1), a.d_sm = d.stride(2);
+    a.probs = p.const_data_ptr();
+    a.p_sb = p.stride(0), a.p_sh = p.stride(1), a.p_sm = p.stride(2);
+    a.ds = ds.mutable_data_ptr();
+    a.H = H, a.Lq = Lq, a.Lk = Lk;
+    a.scale = static_cast<float>(scale);
+    a.drop = dropout_p > 0.0;
+    if (a.drop) {
+      read_rng(rng, a.seed, a.offset);
+      a.threshold = dropout_threshold(dropout_p);
+      a.drop_scale = dropout_scale(dropout_p);
+    }
+    run_bwd(a, dtype, M);
+  }
+  return mixed ? ds.to(dout.scalar_type()) : ds;
+}
+
+TORCH_LIBRARY_IMPL(transformer_fast_C, CPU, m) {
+  m.impl("masked_softmax_fwd", &masked_softmax_fwd_cpu);
+  m.impl("masked_softmax_bwd", &masked_softmax_bwd_cpu);
+}
+
+}  // namespace transformer_fast
