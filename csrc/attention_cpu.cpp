@@ -21,12 +21,16 @@
 // carries about one fp32 rounding and meets the DESIGN 6 oracle for D = 256 too (sequential fp32
 // sums over D = 256 err ~2x torch's blocked matmul, the failure mode kernels/attention.py found).
 //
+// Outputs: out laid out like q (empty_in_layout_of, attention_cuda.h: a (B, L, H, D)-transposed q
+// gives an out whose head merge is a view), dq / dk / dv like q / k / v (empty_like), as the fake
+// op in transformer_fast/ops/attention.py says; the kernels write them through their strides,
+// rounding once from the fp32 results.
+//
 // The argument checks shared with the CUDA backend live here (check_attention_*_args).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -34,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_cuda.h"
 #include "ops.h"
 #include "philox.h"
 
@@ -277,15 +282,35 @@ float drop_factor(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) 
   return philox_word(p.seed, p.offset, idx) >= p.threshold ? p.drop_scale : 0.0f;
 }
 
+// A 4-D output tensor (fp32, fp16 or bf16, any strides) written element by element.
+struct OutView {
+  char* base;
+  c10::ScalarType type;
+  int64_t esize, s0, s1, s2, s3;
+  explicit OutView(const Tensor& t)
+      : base(static_cast<char*>(t.mutable_data_ptr())), type(t.scalar_type()),
+        esize(t.element_size()), s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)),
+        s3(t.stride(3)) {}
+  // Element (b, h, row, d) = x rounded to the output dtype (nearest even, as Tensor.to does).
+  void store(int64_t b, int64_t h, int64_t row, int64_t d, float x) const {
+    char* e = base + (b * s0 + h * s1 + row * s2 + d * s3) * esize;
+    switch (type) {
+      case at::kFloat: *reinterpret_cast<float*>(e) = x; break;
+      case at::kHalf: *reinterpret_cast<c10::Half*>(e) = c10::Half(x); break;
+      default: *reinterpret_cast<c10::BFloat16*>(e) = c10::BFloat16(x); break;
+    }
+  }
+};
+
 // Keys a query tile [m0, m0 + bm) can see: causal rows i see j <= i, so nothing from m0 + bm on.
 int64_t key_end(const Problem& p, int64_t m0, int64_t bm) {
   return p.causal ? std::min(p.Lk, m0 + bm) : p.Lk;
 }
 
-// Forward.  q32 (B, H, Lq, D), k32/v32 (B, Hkv, Lk, D) contiguous fp32; out32 (B, H, Lq, D);
-// lse (B, H, Lq).  One task per (b, h, query block).
+// Forward.  q32 (B, H, Lq, D), k32/v32 (B, Hkv, Lk, D) contiguous fp32; out (B, H, Lq, D);
+// lse (B, H, Lq) contiguous.  One task per (b, h, query block).
 void fwd_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
-                float* out32, float* lse) {
+                const OutView& out, float* lse) {
   const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
@@ -332,14 +357,13 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
       }
       for (int64_t r = 0; r < bm; ++r) {
         const int64_t i = m0 + r;
-        float* o = out32 + (bh * p.Lq + i) * D;
         const double* ar = acc.data() + r * D;
         if (l_i[r] != 0.0) {  // NaN (a NaN / +Inf score) propagates like the reference's softmax
           const double inv = 1.0 / l_i[r];
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(ar[d] * inv);
+          for (int64_t d = 0; d < D; ++d) out.store(b, h, i, d, static_cast<float>(ar[d] * inv));
           lse[bh * p.Lq + i] = m_i[r] + static_cast<float>(std::log(l_i[r]));
         } else {  // a row with no key to attend to: output 0, lse -inf
-          std::fill(o, o + D, 0.0f);
+          for (int64_t d = 0; d < D; ++d) out.store(b, h, i, d, 0.0f);
           lse[bh * p.Lq + i] = kNegInf;
         }
       }
@@ -355,8 +379,8 @@ inline float recompute_p(float s, float lse) {
 // dK, dV: one task per (b, kv head, key block), looping over the query heads of its group and
 // over the query blocks that can see the key block (causal: rows i >= n0 only).
 void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
-                     const float* do32, const float* lse, const float* delta, float* dk32,
-                     float* dv32) {
+                     const float* do32, const float* lse, const float* delta, const OutView& dk_out,
+                     const OutView& dv_out) {
   const int64_t nnb = (p.Lk + kBlockN - 1) / kBlockN;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.Hkv * nnb, 1, [&](int64_t begin, int64_t end) {
@@ -401,11 +425,9 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
         }
       }
       for (int64_t c = 0; c < bn; ++c) {
-        float* dko = dk32 + (bhk * p.Lk + n0 + c) * D;
-        float* dvo = dv32 + (bhk * p.Lk + n0 + c) * D;
         for (int64_t d = 0; d < D; ++d) {
-          dko[d] = static_cast<float>(dk[c * D + d] * p.scale);
-          dvo[d] = static_cast<float>(dv[c * D + d]);
+          dk_out.store(b, hk, n0 + c, d, static_cast<float>(dk[c * D + d] * p.scale));
+          dv_out.store(b, hk, n0 + c, d, static_cast<float>(dv[c * D + d]));
         }
       }
     }
@@ -414,7 +436,7 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
 
 // dQ: one task per (b, h, query block), looping over the key blocks it sees.
 void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
-                   const float* do32, const float* lse, const float* delta, float* dq32) {
+                   const float* do32, const float* lse, const float* delta, const OutView& dq_out) {
   const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
@@ -451,18 +473,15 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
         }
       }
       for (int64_t r = 0; r < bm; ++r) {
-        float* o = dq32 + (bh * p.Lq + m0 + r) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(dq[r * D + d] * p.scale);
+        for (int64_t d = 0; d < D; ++d) {
+          dq_out.store(b, h, m0 + r, d, static_cast<float>(dq[r * D + d] * p.scale));
+        }
       }
     }
   });
 }
 
 Tensor as_f32(const Tensor& t) { return t.to(at::kFloat).contiguous(); }
-
-Tensor to_dtype(const Tensor& t32, c10::ScalarType dtype) {
-  return dtype == at::kFloat ? t32 : t32.to(dtype);  // round to nearest even
-}
 
 }  // namespace
 
@@ -475,14 +494,13 @@ Tensor2 attention_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
   check_attention_fwd_args(q, k, v, attn_mask, key_padding_mask, scale, dropout_p, rng, at::kCPU);
   const Problem p = make_problem(q, k, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
   const Tensor q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v);
-  Tensor out32 = at::empty({p.B, p.H, p.Lq, p.D}, q.options().dtype(at::kFloat));
+  Tensor out = empty_in_layout_of(q, {p.B, p.H, p.Lq, p.D}, q.options());
   Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
-  if (out32.numel() > 0) {
+  if (out.numel() > 0) {
     fwd_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
-               v32.const_data_ptr<float>(), out32.mutable_data_ptr<float>(),
-               lse.mutable_data_ptr<float>());
+               v32.const_data_ptr<float>(), OutView(out), lse.mutable_data_ptr<float>());
   }
-  return {to_dtype(out32, q.scalar_type()), lse};
+  return {out, lse};
 }
 
 Tensor3 attention_bwd_cpu(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -500,22 +518,21 @@ Tensor3 attention_bwd_cpu(const Tensor& dout, const Tensor& q, const Tensor& k, 
   // delta_i = rowsum(dO_i * O_i) with O as the forward stored it (rounded to the input dtype),
   // summed in double.
   const Tensor delta = do32.to(at::kDouble).mul(out.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();
-  Tensor dq32 = at::empty_like(q32), dk32 = at::empty_like(k32), dv32 = at::empty_like(v32);
+  // Gradients laid out like their inputs (empty_like: the fake's rule), written in place.
+  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   if (q32.numel() > 0) {
     bwd_dkdv_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
                     v32.const_data_ptr<float>(), do32.const_data_ptr<float>(),
-                    lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(),
-                    dk32.mutable_data_ptr<float>(), dv32.mutable_data_ptr<float>());
+                    lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(), OutView(dk),
+                    OutView(dv));
     bwd_dq_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
                   v32.const_data_ptr<float>(), do32.const_data_ptr<float>(),
-                  lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(),
-                  dq32.mutable_data_ptr<float>());
+                  lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(), OutView(dq));
   } else {  // no queries: keys and values get no gradient
-    dk32.zero_();
-    dv32.zero_();
+    dk.zero_();
+    dv.zero_();
   }
-  return {to_dtype(dq32, q.scalar_type()), to_dtype(dk32, k.scalar_type()),
-          to_dtype(dv32, v.scalar_type())};
+  return {dq, dk, dv};
 }
 
 TORCH_LIBRARY_IMPL(transformer_fast_C, CPU, m) {

@@ -6,13 +6,18 @@
 // csrc/attention_cpu.cpp runs as the cpu backend.
 //
 // Contract: transformer_fast/ops/attention.py (the launcher contract of kernels/attention.py),
-// for fp16 / bf16 inputs (fp32 is refused: these kernels have no tf32 / exact-fp32 path).
+// for fp16 / bf16 inputs.  fp32 inputs go to the exact-fp32 SIMT kernels of
+// attention_fp32_cuda.cu (attention_fwd_cuda / attention_bwd_cuda dispatch on q's dtype; no tf32
+// path yet: allow_tf32 is ignored, and exact fp32 is always within the contract, only slower).
 //   q (B, H, Lq, D), k/v (B, Hkv, Lk, D), Hkv | H, unit stride along D (other strides read as
 //   given), D <= 256 (padded inside the kernel to a bucket of 64, 128 or 256, never by copying);
 //   attn_mask (B, H, Lq, Lk) bool (True = takes part) or float (added), read through its strides;
 //   key_padding_mask (B, Lk) bool (True = padding); is_causal top-left; dropout via philox.h with
 //   element index ((b*H + h)*Lq + i)*Lk + j, [seed, offset] read from device memory.
-//   out (B, H, Lq, D) contiguous; lse (B, H, Lq) fp32 natural log (-inf for a row with no key).
+//   out (B, H, Lq, D) laid out like q (empty_in_layout_of in attention_cuda.h: a (B, L, H, D)
+//   transposed q gives a (B, L, H, D) transposed out, so the module's head merge is a view) and
+//   written through its strides; dq / dk / dv allocated like q / k / v (empty_like); lse
+//   (B, H, Lq) fp32 natural log (-inf for a row with no key).
 //
 // Kernels (4 warps, 128 threads each; fp32 accumulation, fp32 softmax):
 //   fwd_kernel   one CTA per (b, h, 64 query rows); warp w owns rows 16w..16w+15 with Q in
@@ -40,6 +45,7 @@
 // so that the kernels' indexing, masking and tiling run against the oracle without a GPU.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #ifndef TF_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -58,6 +64,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "attention_cuda.h"
 #include "ops.h"
 #include "philox.h"
 
@@ -75,8 +82,6 @@ constexpr int kDqBM = 64;      // dq: query rows per CTA
 constexpr int kDqBN = 32;      // dq: keys per tile
 constexpr int kPad = 8;        // shared-memory row padding (halves) against bank conflicts
 
-enum MaskType : int { kMaskNone = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBf16 = 3, kMaskFloat = 4 };
-
 struct Params {
   const uint16_t* q;  // fp16/bf16 bit patterns
   const uint16_t* k;
@@ -86,6 +91,8 @@ struct Params {
   const float* delta;    // backward: (B, H, Lq) contiguous
   uint16_t* out;         // forward: out; backward: dq (dq_kernel) / dk (dkdv_kernel)
   uint16_t* out2;        // dkdv_kernel: dv
+  int64_t o_sb, o_sh, o_sm;     // strides of out (unit stride along D)
+  int64_t o2_sb, o2_sh, o2_sm;  // strides of out2
   float* lse_out;        // forward
   int64_t q_sb, q_sh, q_sm;
   int64_t k_sb, k_sh, k_sm;
@@ -523,13 +530,13 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
       p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] + __logf(l);
     }
   }
-  uint16_t* oh = p.out + static_cast<int64_t>(bh) * p.Lq * p.D;
+  uint16_t* oh = p.out + b * p.o_sb + h * p.o_sh;
 #pragma unroll
   for (int dt = 0; dt < DP / 8; ++dt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = row0 + g + 8 * (e >> 1), d = dt * 8 + 2 * t + (e & 1);
-      if (i < p.Lq && d < p.D) oh[static_cast<int64_t>(i) * p.D + d] = Traits<T>::bits(o[dt][e] * inv[e >> 1]);
+      if (i < p.Lq && d < p.D) oh[i * p.o_sm + d] = Traits<T>::bits(o[dt][e] * inv[e >> 1]);
     }
   }
 }
@@ -674,16 +681,17 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
     }
     __syncthreads();  // every warp is done with buffer `buf` before it is refilled
   }
-  // dk, dv: (B, Hkv, Lk, D) contiguous
-  const int64_t base = (static_cast<int64_t>(bhk) * p.Lk) * p.D;
+  // dk, dv: (B, Hkv, Lk, D) through their strides
+  uint16_t* dkh = p.out + b * p.o_sb + hk * p.o_sh;
+  uint16_t* dvh = p.out2 + b * p.o2_sb + hk * p.o2_sh;
 #pragma unroll
   for (int dt = 0; dt < DP / 8; ++dt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int j = n0 + key0 + g + 8 * (e >> 1), d = dt * 8 + 2 * t + (e & 1);
       if (j < p.Lk && d < p.D) {
-        p.out[base + static_cast<int64_t>(j) * p.D + d] = Traits<T>::bits(dk[dt][e] * p.scale);
-        p.out2[base + static_cast<int64_t>(j) * p.D + d] = Traits<T>::bits(dv[dt][e]);
+        dkh[j * p.o_sm + d] = Traits<T>::bits(dk[dt][e] * p.scale);
+        dvh[j * p.o2_sm + d] = Traits<T>::bits(dv[dt][e]);
       }
     }
   }
@@ -806,13 +814,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
-  uint16_t* dqh = p.out + static_cast<int64_t>(bh) * p.Lq * p.D;
+  uint16_t* dqh = p.out + b * p.o_sb + h * p.o_sh;
 #pragma unroll
   for (int dt = 0; dt < DP / 8; ++dt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = row0 + g + 8 * (e >> 1), d = dt * 8 + 2 * t + (e & 1);
-      if (i < p.Lq && d < p.D) dqh[static_cast<int64_t>(i) * p.D + d] = Traits<T>::bits(dq[dt][e] * p.scale);
+      if (i < p.Lq && d < p.D) dqh[i * p.o_sm + d] = Traits<T>::bits(dq[dt][e] * p.scale);
     }
   }
 }
@@ -831,57 +839,22 @@ bool rows_vec16(const Tensor& t) {
 Params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
                    const std::optional<Tensor>& attn_mask, const std::optional<Tensor>& kpm,
                    bool causal, double scale, double dropout_p, const std::optional<Tensor>& rng) {
-  Params p{};
-  p.q = static_cast<const uint16_t*>(q.const_data_ptr());
-  p.k = static_cast<const uint16_t*>(k.const_data_ptr());
-  p.v = static_cast<const uint16_t*>(v.const_data_ptr());
-  p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_sm = q.stride(2);
-  p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_sm = k.stride(2);
-  p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_sm = v.stride(2);
-  p.B = static_cast<int>(q.size(0));
-  p.H = static_cast<int>(q.size(1));
-  p.Lq = static_cast<int>(q.size(2));
-  p.D = static_cast<int>(q.size(3));
-  p.Hkv = static_cast<int>(k.size(1));
-  p.Lk = static_cast<int>(k.size(2));
-  p.scale = static_cast<float>(scale);
-  p.causal = causal;
-  p.am_type = kMaskNone;
-  if (attn_mask.has_value() && attn_mask->defined()) {
-    const Tensor& m = *attn_mask;
-    p.am = m.const_data_ptr();
-    switch (m.scalar_type()) {
-      case at::kBool: p.am_type = kMaskBool; break;
-      case at::kHalf: p.am_type = kMaskHalf; break;
-      case at::kBFloat16: p.am_type = kMaskBf16; break;
-      default: p.am_type = kMaskFloat; break;
-    }
-    p.am_sb = m.stride(0), p.am_sh = m.stride(1), p.am_sm = m.stride(2), p.am_sn = m.stride(3);
-  }
-  if (kpm.has_value() && kpm->defined()) {
-    p.kpm = kpm->const_data_ptr<bool>();
-    p.kpm_sb = kpm->stride(0), p.kpm_sn = kpm->stride(1);
-  }
+  Params p = fill_attention_params<Params>(q, k, v, attn_mask, kpm, causal, scale, dropout_p, rng);
   p.vec16 = p.D % 8 == 0 && rows_vec16(q) && rows_vec16(k) && rows_vec16(v);
-  if (dropout_p > 0.0) {
-    p.rng = rng->const_data_ptr<int64_t>();
-    p.drop_threshold = dropout_threshold(dropout_p);
-    p.drop_scale = dropout_scale(dropout_p);
-  }
   return p;
 }
 
 #ifndef TF_CUDA_EMULATE
+// (The dtype was checked by check_attention_fwd_args: fp16 / bf16 run here, fp32 runs the kernels
+// of attention_fp32_cuda.cu.)
 void check_cuda_inputs(const Tensor& q) {
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              "attention (cuda): q must be float16 or bfloat16 (the kernels run mma.sync "
-              "m16n8k16); got ", q.scalar_type(), ": use the triton or torch backend for fp32");
   const int dev = q.get_device();
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   TORCH_CHECK(major >= 8, "attention (cuda): needs compute capability 8.0+ (mma.sync bf16/fp16 "
-              "with fp32 accumulation); device ", dev, " is ", major, ".", minor);
+              "with fp32 accumulation; the extension is built for sm_80 / sm_90a); device ", dev,
+              " is ", major, ".", minor);
   const int64_t L = std::max(q.size(2), int64_t{1});
   TORCH_CHECK(q.numel() / L < (int64_t{1} << 31) && q.size(2) < (int64_t{1} << 30),
               "attention (cuda): sizes too large for 32-bit grid/row indices");
@@ -916,21 +889,43 @@ void run_bwd(const Params& pkv, const Params& pq) {
   launch(dq_kernel<T, DP>, q_blocks, size_t{4} * kDqBN * (DP + kPad) * sizeof(uint16_t), pq);
 }
 
+// An output the kernels can write: `want` itself when its stride along D is 1 (always for out,
+// and for dq / dk / dv unless q / k / v have a non-unit stride along D), else a contiguous
+// scratch tensor that finish_output copies into `want`.
+Tensor writable(const Tensor& want) { return want.stride(-1) == 1 ? want : at::empty(want.sizes(), want.options()); }
+
+void finish_output(Tensor& want, const Tensor& written) {
+  if (!written.is_same(want)) want.copy_(written);
+}
+
+void set_out(Params& p, const Tensor& t) {
+  p.out = static_cast<uint16_t*>(t.mutable_data_ptr());
+  p.o_sb = t.stride(0), p.o_sh = t.stride(1), p.o_sm = t.stride(2);
+}
+
 }  // namespace
 
 Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
-  (void)allow_tf32;  // fp16 / bf16 only
+  // fp16 / bf16: mma.sync.  fp32: exact fp32 (attention_fp32_cuda.cu); allow_tf32 is ignored,
+  // since exact fp32 is always within the contract (a tf32 mma path is future work).
+  (void)allow_tf32;
   check_attention_fwd_args(q, k, v, attn_mask, key_padding_mask, scale, dropout_p, rng, TF_ATTN_DEVICE);
   check_cuda_inputs(q);
 #ifndef TF_CUDA_EMULATE
   const c10::cuda::CUDAGuard guard(q.device());
 #endif
   const Tensor q_ = unit_last(q), k_ = unit_last(k), v_ = unit_last(v);
-  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  // out in q's memory order (the fake in transformer_fast/ops/attention.py says the same).
+  Tensor out = empty_in_layout_of(q, {q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
+  if (q.scalar_type() == at::kFloat) {
+    attention_fwd_fp32_cuda(q_, k_, v_, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                            rng, out, lse);
+    return {out, lse};
+  }
   Params p = make_params(q_, k_, v_, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
-  p.out = static_cast<uint16_t*>(out.mutable_data_ptr());
+  set_out(p, out);
   p.lse_out = lse.mutable_data_ptr<float>();
   const bool half = q.scalar_type() == at::kHalf;
   switch (bucket(p.D)) {
@@ -942,7 +937,7 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
 }
 
 Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
-  (void)allow_tf32;
+  (void)allow_tf32;  // as in attention_fwd_cuda
   check_attention_bwd_args(dout, q, k, v, out, lse, attn_mask, key_padding_mask, scale, dropout_p,
                            rng, TF_ATTN_DEVICE);
   check_cuda_inputs(q);
@@ -950,29 +945,41 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
   const c10::cuda::CUDAGuard guard(q.device());
 #endif
   const Tensor q_ = unit_last(q), k_ = unit_last(k), v_ = unit_last(v), do_ = unit_last(dout);
-  Tensor dq = at::empty(q.sizes(), q.options());
-  Tensor dk = at::empty(k.sizes(), k.options());
-  Tensor dv = at::empty(v.sizes(), v.options());
+  // Gradients laid out like their inputs (empty_like: the fake's rule).
+  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
-  // delta_i = rowsum(dO_i * O_i) in fp32 (ATen, on the current stream).
-  const Tensor delta = dout.to(at::kFloat).mul(out.to(at::kFloat)).sum(-1).contiguous();
+  Tensor dq_ = writable(dq), dk_ = writable(dk), dv_ = writable(dv);
   const Tensor lse_c = lse.contiguous();
-  Params p = make_params(q_, k_, v_, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
-  p.dout = static_cast<const uint16_t*>(do_.const_data_ptr());
-  p.do_sb = do_.stride(0), p.do_sh = do_.stride(1), p.do_sm = do_.stride(2);
-  p.vec16 = p.vec16 && rows_vec16(do_);
-  p.lse = lse_c.const_data_ptr<float>();
-  p.delta = delta.const_data_ptr<float>();
-  Params pkv = p, pq = p;
-  pkv.out = static_cast<uint16_t*>(dk.mutable_data_ptr());
-  pkv.out2 = static_cast<uint16_t*>(dv.mutable_data_ptr());
-  pq.out = static_cast<uint16_t*>(dq.mutable_data_ptr());
-  const bool half = q.scalar_type() == at::kHalf;
-  switch (bucket(p.D)) {
-    case 64: half ? run_bwd<__half, 64>(pkv, pq) : run_bwd<__nv_bfloat16, 64>(pkv, pq); break;
-    case 128: half ? run_bwd<__half, 128>(pkv, pq) : run_bwd<__nv_bfloat16, 128>(pkv, pq); break;
-    default: half ? run_bwd<__half, 256>(pkv, pq) : run_bwd<__nv_bfloat16, 256>(pkv, pq); break;
+  if (q.scalar_type() == at::kFloat) {
+    // delta_i = rowsum(dO_i * O_i), summed in double (ATen, on the current stream): the exact
+    // fp32 path is where the oracle's bound is tightest.
+    const Tensor delta = dout.to(at::kDouble).mul(out.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();
+    attention_bwd_fp32_cuda(do_, q_, k_, v_, lse_c, delta, attn_mask, key_padding_mask, is_causal,
+                            scale, dropout_p, rng, dq_, dk_, dv_);
+  } else {
+    // delta_i = rowsum(dO_i * O_i) in fp32 (ATen, on the current stream).
+    const Tensor delta = dout.to(at::kFloat).mul(out.to(at::kFloat)).sum(-1).contiguous();
+    Params p = make_params(q_, k_, v_, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
+    p.dout = static_cast<const uint16_t*>(do_.const_data_ptr());
+    p.do_sb = do_.stride(0), p.do_sh = do_.stride(1), p.do_sm = do_.stride(2);
+    p.vec16 = p.vec16 && rows_vec16(do_);
+    p.lse = lse_c.const_data_ptr<float>();
+    p.delta = delta.const_data_ptr<float>();
+    Params pkv = p, pq = p;
+    set_out(pkv, dk_);
+    pkv.out2 = static_cast<uint16_t*>(dv_.mutable_data_ptr());
+    pkv.o2_sb = dv_.stride(0), pkv.o2_sh = dv_.stride(1), pkv.o2_sm = dv_.stride(2);
+    set_out(pq, dq_);
+    const bool half = q.scalar_type() == at::kHalf;
+    switch (bucket(p.D)) {
+      case 64: half ? run_bwd<__half, 64>(pkv, pq) : run_bwd<__nv_bfloat16, 64>(pkv, pq); break;
+      case 128: half ? run_bwd<__half, 128>(pkv, pq) : run_bwd<__nv_bfloat16, 128>(pkv, pq); break;
+      default: half ? run_bwd<__half, 256>(pkv, pq) : run_bwd<__nv_bfloat16, 256>(pkv, pq); break;
+    }
   }
+  finish_output(dq, dq_);
+  finish_output(dk, dk_);
+  finish_output(dv, dv_);
   return {dq, dk, dv};
 }
 

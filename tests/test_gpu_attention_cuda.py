@@ -1,7 +1,8 @@
 """The cuda backend of scaled_dot_product_attention (csrc/attention_cuda.cu, mma.sync tensor-core
-flash attention) against the float64 oracle: the checks of tests/test_attention_cpu.py with
-BACKEND = "cuda" (fp16 / bf16 only: the kernels have no fp32 path), plus larger shapes across the
-head-dim buckets (64, 128, 256) and the error for fp32.  Marked gpu: skipped without CUDA."""
+flash attention for fp16 / bf16; csrc/attention_fp32_cuda.cu, exact-fp32 SIMT kernels for fp32)
+against the float64 oracle: the checks of tests/test_attention_cpu.py with BACKEND = "cuda" (every
+dtype), plus larger shapes across the head-dim buckets (64, 128, 256), fp32 under torch's tf32
+setting, and the output layouts.  Marked gpu: skipped without CUDA."""
 import pytest
 import torch
 
@@ -22,8 +23,6 @@ from _functional_helpers import generator, make_masks
 from conftest import require_backend
 from test_functional_attention import check_sdpa
 
-import transformer_fast as tf
-from transformer_fast import functional as F
 
 pytestmark = pytest.mark.gpu
 
@@ -39,27 +38,37 @@ def device():
     return require_backend("cuda")
 
 
-# The shared tests parametrize over fp32 too (for the cpu backend); the cuda backend refuses fp32
-# (test_fp32_is_refused checks that), so those cases are skipped here.
-def _skip_fp32(dtype):
-    if dtype == torch.float32:
-        pytest.skip("cuda attention is fp16/bf16 only (see test_fp32_is_refused)")
+def test_fp32_is_exact_under_tf32_setting(device):
+    """fp32 runs the exact-fp32 kernels whatever torch's tf32 setting says (allow_tf32 is ignored:
+    exact fp32 is within the contract), so the fp32 oracle holds with tf32 allowed too."""
+    g = generator()
+    q, k, v = base._qkv(2, 4, 2, 100, 77, 128, torch.float32, device, g)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        check_sdpa("cuda", q, k, v, is_causal=True, enable_gqa=True, context="fp32, tf32 allowed")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.fixture(autouse=True)
-def _no_fp32(request):
-    dtype = request.node.callspec.params.get("dtype") if hasattr(request.node, "callspec") else None
-    if dtype is not None:
-        _skip_fp32(dtype)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
+def test_output_layout_follows_q(device, dtype):
+    """out in q's memory order (a (B, L, H, D) view gives a (B, L, H, D)-ordered out: the head
+    merge is a view), gradients like q / k / v, as the fake op says (opcheck checks it too)."""
+    from transformer_fast.ops import attention as op
+
+    b, l, h, d = 2, 37, 4, 64
+    packed = torch.randn(b, l, 3, h, d, device=device, dtype=dtype)
+    q, k, v = (packed[:, :, i].transpose(1, 2).requires_grad_() for i in range(3))
+    out, _ = op.attention_fwd(q, k, v, None, None, True, d ** -0.5, 0.0, None, False, "cuda")
+    assert out.transpose(1, 2).is_contiguous()
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    for got, like in ((dq, q), (dk, k), (dv, v)):
+        assert got.stride() == torch.empty_like(like).stride()
+    torch.library.opcheck(op.attention_fwd, (q, k, v, None, None, True, 0.125, 0.0, None, False, "cuda"))
 
 
-def test_fp32_is_refused(device):
-    q = torch.randn(1, 2, 8, 64, device=device)
-    with pytest.raises(tf.BackendError, match="float16/bfloat16"):
-        F.scaled_dot_product_attention(q, q, q, backend="cuda")
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["f16", "bf16", "f32"])
 @pytest.mark.parametrize("d", [32, 64, 80, 128, 192, 256])
 @pytest.mark.parametrize("kind", ["none", "causal", "causal+float_bh+kpm", "dead"])
 def test_large_shapes(device, dtype, d, kind):

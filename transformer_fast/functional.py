@@ -265,10 +265,8 @@ def _cxx_attention_support(backend):
         reasons = fused(inputs)
         if not _ATTENTION_CXX[backend]:
             reasons.append(f"transformer_fast._C has no {backend} attention kernels (rebuild the extension)")
-        q = inputs["query"]
-        if backend == "cuda" and q.dtype == torch.float32:
-            # csrc/attention_cuda.cu runs mma.sync m16n8k16 (fp16/bf16 operands) only.
-            reasons.append("cuda attention supports float16/bfloat16 (fp32: use triton or torch)")
+        # fp32 runs everywhere: on cuda the exact-fp32 SIMT kernels of csrc/attention_fp32_cuda.cu
+        # (fp16 / bf16 take the mma.sync kernels of csrc/attention_cuda.cu).
         return reasons
 
     return check

@@ -8,9 +8,10 @@ Launcher contract (on 4-D tensors; q (B, H, Lq, D), k/v (B, Hkv, Lk, D), any str
 stride along D):
 
   fwd(q, k, v, attn_mask?, key_padding_mask?, is_causal, scale, dropout_p, rng?, allow_tf32)
-      -> (out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) fp32)
+      -> (out (B, H, Lq, D) in q's dtype and memory order (empty_in_layout_of below), lse (B, H, Lq) fp32)
   bwd(do, q, k, v, out, lse, attn_mask?, key_padding_mask?, is_causal, scale, dropout_p, rng?,
-      allow_tf32) -> (dq, dk, dv)   (dk/dv summed over each GQA group)
+      allow_tf32) -> (dq, dk, dv)   (dk/dv summed over each GQA group; cpu / cuda: laid out like
+      q / k / v, torch.empty_like; triton: contiguous)
 
 attn_mask is broadcast (expanded, stride 0) to (B, H, Lq, Lk): bool True = takes part, float
 added. key_padding_mask (B, Lk) bool True = padding. is_causal is top-left aligned. A query row
@@ -24,6 +25,17 @@ import torch
 from torch import Tensor
 
 from .. import backends
+
+
+def empty_in_layout_of(q, shape):
+    """An empty (B, H, L, D) tensor whose B, H, L dims lie in memory in the order q's do (D last,
+    unit stride): the rule of every launcher's ``out`` (kernels/attention.py's function of the same
+    name, csrc/attention_cuda.h's for the cpu / cuda backends).  With q a (B, H, L, D) view of a
+    (B, L, H, D) projection the module's head merge of ``out`` is then a view, not a copy."""
+    order = sorted(range(3), key=lambda i: -q.stride(i))  # stable: ties keep B, H, L order
+    inverse = [order.index(i) for i in range(3)]
+    base = q.new_empty([shape[i] for i in order] + [shape[3]])
+    return base.permute(*inverse, 3)
 
 
 def _launcher(backend: str):
@@ -59,12 +71,8 @@ def attention_fwd(
 @attention_fwd.register_fake
 def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32, backend):
     b, h, lq, _ = q.shape
-    if backend == "triton":  # the Triton launcher lays out out like q (no head-merge copy)
-        from transformer_fast.kernels.attention import empty_in_layout_of
-
-        out = empty_in_layout_of(q, (b, h, lq, v.shape[-1]))
-    else:
-        out = q.new_empty((b, h, lq, v.shape[-1]))
+    # Every launcher lays out out like q (no head-merge copy in the modules).
+    out = empty_in_layout_of(q, (b, h, lq, v.shape[-1]))
     return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
 
@@ -93,6 +101,9 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32, backend):
+    if backend == "triton":  # kernels/attention.py allocates contiguous gradients
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+    # cpu / cuda (csrc/attention_*.cpp/.cu): at::empty_like, the same rule as torch.empty_like
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

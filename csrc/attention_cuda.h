@@ -1,0 +1,99 @@
+// Shared by the attention backends (csrc/attention_cpu.cpp, attention_cuda.cu,
+// attention_fp32_cuda.cu): the output layout rule and the exact-fp32 CUDA entry points.
+// (ops.h holds the op signatures and the argument checks.)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <array>
+#include <optional>
+
+#include "philox.h"
+
+namespace transformer_fast {
+
+// An empty (B, H, L, D') tensor whose B, H, L dims lie in memory in the order q's do, D' last
+// with unit stride: kernels/attention.py's empty_in_layout_of (and the fake in
+// transformer_fast/ops/attention.py).  q/k/v viewed from a packed (B, L, 3, H, D) projection
+// then give an output whose head merge back to (B, L, H*D) is a view, not a copy.
+inline at::Tensor empty_in_layout_of(const at::Tensor& q, std::array<int64_t, 4> shape,
+                                     const at::TensorOptions& options) {
+  std::array<int64_t, 3> order = {0, 1, 2};  // dims by decreasing stride; ties keep B, H, L order
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return q.stride(a) > q.stride(b); });
+  std::array<int64_t, 3> inverse{};
+  for (int64_t pos = 0; pos < 3; ++pos) inverse[order[pos]] = pos;
+  const at::Tensor base =
+      at::empty({shape[order[0]], shape[order[1]], shape[order[2]], shape[3]}, options);
+  return base.permute({inverse[0], inverse[1], inverse[2], 3});
+}
+
+// How the CUDA kernels' Params (attention_cuda.cu, attention_fp32_cuda.cu) encode attn_mask.
+enum AttnMaskType : int { kMaskNone = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBf16 = 3, kMaskFloat = 4 };
+
+// Fills the fields both CUDA kernel families' Params share: element pointers (typed as P's),
+// strides, sizes, mask and dropout settings.  Inputs are checked already; unit stride along D.
+template <typename P>
+P fill_attention_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& attn_mask,
+                        const std::optional<at::Tensor>& kpm, bool causal, double scale,
+                        double dropout_p, const std::optional<at::Tensor>& rng) {
+  P p{};
+  p.q = static_cast<decltype(p.q)>(q.const_data_ptr());
+  p.k = static_cast<decltype(p.k)>(k.const_data_ptr());
+  p.v = static_cast<decltype(p.v)>(v.const_data_ptr());
+  p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_sm = q.stride(2);
+  p.k_sb = k.stride(0), p.k_sh = k.stride(1), p.k_sm = k.stride(2);
+  p.v_sb = v.stride(0), p.v_sh = v.stride(1), p.v_sm = v.stride(2);
+  p.B = static_cast<int>(q.size(0));
+  p.H = static_cast<int>(q.size(1));
+  p.Lq = static_cast<int>(q.size(2));
+  p.D = static_cast<int>(q.size(3));
+  p.Hkv = static_cast<int>(k.size(1));
+  p.Lk = static_cast<int>(k.size(2));
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  p.am_type = kMaskNone;
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    const at::Tensor& m = *attn_mask;
+    p.am = m.const_data_ptr();
+    switch (m.scalar_type()) {
+      case at::kBool: p.am_type = kMaskBool; break;
+      case at::kHalf: p.am_type = kMaskHalf; break;
+      case at::kBFloat16: p.am_type = kMaskBf16; break;
+      default: p.am_type = kMaskFloat; break;
+    }
+    p.am_sb = m.stride(0), p.am_sh = m.stride(1), p.am_sm = m.stride(2), p.am_sn = m.stride(3);
+  }
+  if (kpm.has_value() && kpm->defined()) {
+    p.kpm = kpm->const_data_ptr<bool>();
+    p.kpm_sb = kpm->stride(0), p.kpm_sn = kpm->stride(1);
+  }
+  if (dropout_p > 0.0) {
+    p.rng = rng->const_data_ptr<int64_t>();
+    p.drop_threshold = dropout_threshold(dropout_p);
+    p.drop_scale = dropout_scale(dropout_p);
+  }
+  return p;
+}
+
+// Exact-fp32 attention kernels (attention_fp32_cuda.cu), called by attention_fwd_cuda /
+// attention_bwd_cuda for fp32 inputs after the argument checks.  Every tensor is 4-D with unit
+// stride along D (other strides read as given); attn_mask is (B, H, Lq, Lk) (stride-0 dims
+// allowed), key_padding_mask (B, Lk) bool; lse and delta (B, H, Lq) contiguous fp32.
+void attention_fwd_fp32_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const std::optional<at::Tensor>& attn_mask,
+                             const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                             double scale, double dropout_p, const std::optional<at::Tensor>& rng,
+                             at::Tensor& out, at::Tensor& lse);
+
+void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, const at::Tensor& lse, const at::Tensor& delta,
+                             const std::optional<at::Tensor>& attn_mask,
+                             const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                             double scale, double dropout_p, const std::optional<at::Tensor>& rng,
+                             at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
+}  // namespace transformer_fast

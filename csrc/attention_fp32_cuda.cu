@@ -1,0 +1,604 @@
+// Exact-fp32 masked softmax attention on CUDA: SIMT fp32 FMA flash forward (with lse) and a
+// deterministic flash backward, for the fp32 inputs of the `cuda` backend (attention_cuda.cu's
+// mma.sync kernels take fp16 / bf16 only).  Written without a GPU: it has NEVER RUN ON ONE.  Its
+// kernels are tested in CPU emulation (TF_CUDA_EMULATE; tests/test_attention_cpu.py) against the
+// oracle; races, memory-model issues and speed are unverified until a GPU run.
+//
+// Numerics: exact fp32 always (no tensor cores, so no tf32 even where torch's allow_tf32 would
+// permit it; exact fp32 is always within the DESIGN 6 contract, only slower).  The oracle bound is
+// tightest for fp32, so the arithmetic follows kernels/attention.py's PRECISE mode:
+//   * every contraction over the head dim (q.k, do.v) is summed in three levels (8-wide chunks,
+//     32-wide groups, the groups; a plain sequential FMA dot over D = 256 errs ~2x more than
+//     torch's CPU matmul), with explicit fmaf so that the forward and both backward passes
+//     compute bit-identical scores (p = exp(s - lse) of a row's only key is then exactly 1);
+//   * every tile's contribution to an accumulator over the sequence (O += P V, dQ += dS K,
+//     dK += dS^T Q, dV += (P Z)^T dO) and to the row sum l is summed on its own, then added
+//     (two-level summation);
+//   * exponentials are expf of the difference (s - m), taken first.
+// NaN / Inf propagate like the reference's (a NaN score makes its row NaN; masked probabilities
+// are 0 and still multiply V, as the reference's p @ v does).
+//
+// Layout of every kernel (128 threads = 4 warps; `lane` = one of 32 streamed columns):
+//   fwd_kernel   one CTA per (b, h, BM query rows); warp w owns rows w*RW .. w*RW + RW - 1 (RW =
+//                1024 / DP) in every phase, so the softmax needs no CTA barrier: scores with lane
+//                = key of a 32-key tile, the row max / sum by one lane per row from shared
+//                memory, O (RW rows x DP / 32 columns per lane) += P V with lane = column.
+//   dkdv_kernel  one CTA per (b, kv head, BN keys, BN = 4 * 512 / DP): loops over the query heads
+//                of the GQA group and over 32-query tiles (lane = query): S^T, dP^T, then
+//                dV += (P Z)^T dO and dK += dS^T Q with lane = column.  No atomics.
+//   dq_kernel    one CTA per (b, h, BM query rows), loops over 32-key tiles: dQ += dS K.
+//   delta = rowsum(dO * O) is computed with ATen (in double) before the two backward kernels.
+// Q / K / V / dO tiles live in shared memory with an odd row pitch (DP + 1 floats), so a warp
+// reading one column of 32 rows hits 32 banks; the head dim is padded (zero-filled) to a bucket
+// DP of 64, 128 or 256 (accumulator sizes are compile-time), and query tiles shrink as D grows
+// so that D = 256 fits: per-thread accumulators stay at 32 floats (fwd, dq) or 2 x 16 (dkdv).
+// Tiles are loaded with scalar coalesced loads and not double-buffered: this path exists for
+// correctness of fp32 inputs; its speed has not been measured.
+//
+// Contract (transformer_fast/ops/attention.py): attention_cuda.h.  Dropout keeps (b, h, i, j) iff
+// philox_word(seed, offset, ((b*H + h)*Lq + i)*Lk + j) >= threshold (philox.h), as every backend.
+#include <ATen/core/Tensor.h>
+#ifndef TF_CUDA_EMULATE
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cuda_runtime.h>
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_cuda.h"
+#include "philox.h"
+
+namespace transformer_fast {
+namespace attn_fp32 {
+namespace {
+
+using at::Tensor;
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kWarps = 4;
+constexpr int kTile = 32;   // streamed tile: keys (fwd, dq) or queries (dkdv), one per lane
+constexpr int kChunk = 8;   // head-dim chunk of the dot products (chunked_dots)
+constexpr int kGroup = 32;  // chunks summed within 32-wide groups first
+
+// Rows a warp owns: RW = 1024 / DP query rows (fwd, dq: RW * DP / 32 = 32 accumulators per
+// lane), RWK = 512 / DP keys (dkdv: 16 per lane for each of dK and dV).
+template <int DP>
+constexpr int rows_q() { return 1024 / DP; }
+template <int DP>
+constexpr int rows_kv() { return 512 / DP; }
+
+struct Params {
+  const float* q;
+  const float* k;
+  const float* v;
+  const float* dout;   // backward only
+  const float* lse;    // backward: (B, H, Lq) contiguous
+  const float* delta;  // backward: (B, H, Lq) contiguous
+  float* out;          // forward: out; backward: dq (dq_kernel) / dk (dkdv_kernel)
+  float* out2;         // dkdv_kernel: dv
+  float* lse_out;      // forward: (B, H, Lq) contiguous
+  int64_t q_sb, q_sh, q_sm;
+  int64_t k_sb, k_sh, k_sm;
+  int64_t v_sb, v_sh, v_sm;
+  int64_t do_sb, do_sh, do_sm;
+  int64_t o_sb, o_sh, o_sm;   // out / dq / dk
+  int64_t o2_sb, o2_sh, o2_sm;  // dv
+  int B, H, Hkv, Lq, Lk, D;
+  float scale;
+  bool causal;
+  const void* am;
+  int am_type;
+  int64_t am_sb, am_sh, am_sm, am_sn;
+  const bool* kpm;
+  int64_t kpm_sb, kpm_sn;
+  const int64_t* rng;  // device [seed, offset], null without dropout
+  uint32_t drop_threshold;
+  float drop_scale;
+};
+
+// Copies rows [0, rows) x cols [0, DP) of a row-major global tile (row stride ld, unit column
+// stride) into shared memory (row pitch DP + 1), zero where row >= nrows or col >= D.
+template <int DP>
+__device__ __forceinline__ void load_rows(float* s, const float* src, int64_t ld, int rows,
+                                          int nrows, int D) {
+  for (int idx = threadIdx.x; idx < rows * DP; idx += kThreads) {
+    const int r = idx / DP, c = idx % DP;
+    s[r * (DP + 1) + c] = (r < nrows && c < D) ? src[r * ld + c] : 0.0f;
+  }
+}
+
+// dots[a] = x . y_a over the head dim, for NR rows y_a = ys + a * pitch and one row x (both in
+// shared memory), summed in three levels: 8-wide chunks (sequential FMAs), their sums within
+// 32-wide groups, then the groups.  Sequential fp32 FMA dots err ~2x torch's CPU matmul at
+// D = 256 (and a single 32-wide level still ~1.1x the oracle's bound at D = 32 in 1 of 200
+// draws); three levels keep every sequential run at <= 8 terms.  The sum order depends on d
+// only (and fmaf is commutative), so q_i . k_j is bit-identical whichever side is `x`: the
+// forward and both backward kernels recompute the same scores.
+template <int NR>
+__device__ __forceinline__ void chunked_dots(float dots[NR], const float* x, const float* ys,
+                                             int pitch, int D) {
+#pragma unroll
+  for (int a = 0; a < NR; ++a) dots[a] = 0.0f;
+  for (int g0 = 0; g0 < D; g0 += kGroup) {
+    const int ge = min(D, g0 + kGroup);
+    float group[NR];
+#pragma unroll
+    for (int a = 0; a < NR; ++a) group[a] = 0.0f;
+    for (int c0 = g0; c0 < ge; c0 += kChunk) {
+      const int ce = min(ge, c0 + kChunk);
+      float part[NR];
+#pragma unroll
+      for (int a = 0; a < NR; ++a) part[a] = 0.0f;
+      for (int d = c0; d < ce; ++d) {
+        const float xd = x[d];
+#pragma unroll
+        for (int a = 0; a < NR; ++a) part[a] = fmaf(xd, ys[a * pitch + d], part[a]);
+      }
+#pragma unroll
+      for (int a = 0; a < NR; ++a) group[a] += part[a];
+    }
+#pragma unroll
+    for (int a = 0; a < NR; ++a) dots[a] += group[a];
+  }
+}
+
+// Score of (query i, key j) from the raw dot product: scaled, masked (-inf), float mask added.
+__device__ __forceinline__ float masked_score(const Params& p, int b, int h, int i, int j,
+                                              float dot) {
+  if (j >= p.Lk || i >= p.Lq) return -INFINITY;
+  if (p.causal && j > i) return -INFINITY;
+  if (p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) return -INFINITY;
+  float s = dot * p.scale;
+  if (p.am_type != kMaskNone) {
+    const int64_t off = b * p.am_sb + h * p.am_sh + i * p.am_sm + j * p.am_sn;
+    switch (p.am_type) {
+      case kMaskBool:
+        if (!static_cast<const bool*>(p.am)[off]) return -INFINITY;
+        break;
+      case kMaskHalf:
+        s += __half2float(static_cast<const __half*>(p.am)[off]);
+        break;
+      case kMaskBf16:
+        s += __bfloat162float(static_cast<const __nv_bfloat16*>(p.am)[off]);
+        break;
+      default:
+        s += static_cast<const float*>(p.am)[off];
+        break;
+    }
+  }
+  return s;
+}
+
+__device__ __forceinline__ float drop_factor(const Params& p, uint64_t seed, uint64_t offset,
+                                             int b, int h, int i, int j) {
+  if (p.rng == nullptr) return 1.0f;
+  const uint64_t idx = ((static_cast<uint64_t>(b) * p.H + h) * p.Lq + i) * p.Lk + j;
+  return philox_word(seed, offset, idx) >= p.drop_threshold ? p.drop_scale : 0.0f;
+}
+
+// p = exp(s - lse) of a recomputed score: 0 for a masked score and for a dead row (lse -inf).
+__device__ __forceinline__ float recompute_p(float s, float lse) {
+  return (s == -INFINITY || lse == -INFINITY) ? 0.0f : expf(s - lse);
+}
+
+// max that propagates NaN (fmaxf drops it, which would turn a NaN row into a dead row).
+__device__ __forceinline__ float nan_max(float m, float x) { return (x > m || x != x) ? x : m; }
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
+  constexpr int RW = rows_q<DP>(), BM = kWarps * RW, NC = DP / 32, pitch = DP + 1;
+  extern __shared__ __align__(16) uint16_t smem[];
+  float* Qs = reinterpret_cast<float*>(smem);  // [BM][pitch]
+  float* Ks = Qs + BM * pitch;                  // [kTile][pitch]
+  float* Vs = Ks + kTile * pitch;               // [kTile][pitch]
+  float* Ps = Vs + kTile * pitch;               // [BM][kTile] scores, then P * Z (dropped)
+  float* Us = Ps + BM * kTile;                  // [BM][kTile] P (for the row sum)
+  float* Ms = Us + BM * kTile;                  // [BM] the row's exponent base m, then its l
+  float* As = Ms + BM;                          // [BM] the row's rescale factor alpha
+
+  const int nmb = (p.Lq + BM - 1) / BM;
+  const int mb = blockIdx.x % nmb, bh = blockIdx.x / nmb;
+  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int m0 = mb * BM, r0 = warp * RW;  // r0: this warp's first row within the CTA
+
+  uint64_t seed = 0, offset = 0;
+  if (p.rng != nullptr) {
+    seed = static_cast<uint64_t>(p.rng[0]);
+    offset = static_cast<uint64_t>(p.rng[1]);
+  }
+  const float* kh = p.k + b * p.k_sb + hk * p.k_sh;
+  const float* vh = p.v + b * p.v_sb + hk * p.v_sh;
+  load_rows<DP>(Qs, p.q + b * p.q_sb + h * p.q_sh + m0 * p.q_sm, p.q_sm, BM, p.Lq - m0, p.D);
+
+  float o[RW][NC];  // O of rows r0 + a, columns lane + 32 c
+#pragma unroll
+  for (int a = 0; a < RW; ++a) {
+#pragma unroll
+    for (int c = 0; c < NC; ++c) o[a][c] = 0.0f;
+  }
+  // Running max and sum of row r0 + lane, kept by lanes < RW.
+  float m_run = -INFINITY, l_run = 0.0f;
+
+  const int n_end = p.causal ? min(p.Lk, m0 + BM) : p.Lk;  // causal: nothing past the last row
+  for (int n0 = 0; n0 < n_end; n0 += kTile) {
+    __syncthreads();  // every warp is done with the previous K / V tile
+    load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
+    load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
+    __syncthreads();  // the tile (and at n0 = 0 the Q rows) is visible to every warp
+
+    // Scores: lane = key n0 + lane against the warp's RW rows.
+    float s[RW];
+    chunked_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
+    const int j = n0 + lane;
+#pragma unroll
+    for (int a = 0; a < RW; ++a) Ps[(r0 + a) * kTile + lane] = masked_score(p, b, h, m0 + r0 + a, j, s[a]);
+    __syncwarp();
+    if (lane < RW) {  // one lane per row: the new max, the exponent base, the rescale factor
+      const float* row = Ps + (r0 + lane) * kTile;
+      float m_new = m_run;
+      for (int c = 0; c < kTile; ++c) m_new = nan_max(m_new, row[c]);
+      // All masked so far: exponentiate against 0 (exp(-inf) = 0), nothing to rescale.
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      Ms[r0 + lane] = m_use;
+      As[r0 + lane] = expf(m_run - m_use);
+      m_run = m_new;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int a = 0; a < RW; ++a) {
+      const int r = r0 + a;
+      const float sc = Ps[r * kTile + lane];
+      const float pe = sc == -INFINITY ? 0.0f : expf(sc - Ms[r]);
+      Us[r * kTile + lane] = pe;  // the softmax denominator counts dropped elements too
+      Ps[r * kTile + lane] = pe == 0.0f ? pe : pe * drop_factor(p, seed, offset, b, h, m0 + r, j);
+    }
+    __syncwarp();
+    if (lane < RW) {  // l = l * alpha + (this tile's row sum, summed on its own)
+      const float* row = Us + (r0 + lane) * kTile;
+      float tile_sum = 0.0f;
+      for (int c = 0; c < kTile; ++c) tile_sum += row[c];
+      l_run = fmaf(l_run, As[r0 + lane], tile_sum);
+    }
+    // O = O * alpha + P V (the tile's product summed on its own).  No skip of p == 0: a NaN / Inf
+    // in V stays visible, as in the reference's p @ v.
+#pragma unroll
+    for (int a = 0; a < RW; ++a) {
+      const float* prow = Ps + (r0 + a) * kTile;
+      float t[NC];
+#pragma unroll
+      for (int c = 0; c < NC; ++c) t[c] = 0.0f;
+      for (int jj = 0; jj < kTile; ++jj) {
+        const float pj = prow[jj];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) t[c] = fmaf(pj, Vs[jj * pitch + lane + 32 * c], t[c]);
+      }
+      const float alpha = As[r0 + a];
+#pragma unroll
+      for (int c = 0; c < NC; ++c) o[a][c] = fmaf(o[a][c], alpha, t[c]);
+    }
+  }
+
+  // Finalise: O / l and lse = m + log(l); a row with nothing visible (l = 0) gets 0 and -inf.
+  // (A NaN / +Inf score makes l NaN: the row is NaN, as in the reference.)
+  __syncwarp();  // every lane has read As / Ms of the last tile
+  if (lane < RW) {
+    const int i = m0 + r0 + lane;
+    Ms[r0 + lane] = l_run;
+    if (i < p.Lq) {
+      p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = l_run == 0.0f ? -INFINITY : m_run + logf(l_run);
+    }
+  }
+  __syncwarp();
+  float* oh = p.out + b * p.o_sb + h * p.o_sh;
+#pragma unroll
+  for (int a = 0; a < RW; ++a) {
+    const int i = m0 + r0 + a;
+    const float l = Ms[r0 + a];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int d = lane + 32 * c;
+      if (i < p.Lq && d < p.D) oh[i * p.o_sm + d] = l == 0.0f ? 0.0f : o[a][c] / l;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: dK, dV
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
+  constexpr int RW = rows_kv<DP>(), BN = kWarps * RW, NC = DP / 32, pitch = DP + 1;
+  extern __shared__ __align__(16) uint16_t smem[];
+  float* Ks = reinterpret_cast<float*>(smem);  // [BN][pitch]
+  float* Vs = Ks + BN * pitch;                  // [BN][pitch]
+  float* Qs = Vs + BN * pitch;                  // [kTile][pitch] query tile
+  float* Os = Qs + kTile * pitch;               // [kTile][pitch] dO tile
+  float* Zs = Os + kTile * pitch;               // [BN][kTile] (P Z)^T
+  float* Ss = Zs + BN * kTile;                  // [BN][kTile] dS^T
+  float* Ls = Ss + BN * kTile;                  // [kTile] lse of the query tile
+  float* Ds = Ls + kTile;                       // [kTile] delta of the query tile
+
+  const int nnb = (p.Lk + BN - 1) / BN;
+  const int nb = blockIdx.x % nnb, bhk = blockIdx.x / nnb;
+  const int b = bhk / p.Hkv, hk = bhk % p.Hkv, group = p.H / p.Hkv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n0 = nb * BN, r0 = warp * RW;
+
+  uint64_t seed = 0, offset = 0;
+  if (p.rng != nullptr) {
+    seed = static_cast<uint64_t>(p.rng[0]);
+    offset = static_cast<uint64_t>(p.rng[1]);
+  }
+  load_rows<DP>(Ks, p.k + b * p.k_sb + hk * p.k_sh + n0 * p.k_sm, p.k_sm, BN, p.Lk - n0, p.D);
+  load_rows<DP>(Vs, p.v + b * p.v_sb + hk * p.v_sh + n0 * p.v_sm, p.v_sm, BN, p.Lk - n0, p.D);
+
+  float dk[RW][NC], dv[RW][NC];  // keys n0 + r0 + a, columns lane + 32 c
+#pragma unroll
+  for (int a = 0; a < RW; ++a) {
+#pragma unroll
+    for (int c = 0; c < NC; ++c) dk[a][c] = dv[a][c] = 0.0f;
+  }
+  const int m_start = p.causal ? (n0 / kTile) * kTile : 0;  // rows i < n0 see none of these keys
+  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    const int64_t bh = static_cast<int64_t>(b) * p.H + h;
+    const float* qh = p.q + b * p.q_sb + h * p.q_sh;
+    const float* doh = p.dout + b * p.do_sb + h * p.do_sh;
+    for (int m0 = m_start; m0 < p.Lq; m0 += kTile) {
+      __syncthreads();  // every warp is done with the previous query tile
+      load_rows<DP>(Qs, qh + m0 * p.q_sm, p.q_sm, kTile, p.Lq - m0, p.D);
+      load_rows<DP>(Os, doh + m0 * p.do_sm, p.do_sm, kTile, p.Lq - m0, p.D);
+      for (int r = threadIdx.x; r < kTile; r += kThreads) {  // rows >= Lq: lse -inf, so p = 0
+        const bool in = m0 + r < p.Lq;
+        Ls[r] = in ? p.lse[bh * p.Lq + m0 + r] : -INFINITY;
+        Ds[r] = in ? p.delta[bh * p.Lq + m0 + r] : 0.0f;
+      }
+      __syncthreads();  // the tile (and at the start the K / V rows) is visible to every warp
+
+      // lane = query m0 + lane against the warp's RW keys.
+      float s[RW], dp[RW];
+      chunked_dots<RW>(s, Qs + lane * pitch, Ks + r0 * pitch, pitch, p.D);
+      chunked_dots<RW>(dp, Os + lane * pitch, Vs + r0 * pitch, pitch, p.D);
+      const int i = m0 + lane;
+      const float l = Ls[lane], dl = Ds[lane];
+#pragma unroll
+      for (int a = 0; a < RW; ++a) {
+        const int j = n0 + r0 + a;
+        const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), l);
+        const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
+        Zs[(r0 + a) * kTile + lane] = pe * z;
+        Ss[(r0 + a) * kTile + lane] = pe * (dp[a] * z - dl);
+      }
+      __syncwarp();
+      // dV += (P Z)^T dO, dK += dS^T Q (each tile's product summed on its own), lane = column.
+#pragma unroll
+      for (int a = 0; a < RW; ++a) {
+        const float* zrow = Zs + (r0 + a) * kTile;
+        const float* srow = Ss + (r0 + a) * kTile;
+        float tv[NC], tk[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) tv[c] = tk[c] = 0.0f;
+        for (int ii = 0; ii < kTile; ++ii) {
+          const float zi = zrow[ii], si = srow[ii];
+#pragma unroll
+          for (int c = 0; c < NC; ++c) {
+            tv[c] = fmaf(zi, Os[ii * pitch + lane + 32 * c], tv[c]);
+            tk[c] = fmaf(si, Qs[ii * pitch + lane + 32 * c], tk[c]);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          dv[a][c] += tv[c];
+          dk[a][c] += tk[c];
+        }
+      }
+    }
+  }
+  float* dkh = p.out + b * p.o_sb + hk * p.o_sh;
+  float* dvh = p.out2 + b * p.o2_sb + hk * p.o2_sh;
+#pragma unroll
+  for (int a = 0; a < RW; ++a) {
+    const int j = n0 + r0 + a;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int d = lane + 32 * c;
+      if (j < p.Lk && d < p.D) {
+        dkh[j * p.o_sm + d] = dk[a][c] * p.scale;
+        dvh[j * p.o2_sm + d] = dv[a][c];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: dQ
+
+template <int DP>
+__global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
+  constexpr int RW = rows_q<DP>(), BM = kWarps * RW, NC = DP / 32, pitch = DP + 1;
+  extern __shared__ __align__(16) uint16_t smem[];
+  float* Qs = reinterpret_cast<float*>(smem);  // [BM][pitch]
+  float* Os = Qs + BM * pitch;                  // [BM][pitch] dO rows
+  float* Ks = Os + BM * pitch;                  // [kTile][pitch]
+  float* Vs = Ks + kTile * pitch;               // [kTile][pitch]
+  float* Ss = Vs + kTile * pitch;               // [BM][kTile] dS
+  float* Ls = Ss + BM * kTile;                  // [BM] lse
+  float* Ds = Ls + BM;                          // [BM] delta
+
+  const int nmb = (p.Lq + BM - 1) / BM;
+  const int mb = blockIdx.x % nmb, bh = blockIdx.x / nmb;
+  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int m0 = mb * BM, r0 = warp * RW;
+
+  uint64_t seed = 0, offset = 0;
+  if (p.rng != nullptr) {
+    seed = static_cast<uint64_t>(p.rng[0]);
+    offset = static_cast<uint64_t>(p.rng[1]);
+  }
+  const float* kh = p.k + b * p.k_sb + hk * p.k_sh;
+  const float* vh = p.v + b * p.v_sb + hk * p.v_sh;
+  load_rows<DP>(Qs, p.q + b * p.q_sb + h * p.q_sh + m0 * p.q_sm, p.q_sm, BM, p.Lq - m0, p.D);
+  load_rows<DP>(Os, p.dout + b * p.do_sb + h * p.do_sh + m0 * p.do_sm, p.do_sm, BM, p.Lq - m0, p.D);
+  for (int r = threadIdx.x; r < BM; r += kThreads) {  // rows >= Lq: lse -inf, so p = 0
+    const bool in = m0 + r < p.Lq;
+    Ls[r] = in ? p.lse[static_cast<int64_t>(bh) * p.Lq + m0 + r] : -INFINITY;
+    Ds[r] = in ? p.delta[static_cast<int64_t>(bh) * p.Lq + m0 + r] : 0.0f;
+  }
+
+  float dq[RW][NC];
+#pragma unroll
+  for (int a = 0; a < RW; ++a) {
+#pragma unroll
+    for (int c = 0; c < NC; ++c) dq[a][c] = 0.0f;
+  }
+  const int n_end = p.causal ? min(p.Lk, m0 + BM) : p.Lk;
+  for (int n0 = 0; n0 < n_end; n0 += kTile) {
+    __syncthreads();  // every warp is done with the previous K / V tile
+    load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
+    load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
+    __syncthreads();  // the tile (and at n0 = 0 the Q / dO rows and stats) is visible
+
+    float s[RW], dp[RW];  // lane = key n0 + lane
+    chunked_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
+    chunked_dots<RW>(dp, Vs + lane * pitch, Os + r0 * pitch, pitch, p.D);
+    const int j = n0 + lane;
+#pragma unroll
+    for (int a = 0; a < RW; ++a) {
+      const int r = r0 + a, i = m0 + r;
+      const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r]);
+      const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
+      Ss[r * kTile + lane] = pe * (dp[a] * z - Ds[r]);
+    }
+    __syncwarp();
+    // dQ += dS K (the tile's product summed on its own), lane = column.
+#pragma unroll
+    for (int a = 0; a < RW; ++a) {
+      const float* srow = Ss + (r0 + a) * kTile;
+      float t[NC];
+#pragma unroll
+      for (int c = 0; c < NC; ++c) t[c] = 0.0f;
+      for (int jj = 0; jj < kTile; ++jj) {
+        const float sj = srow[jj];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) t[c] = fmaf(sj, Ks[jj * pitch + lane + 32 * c], t[c]);
+      }
+#pragma unroll
+      for (int c = 0; c < NC; ++c) dq[a][c] += t[c];
+    }
+  }
+  float* dqh = p.out + b * p.o_sb + h * p.o_sh;
+#pragma unroll
+  for (int a = 0; a < RW; ++a) {
+    const int i = m0 + r0 + a;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int d = lane + 32 * c;
+      if (i < p.Lq && d < p.D) dqh[i * p.o_sm + d] = dq[a][c] * p.scale;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+// Shared-memory bytes of each kernel (float counts as laid out at the top of the kernels).
+template <int DP>
+size_t fwd_smem() {
+  constexpr int BM = kWarps * rows_q<DP>();
+  return sizeof(float) * ((BM + 2 * kTile) * (DP + 1) + 2 * BM * kTile + 2 * BM);
+}
+template <int DP>
+size_t dkdv_smem() {
+  constexpr int BN = kWarps * rows_kv<DP>();
+  return sizeof(float) * ((2 * BN + 2 * kTile) * (DP + 1) + 2 * BN * kTile + 2 * kTile);
+}
+template <int DP>
+size_t dq_smem() {
+  constexpr int BM = kWarps * rows_q<DP>();
+  return sizeof(float) * ((2 * BM + 2 * kTile) * (DP + 1) + BM * kTile + 2 * BM);
+}
+
+#ifndef TF_CUDA_EMULATE
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, size_t smem, const Params& p) {
+  TORCH_CHECK(blocks < (int64_t{1} << 31), "attention (cuda, fp32): too many CTAs (", blocks, ")");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+#endif  // TF_CUDA_EMULATE (the emulation harness provides launch)
+
+int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
+
+
+template <int DP>
+void run_fwd(const Params& p) {
+  constexpr int BM = kWarps * rows_q<DP>();
+  launch(fwd_kernel<DP>, int64_t{p.B} * p.H * ((p.Lq + BM - 1) / BM), fwd_smem<DP>(), p);
+}
+
+template <int DP>
+void run_bwd(const Params& pkv, const Params& pq) {
+  constexpr int BN = kWarps * rows_kv<DP>(), BM = kWarps * rows_q<DP>();
+  launch(dkdv_kernel<DP>, int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + BN - 1) / BN), dkdv_smem<DP>(), pkv);
+  launch(dq_kernel<DP>, int64_t{pq.B} * pq.H * ((pq.Lq + BM - 1) / BM), dq_smem<DP>(), pq);
+}
+
+}  // namespace
+}  // namespace attn_fp32
+
+void attention_fwd_fp32_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const std::optional<at::Tensor>& attn_mask,
+                             const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                             double scale, double dropout_p, const std::optional<at::Tensor>& rng,
+                             at::Tensor& out, at::Tensor& lse) {
+  auto p = fill_attention_params<attn_fp32::Params>(q, k, v, attn_mask, key_padding_mask, is_causal, scale,
+                                                    dropout_p, rng);
+  p.out = out.mutable_data_ptr<float>();
+  p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_sm = out.stride(2);
+  p.lse_out = lse.mutable_data_ptr<float>();
+  switch (attn_fp32::bucket(p.D)) {
+    case 64: attn_fp32::run_fwd<64>(p); break;
+    case 128: attn_fp32::run_fwd<128>(p); break;
+    default: attn_fp32::run_fwd<256>(p); break;
+  }
+}
+
+void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& lse, const at::Tensor& delta,
+                             const std::optional<at::Tensor>& attn_mask,
+                             const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                             double scale, double dropout_p, const std::optional<at::Tensor>& rng,
+                             at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  auto p = fill_attention_params<attn_fp32::Params>(q, k, v, attn_mask, key_padding_mask, is_causal, scale,
+                                                    dropout_p, rng);
+  p.dout = dout.const_data_ptr<float>();
+  p.do_sb = dout.stride(0), p.do_sh = dout.stride(1), p.do_sm = dout.stride(2);
+  p.lse = lse.const_data_ptr<float>();
+  p.delta = delta.const_data_ptr<float>();
+  attn_fp32::Params pkv = p, pq = p;
+  pkv.out = dk.mutable_data_ptr<float>();
+  pkv.o_sb = dk.stride(0), pkv.o_sh = dk.stride(1), pkv.o_sm = dk.stride(2);
+  pkv.out2 = dv.mutable_data_ptr<float>();
+  pkv.o2_sb = dv.stride(0), pkv.o2_sh = dv.stride(1), pkv.o2_sm = dv.stride(2);
+  pq.out = dq.mutable_data_ptr<float>();
+  pq.o_sb = dq.stride(0), pq.o_sh = dq.stride(1), pq.o_sm = dq.stride(2);
+  switch (attn_fp32::bucket(p.D)) {
+    case 64: attn_fp32::run_bwd<64>(pkv, pq); break;
+    case 128: attn_fp32::run_bwd<128>(pkv, pq); break;
+    default: attn_fp32::run_bwd<256>(pkv, pq); break;
+  }
+}
+
+}  // namespace transformer_fast
