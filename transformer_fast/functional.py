@@ -250,24 +250,33 @@ backends.register(
     "scaled_dot_product_attention", "triton", _fused_attention_support("triton")
 )
 
-# Whether _C holds the C++ attention kernels (an extension built before them lacks them); read
-# once at import so that selection traced by torch.compile reads plain values.
-_ATTENTION_CXX = {
-    name: backends.extension_status()[0] and backends.cxx_op_has_kernel("attention_fwd", key)
-    for name, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-}
+def _cxx_kernel_check(cxx_op, what):
+    """A check that the C++ op ``cxx_op`` has a kernel for the backend's device (an extension
+    built before it lacks it), read once at import so that selection traced by torch.compile
+    reads plain values."""
+    built = {
+        name: backends.extension_status()[0] and backends.cxx_op_has_kernel(cxx_op, key)
+        for name, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+    }
+
+    def reasons(backend):
+        if built[backend]:
+            return []
+        return [f"transformer_fast._C has no {backend} {what} kernels (rebuild the extension)"]
+
+    return reasons
+
+
+_attention_built = _cxx_kernel_check("attention_fwd", "attention")
 
 
 def _cxx_attention_support(backend):
     fused = _fused_attention_support(backend)
 
     def check(inputs):
-        reasons = fused(inputs)
-        if not _ATTENTION_CXX[backend]:
-            reasons.append(f"transformer_fast._C has no {backend} attention kernels (rebuild the extension)")
         # fp32 runs everywhere: on cuda the exact-fp32 SIMT kernels of csrc/attention_fp32_cuda.cu
         # (fp16 / bf16 take the mma.sync kernels of csrc/attention_cuda.cu).
-        return reasons
+        return fused(inputs) + _attention_built(backend)
 
     return check
 
@@ -312,12 +321,7 @@ def _fused_masked_softmax_support(backend):
 
 backends.register("attention_with_kv_cache", "triton", _fused_kv_cache_support("triton"))
 
-# Whether _C holds the C++ KV-cache kernels (csrc/decode_cpu.cpp, csrc/decode_cuda.cu); read once
-# at import, like _ATTENTION_CXX.
-_KV_CACHE_CXX = {
-    name: backends.extension_status()[0] and backends.cxx_op_has_kernel("attention_with_kv_cache_fwd", key)
-    for name, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-}
+_kv_cache_built = _cxx_kernel_check("attention_with_kv_cache_fwd", "KV-cache")
 
 
 def _cxx_kv_cache_support(backend):
@@ -332,9 +336,7 @@ def _cxx_kv_cache_support(backend):
             isinstance(t, torch.Tensor) and t.requires_grad for t in inputs.values()
         ):
             reasons.append(f"{backend} decoding is inference only (an input requires grad)")
-        if not _KV_CACHE_CXX[backend]:
-            reasons.append(f"transformer_fast._C has no {backend} KV-cache kernels (rebuild the extension)")
-        return reasons
+        return reasons + _kv_cache_built(backend)
 
     return check
 
@@ -344,22 +346,14 @@ for _name in ("cpu", "cuda"):
 
 backends.register("masked_softmax", "triton", _fused_masked_softmax_support("triton"))
 
-# Whether _C holds the C++ masked_softmax kernels (csrc/masked_softmax_{cpu.cpp,cuda.cu}); read
-# once at import, like _ATTENTION_CXX.
-_MASKED_SOFTMAX_CXX = {
-    name: backends.extension_status()[0] and backends.cxx_op_has_kernel("masked_softmax_fwd", key)
-    for name, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-}
+_masked_softmax_built = _cxx_kernel_check("masked_softmax_fwd", "masked_softmax")
 
 
 def _cxx_masked_softmax_support(backend):
     fused = _fused_masked_softmax_support(backend)
 
     def check(inputs):
-        reasons = fused(inputs)
-        if not _MASKED_SOFTMAX_CXX[backend]:
-            reasons.append(f"transformer_fast._C has no {backend} masked_softmax kernels (rebuild the extension)")
-        return reasons
+        return fused(inputs) + _masked_softmax_built(backend)
 
     return check
 
