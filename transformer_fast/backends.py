@@ -221,6 +221,15 @@ def requested_backend(backend: str | None = None) -> str:
     if backend is not None:
         _validate_name(backend, "backend")
         return backend
+    return _ambient_backend()
+
+
+# torch.compile reads the selection once, while tracing, as a constant (as it reads any other
+# setting): torch 2.11's dynamo cannot trace ContextVar.get (a graph break, so fullgraph=True
+# failed), torch 2.14's can.
+@torch.compiler.assume_constant_result
+def _ambient_backend() -> str:
+    """The innermost use_backend(...), else TRANSFORMER_FAST_BACKEND, else "auto"."""
     ctx = _current.get()
     if ctx is not None:
         return ctx

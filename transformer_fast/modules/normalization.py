@@ -60,8 +60,6 @@ class LayerNorm(torch.nn.Module):
     def forward(self, input: Tensor) -> Tensor:
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
-    def extra_repr(self) -> str:
-        return (
-            "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}, "
-            "bias={use_bias}".format(**self.__dict__, use_bias=self.bias is not None)
-        )
+    # The installed torch's own repr (it reads the same attributes): torch 2.14 prints bias=,
+    # 2.11 does not, and a drop-in prints what the torch beside it prints.
+    extra_repr = torch.nn.LayerNorm.extra_repr
