@@ -285,6 +285,7 @@ def test_dropout_statistics(backend, p):
     torch.testing.assert_close(y[kept], x[kept] / (1 - p))
 
 
+@pytest.mark.triton
 def test_fused_backends_drop_the_same_elements():
     """cpu and triton (and cuda, when present) share one Philox stream: same seed, same mask,
     equal to transformer_fast.philox's."""
