@@ -125,33 +125,6 @@ using Vec = at::vec::Vectorized<float>;
 
 constexpr int64_t kV = Vec::size();
 
-// float / Half / BFloat16 only (checked before): a light AT_DISPATCH without double.
-template <typename F>
-void dispatch_dtype(c10::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "add_layer_norm: unsupported dtype ", t);
-  }
-}
-
-// Row of T -> fp32 (no copy for float).
-template <typename T>
-const float* row_as_float(const T* src, int64_t n, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    at::vec::convert(src, buf, n);
-    return buf;
-  }
-}
-
-template <typename T>
-void store_row(const float* src, T* dst, int64_t n) {
-  at::vec::convert(src, dst, n);  // vectorised float->float copy or float->half/bf16 rounding
-}
-
 // h = r + x (* m) into hbuf; returns sum(h).
 double residual_add(const float* x, const float* r, const float* m, float* h, int64_t n) {
   RowSum s;
@@ -209,10 +182,7 @@ void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double d
   const uint64_t offset = drop ? static_cast<uint64_t>(rng[1]) : 0;
   const uint32_t threshold = dropout_threshold(dropout_p);
   const float scale = dropout_scale(dropout_p);
-  // ~64 KiB of row data per task at least, so small problems are not split across threads.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
-
-  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
     const bool reduced = !std::is_same_v<T, float>;
     std::vector<float> buf(static_cast<size_t>(N) * (2 + (reduced ? 2 : 0) + (drop ? 1 : 0)));
     float* hbuf = buf.data();
@@ -357,7 +327,7 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
 
 // out[j] = sum_g part[g, j] in a fixed order, written in out's dtype.
 void reduce_partials(const double* part, int64_t groups, int64_t N, Tensor& out) {
-  dispatch_dtype(out.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype("add_layer_norm", out.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
@@ -375,7 +345,7 @@ void reduce_partials(const double* part, int64_t groups, int64_t N, Tensor& out)
 // Non-template launchers, defined inside the target region (so the kernels instantiate there).
 void run_fwd(const Tensor& x, const Tensor& r, Params p, double eps, double dropout_p,
              const int64_t* rng, Tensor& y, Tensor* h_out, Tensor& mean, Tensor& rstd) {
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype("add_layer_norm", x.scalar_type(), [&](auto tag) {
     fwd_kernel<decltype(tag)>(x, r, p, eps, dropout_p, rng, y, h_out, mean, rstd);
   });
 }
@@ -383,7 +353,7 @@ void run_fwd(const Tensor& x, const Tensor& r, Params p, double eps, double drop
 void run_bwd(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tensor& r, Params p,
              const Tensor& mean, const Tensor& rstd, double dropout_p, const int64_t* rng,
              Tensor* dx, Tensor& dres, double* dw_part, double* db_part, int64_t groups) {
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype("add_layer_norm", x.scalar_type(), [&](auto tag) {
     bwd_kernel<decltype(tag)>(dy, dh, x, r, p, mean, rstd, dropout_p, rng, dx, dres, dw_part,
                               db_part, groups);
   });

@@ -11,6 +11,13 @@
 // compiled for AVX2), at file scope, once per file; everything it defines has internal linkage.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
 #if defined(__x86_64__) && !defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
 #define TF_CPU_AVX2_PRAGMA 1
 #define CPU_CAPABILITY AVX2
@@ -65,6 +72,39 @@ struct RowSum {
     return total;
   }
 };
+
+// The fp32 / fp16 / bf16 dispatch of the CPU kernels (inputs checked before): a light
+// AT_DISPATCH without double; `op` names the op in the error.
+template <typename F>
+void dispatch_float_dtype(const char* op, c10::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", t);
+  }
+}
+
+// A row of T as fp32: the row itself for float, else converted into buf.
+template <typename T>
+const float* row_as_float(const T* src, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    at::vec::convert(src, buf, n);
+    return buf;
+  }
+}
+
+// fp32 -> T: a vectorised copy, or rounding to half / bf16.
+template <typename T>
+void store_row(const float* src, T* dst, int64_t n) {
+  at::vec::convert(src, dst, n);
+}
+
+// Rows per at::parallel_for task for rows of n elements: ~64 KiB of row data at least, so that
+// small problems are not split across threads.
+inline int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
 
 }  // namespace
 }  // namespace transformer_fast

@@ -131,16 +131,6 @@ constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 constexpr float kSqrt2OverPi = 0.79788456080286536f;
 constexpr float kGeluC = 0.044715f;
 
-template <typename F>
-void dispatch_ffn_dtype(c10::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "ffn: unsupported dtype ", t);
-  }
-}
-
 struct Drop {
   bool on = false;
   uint64_t seed = 0, offset = 0;
@@ -205,18 +195,6 @@ inline float act_grad_scalar(float x, FfnAct act) {
   return 0.5f * (1.0f + t) + 0.5f * x * sech2 * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
 }
 
-template <typename T>
-const float* load_row(const T* src, int64_t n, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    at::vec::convert(src, buf, n);
-    return buf;
-  }
-}
-
-int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
-
 // Forward epilogue over mm (M, N) contiguous: pre = mm + b (in place when pre is kept),
 // y = dropout(act(pre)) into y (which may be mm itself).
 template <typename T>
@@ -232,7 +210,7 @@ void fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, boo
     for (int64_t i = begin; i < end; ++i) {
       T* mrow = mp + i * N;
       T* yrow = yp + i * N;
-      const float* in = load_row(mrow, N, vbuf);
+      const float* in = row_as_float(mrow, N, vbuf);
       if (dr.on) keep_factors(dr, static_cast<uint64_t>(i) * N, N, fbuf);
       float* pre_out = std::is_same_v<T, float> ? reinterpret_cast<float*>(mrow) : vbuf;
       float* y_out = std::is_same_v<T, float> ? reinterpret_cast<float*>(yrow) : obuf;
@@ -277,11 +255,11 @@ void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, T
     float* fbuf = abuf + N;
     float* obuf = fbuf + N;
     for (int64_t i = begin; i < end; ++i) {
-      const float* gr = load_row(gp + i * sg, N, gbuf);
+      const float* gr = row_as_float(gp + i * sg, N, gbuf);
       // fp32: straight into d's row (d may be g itself: each vector is read before it is
       // written); 16-bit: through obuf and one conversion.
       float* orow = std::is_same_v<T, float> ? reinterpret_cast<float*>(dp + i * N) : obuf;
-      const float* ar = ap ? load_row(ap + i * sa, N, abuf) : nullptr;
+      const float* ar = ap ? row_as_float(ap + i * sa, N, abuf) : nullptr;
       const bool mask = dr.on && act != FfnAct::kRelu;  // relu: y > 0 already implies kept
       if (mask) keep_factors(dr, static_cast<uint64_t>(i) * N, N, fbuf);
       int64_t j = 0;
@@ -327,7 +305,7 @@ void col_sum_kernel(const Tensor& t, Tensor& out) {
     std::vector<float> rowbuf(static_cast<size_t>(n));
     double* a = acc.data();
     for (int64_t r = 0; r < M; ++r) {
-      const float* row = load_row(tp + r * ld + c0, n, rowbuf.data());
+      const float* row = row_as_float(tp + r * ld + c0, n, rowbuf.data());
       int64_t j = 0;
 #ifdef TF_CPU_AVX2_PRAGMA
       for (; j + 4 <= n; j += 4) {
@@ -342,17 +320,17 @@ void col_sum_kernel(const Tensor& t, Tensor& out) {
 }
 
 void run_col_sum(const Tensor& t, Tensor& out) {
-  dispatch_ffn_dtype(t.scalar_type(), [&](auto tag) { col_sum_kernel<decltype(tag)>(t, out); });
+  dispatch_float_dtype("ffn", t.scalar_type(), [&](auto tag) { col_sum_kernel<decltype(tag)>(t, out); });
 }
 
 void run_fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, bool keep_pre, Tensor& y) {
-  dispatch_ffn_dtype(mm.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype("ffn", mm.scalar_type(), [&](auto tag) {
     fwd_epilogue<decltype(tag)>(mm, bias, act, dr, keep_pre, y);
   });
 }
 
 void run_dact(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, Tensor& d) {
-  dispatch_ffn_dtype(g.scalar_type(), [&](auto tag) { dact_pass<decltype(tag)>(g, aux, act, dr, d); });
+  dispatch_float_dtype("ffn", g.scalar_type(), [&](auto tag) { dact_pass<decltype(tag)>(g, aux, act, dr, d); });
 }
 
 }  // namespace

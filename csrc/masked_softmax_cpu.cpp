@@ -90,17 +90,6 @@ inline int64_t row_offset(int64_t row, int64_t H, int64_t Lq, int64_t sb, int64_
   return (bh / H) * sb + (bh % H) * sh + i * sm;
 }
 
-// A row of T as fp32: the row itself for float, else converted into buf.
-template <typename T>
-const float* row_as_float(const T* src, int64_t n, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    at::vec::convert(src, buf, n);
-    return buf;
-  }
-}
-
 // The mask's entries [0, n) of one row as fp32: 1/0 (takes part / removed) for a bool mask, the
 // additive value for a float one.  A contiguous fp32 mask row is used in place.
 const float* mask_row(const FwdArgs& a, int64_t row, int64_t n, float* buf) {
@@ -132,11 +121,6 @@ const float* mask_row(const FwdArgs& a, int64_t row, int64_t n, float* buf) {
       return sn == 1 ? m : gather(m);
     }
   }
-}
-
-template <typename T>
-void store_row(const float* src, T* dst, int64_t n) {
-  at::vec::convert(src, dst, n);  // float -> float copy, or rounding to half / bf16
 }
 
 template <typename T>
@@ -271,31 +255,18 @@ void bwd_rows(const BwdArgs& a, int64_t begin, int64_t end) {
   }
 }
 
-template <typename F>
-void dispatch_dtype(c10::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "masked_softmax: unsupported dtype ", t);
-  }
-}
-
-// ~64 KiB of row data per task at least, so that small problems are not split across threads.
-int64_t grain_for(int64_t Lk) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(Lk, 1)); }
-
 // Non-template launchers, defined inside the target region (so the kernels instantiate there).
 void run_fwd(const FwdArgs& a, c10::ScalarType dtype, int64_t M) {
-  dispatch_dtype(dtype, [&](auto tag) {
-    at::parallel_for(0, M, grain_for(a.Lk), [&](int64_t begin, int64_t end) {
+  dispatch_float_dtype("masked_softmax", dtype, [&](auto tag) {
+    at::parallel_for(0, M, row_grain(a.Lk), [&](int64_t begin, int64_t end) {
       fwd_rows<decltype(tag)>(a, begin, end);
     });
   });
 }
 
 void run_bwd(const BwdArgs& a, c10::ScalarType dtype, int64_t M) {
-  dispatch_dtype(dtype, [&](auto tag) {
-    at::parallel_for(0, M, grain_for(a.Lk), [&](int64_t begin, int64_t end) {
+  dispatch_float_dtype("masked_softmax", dtype, [&](auto tag) {
+    at::parallel_for(0, M, row_grain(a.Lk), [&](int64_t begin, int64_t end) {
       bwd_rows<decltype(tag)>(a, begin, end);
     });
   });
