@@ -65,6 +65,7 @@
 #include <cstdint>
 
 #include "attention_cuda.h"
+#include "attention_device.cuh"
 #include "ops.h"
 #include "philox.h"
 
@@ -72,6 +73,7 @@ namespace transformer_fast {
 namespace {
 
 using at::Tensor;
+using namespace attn_device;
 
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kFwdBM = 64;     // forward: query rows per CTA (16 per warp)
@@ -82,35 +84,7 @@ constexpr int kDqBM = 64;      // dq: query rows per CTA
 constexpr int kDqBN = 32;      // dq: keys per tile
 constexpr int kPad = 8;        // shared-memory row padding (halves) against bank conflicts
 
-struct Params {
-  const uint16_t* q;  // fp16/bf16 bit patterns
-  const uint16_t* k;
-  const uint16_t* v;
-  const uint16_t* dout;  // backward only
-  const float* lse;      // backward: (B, H, Lq) contiguous
-  const float* delta;    // backward: (B, H, Lq) contiguous
-  uint16_t* out;         // forward: out; backward: dq (dq_kernel) / dk (dkdv_kernel)
-  uint16_t* out2;        // dkdv_kernel: dv
-  int64_t o_sb, o_sh, o_sm;     // strides of out (unit stride along D)
-  int64_t o2_sb, o2_sh, o2_sm;  // strides of out2
-  float* lse_out;        // forward
-  int64_t q_sb, q_sh, q_sm;
-  int64_t k_sb, k_sh, k_sm;
-  int64_t v_sb, v_sh, v_sm;
-  int64_t do_sb, do_sh, do_sm;
-  int B, H, Hkv, Lq, Lk, D;
-  float scale;
-  bool causal;
-  const void* am;
-  int am_type;
-  int64_t am_sb, am_sh, am_sm, am_sn;
-  const bool* kpm;
-  int64_t kpm_sb, kpm_sn;
-  const int64_t* rng;  // device [seed, offset], null without dropout
-  bool vec16;  // every q/k/v/dout row start is 16-byte aligned and D % 8 == 0: 16-byte loads
-  uint32_t drop_threshold;
-  float drop_scale;
-};
+using Params = AttentionParams<uint16_t>;  // fp16/bf16 bit patterns
 
 // ---- fp16 / bf16 traits: packing two fp32 values into one 32-bit register, and the mma.
 
@@ -327,34 +301,6 @@ __device__ __forceinline__ void load_tile_async(uint16_t* s, const uint16_t* bas
   }
 }
 
-// Score of (query i, key j) given the raw dot product: scaled, masked (-inf), float mask added.
-template <typename T>
-__device__ __forceinline__ float masked_score(const Params& p, int b, int h, int i, int j,
-                                              float dot) {
-  if (j >= p.Lk || i >= p.Lq) return -INFINITY;
-  if (p.causal && j > i) return -INFINITY;
-  if (p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) return -INFINITY;
-  float s = dot * p.scale;
-  if (p.am_type != kMaskNone) {
-    const int64_t off = b * p.am_sb + h * p.am_sh + i * p.am_sm + j * p.am_sn;
-    switch (p.am_type) {
-      case kMaskBool:
-        if (!static_cast<const bool*>(p.am)[off]) return -INFINITY;
-        break;
-      case kMaskHalf:
-        s += __half2float(static_cast<const __half*>(p.am)[off]);
-        break;
-      case kMaskBf16:
-        s += __bfloat162float(static_cast<const __nv_bfloat16*>(p.am)[off]);
-        break;
-      default:
-        s += static_cast<const float*>(p.am)[off];
-        break;
-    }
-  }
-  return s;
-}
-
 // Whether a tile of keys [n0, n0 + bn) needs no masking for any query row >= m0: no masks, all
 // keys in bounds, and (causal) every key at or before the first row.  Uniform over the CTA, so
 // the branch costs nothing; such tiles only scale (the dense interior of every problem).
@@ -362,17 +308,6 @@ __device__ __forceinline__ bool plain_tile(const Params& p, int m0, int n0, int 
   return p.kpm == nullptr && p.am_type == kMaskNone && n0 + bn <= p.Lk &&
          (!p.causal || n0 + bn - 1 <= m0);
 }
-
-__device__ __forceinline__ float drop_factor(const Params& p, uint64_t seed, uint64_t offset,
-                                             int b, int h, int i, int j) {
-  if (p.rng == nullptr) return 1.0f;
-  const uint64_t idx = ((static_cast<uint64_t>(b) * p.H + h) * p.Lq + i) * p.Lk + j;
-  return philox_word(seed, offset, idx) >= p.drop_threshold ? p.drop_scale : 0.0f;
-}
-
-// max that propagates NaN (fmaxf drops it, which would turn a NaN row into a dead row instead
-// of the NaN row the reference gives).
-__device__ __forceinline__ float nan_max(float m, float x) { return (x > m || x != x) ? x : m; }
 
 __device__ __forceinline__ float quad_max(float x) {
   x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -469,7 +404,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
-        s[nt][e] = plain ? s[nt][e] * p.scale : masked_score<T>(p, b, h, i, j, s[nt][e]);
+        s[nt][e] = plain ? s[nt][e] * p.scale : masked_score(p, b, h, i, j, s[nt][e]);
         mx[e >> 1] = nan_max(mx[e >> 1], s[nt][e]);
       }
     }
@@ -649,7 +584,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
         for (int e = 0; e < 4; ++e) {
           const int j = n0 + key0 + g + 8 * (e >> 1);
           const int ii = nt * 8 + 2 * t + (e & 1), i = m0 + ii;
-          const float s = plain ? st[nt][e] * p.scale : masked_score<T>(p, b, h, i, j, st[nt][e]);
+          const float s = plain ? st[nt][e] * p.scale : masked_score(p, b, h, i, j, st[nt][e]);
           const float l = lse_s[ii];
           const float pe = (s == -INFINITY || l == -INFINITY) ? 0.0f : __expf(s - l);
           const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
@@ -791,7 +726,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
-        const float sc = plain ? s[nt][e] * p.scale : masked_score<T>(p, b, h, i, j, s[nt][e]);
+        const float sc = plain ? s[nt][e] * p.scale : masked_score(p, b, h, i, j, s[nt][e]);
         const float l = lse_r[e >> 1];
         const float pe = (sc == -INFINITY || l == -INFINITY) ? 0.0f : __expf(sc - l);
         const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
@@ -870,9 +805,6 @@ void launch(Kernel kernel, int64_t blocks, size_t smem, const Params& p) {
 }
 #endif  // TF_CUDA_EMULATE (the emulation provides check_cuda_inputs and launch)
 
-// Head-dim bucket: the padded width the kernels are instantiated for.
-int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
-
 template <typename T, int DP>
 void run_fwd(const Params& p) {
   const int64_t blocks = int64_t{p.B} * p.H * ((p.Lq + kFwdBM - 1) / kFwdBM);
@@ -928,7 +860,7 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
   set_out(p, out);
   p.lse_out = lse.mutable_data_ptr<float>();
   const bool half = q.scalar_type() == at::kHalf;
-  switch (bucket(p.D)) {
+  switch (head_dim_bucket(p.D)) {
     case 64: half ? run_fwd<__half, 64>(p) : run_fwd<__nv_bfloat16, 64>(p); break;
     case 128: half ? run_fwd<__half, 128>(p) : run_fwd<__nv_bfloat16, 128>(p); break;
     default: half ? run_fwd<__half, 256>(p) : run_fwd<__nv_bfloat16, 256>(p); break;
@@ -971,7 +903,7 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     pkv.o2_sb = dv_.stride(0), pkv.o2_sh = dv_.stride(1), pkv.o2_sm = dv_.stride(2);
     set_out(pq, dq_);
     const bool half = q.scalar_type() == at::kHalf;
-    switch (bucket(p.D)) {
+    switch (head_dim_bucket(p.D)) {
       case 64: half ? run_bwd<__half, 64>(pkv, pq) : run_bwd<__nv_bfloat16, 64>(pkv, pq); break;
       case 128: half ? run_bwd<__half, 128>(pkv, pq) : run_bwd<__nv_bfloat16, 128>(pkv, pq); break;
       default: half ? run_bwd<__half, 256>(pkv, pq) : run_bwd<__nv_bfloat16, 256>(pkv, pq); break;

@@ -33,6 +33,39 @@ inline at::Tensor empty_in_layout_of(const at::Tensor& q, std::array<int64_t, 4>
 // How the CUDA kernels' Params (attention_cuda.cu, attention_fp32_cuda.cu) encode attn_mask.
 enum AttnMaskType : int { kMaskNone = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBf16 = 3, kMaskFloat = 4 };
 
+// Kernel arguments of both CUDA kernel families; E is the element type in memory (uint16_t bit
+// patterns of fp16/bf16 for attention_cuda.cu, float for attention_fp32_cuda.cu).
+template <typename E>
+struct AttentionParams {
+  const E* q;
+  const E* k;
+  const E* v;
+  const E* dout;        // backward only
+  const float* lse;     // backward: (B, H, Lq) contiguous
+  const float* delta;   // backward: (B, H, Lq) contiguous
+  E* out;               // forward: out; backward: dq (dq_kernel) / dk (dkdv_kernel)
+  E* out2;              // dkdv_kernel: dv
+  float* lse_out;       // forward: (B, H, Lq) contiguous
+  int64_t q_sb, q_sh, q_sm;
+  int64_t k_sb, k_sh, k_sm;
+  int64_t v_sb, v_sh, v_sm;
+  int64_t do_sb, do_sh, do_sm;
+  int64_t o_sb, o_sh, o_sm;     // out / dq / dk (unit stride along D)
+  int64_t o2_sb, o2_sh, o2_sm;  // dv
+  int B, H, Hkv, Lq, Lk, D;
+  float scale;
+  bool causal;
+  const void* am;
+  int am_type;
+  int64_t am_sb, am_sh, am_sm, am_sn;
+  const bool* kpm;
+  int64_t kpm_sb, kpm_sn;
+  const int64_t* rng;  // device [seed, offset], null without dropout
+  bool vec16;  // mma kernels: every q/k/v/dout row start 16-byte aligned, D % 8 == 0
+  uint32_t drop_threshold;
+  float drop_scale;
+};
+
 // Fills the fields both CUDA kernel families' Params share: element pointers (typed as P's),
 // strides, sizes, mask and dropout settings.  Inputs are checked already; unit stride along D.
 template <typename P>

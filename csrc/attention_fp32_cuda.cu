@@ -52,6 +52,7 @@
 #include <cstdint>
 
 #include "attention_cuda.h"
+#include "attention_device.cuh"
 #include "philox.h"
 
 namespace transformer_fast {
@@ -59,6 +60,7 @@ namespace attn_fp32 {
 namespace {
 
 using at::Tensor;
+using namespace attn_device;
 
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = 4;
@@ -73,34 +75,7 @@ constexpr int rows_q() { return 1024 / DP; }
 template <int DP>
 constexpr int rows_kv() { return 512 / DP; }
 
-struct Params {
-  const float* q;
-  const float* k;
-  const float* v;
-  const float* dout;   // backward only
-  const float* lse;    // backward: (B, H, Lq) contiguous
-  const float* delta;  // backward: (B, H, Lq) contiguous
-  float* out;          // forward: out; backward: dq (dq_kernel) / dk (dkdv_kernel)
-  float* out2;         // dkdv_kernel: dv
-  float* lse_out;      // forward: (B, H, Lq) contiguous
-  int64_t q_sb, q_sh, q_sm;
-  int64_t k_sb, k_sh, k_sm;
-  int64_t v_sb, v_sh, v_sm;
-  int64_t do_sb, do_sh, do_sm;
-  int64_t o_sb, o_sh, o_sm;   // out / dq / dk
-  int64_t o2_sb, o2_sh, o2_sm;  // dv
-  int B, H, Hkv, Lq, Lk, D;
-  float scale;
-  bool causal;
-  const void* am;
-  int am_type;
-  int64_t am_sb, am_sh, am_sm, am_sn;
-  const bool* kpm;
-  int64_t kpm_sb, kpm_sn;
-  const int64_t* rng;  // device [seed, offset], null without dropout
-  uint32_t drop_threshold;
-  float drop_scale;
-};
+using Params = AttentionParams<float>;
 
 // Copies rows [0, rows) x cols [0, DP) of a row-major global tile (row stride ld, unit column
 // stride) into shared memory (row pitch DP + 1), zero where row >= nrows or col >= D.
@@ -148,47 +123,25 @@ __device__ __forceinline__ void chunked_dots(float dots[NR], const float* x, con
   }
 }
 
-// Score of (query i, key j) from the raw dot product: scaled, masked (-inf), float mask added.
-__device__ __forceinline__ float masked_score(const Params& p, int b, int h, int i, int j,
-                                              float dot) {
-  if (j >= p.Lk || i >= p.Lq) return -INFINITY;
-  if (p.causal && j > i) return -INFINITY;
-  if (p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) return -INFINITY;
-  float s = dot * p.scale;
-  if (p.am_type != kMaskNone) {
-    const int64_t off = b * p.am_sb + h * p.am_sh + i * p.am_sm + j * p.am_sn;
-    switch (p.am_type) {
-      case kMaskBool:
-        if (!static_cast<const bool*>(p.am)[off]) return -INFINITY;
-        break;
-      case kMaskHalf:
-        s += __half2float(static_cast<const __half*>(p.am)[off]);
-        break;
-      case kMaskBf16:
-        s += __bfloat162float(static_cast<const __nv_bfloat16*>(p.am)[off]);
-        break;
-      default:
-        s += static_cast<const float*>(p.am)[off];
-        break;
-    }
+// t[c] = sum_jj row[jj] * tile[jj][lane + 32 c] over the kTile rows of a shared-memory tile
+// (row pitch `pitch`): one row of a (kTile-wide) probability / dS tile times V / K, summed on
+// its own before the caller adds it to its accumulator.
+template <int NC>
+__device__ __forceinline__ void row_times_tile(float t[NC], const float* row, const float* tile,
+                                               int pitch, int lane) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) t[c] = 0.0f;
+  for (int jj = 0; jj < kTile; ++jj) {
+    const float w = row[jj];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) t[c] = fmaf(w, tile[jj * pitch + lane + 32 * c], t[c]);
   }
-  return s;
-}
-
-__device__ __forceinline__ float drop_factor(const Params& p, uint64_t seed, uint64_t offset,
-                                             int b, int h, int i, int j) {
-  if (p.rng == nullptr) return 1.0f;
-  const uint64_t idx = ((static_cast<uint64_t>(b) * p.H + h) * p.Lq + i) * p.Lk + j;
-  return philox_word(seed, offset, idx) >= p.drop_threshold ? p.drop_scale : 0.0f;
 }
 
 // p = exp(s - lse) of a recomputed score: 0 for a masked score and for a dead row (lse -inf).
 __device__ __forceinline__ float recompute_p(float s, float lse) {
   return (s == -INFINITY || lse == -INFINITY) ? 0.0f : expf(s - lse);
 }
-
-// max that propagates NaN (fmaxf drops it, which would turn a NaN row into a dead row).
-__device__ __forceinline__ float nan_max(float m, float x) { return (x > m || x != x) ? x : m; }
 
 // ---------------------------------------------------------------------------------------------
 // Forward
@@ -273,15 +226,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     // in V stays visible, as in the reference's p @ v.
 #pragma unroll
     for (int a = 0; a < RW; ++a) {
-      const float* prow = Ps + (r0 + a) * kTile;
       float t[NC];
-#pragma unroll
-      for (int c = 0; c < NC; ++c) t[c] = 0.0f;
-      for (int jj = 0; jj < kTile; ++jj) {
-        const float pj = prow[jj];
-#pragma unroll
-        for (int c = 0; c < NC; ++c) t[c] = fmaf(pj, Vs[jj * pitch + lane + 32 * c], t[c]);
-      }
+      row_times_tile<NC>(t, Ps + (r0 + a) * kTile, Vs, pitch, lane);
       const float alpha = As[r0 + a];
 #pragma unroll
       for (int c = 0; c < NC; ++c) o[a][c] = fmaf(o[a][c], alpha, t[c]);
@@ -483,15 +429,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     // dQ += dS K (the tile's product summed on its own), lane = column.
 #pragma unroll
     for (int a = 0; a < RW; ++a) {
-      const float* srow = Ss + (r0 + a) * kTile;
       float t[NC];
-#pragma unroll
-      for (int c = 0; c < NC; ++c) t[c] = 0.0f;
-      for (int jj = 0; jj < kTile; ++jj) {
-        const float sj = srow[jj];
-#pragma unroll
-        for (int c = 0; c < NC; ++c) t[c] = fmaf(sj, Ks[jj * pitch + lane + 32 * c], t[c]);
-      }
+      row_times_tile<NC>(t, Ss + (r0 + a) * kTile, Ks, pitch, lane);
 #pragma unroll
       for (int c = 0; c < NC; ++c) dq[a][c] += t[c];
     }
@@ -539,8 +478,6 @@ void launch(Kernel kernel, int64_t blocks, size_t smem, const Params& p) {
 }
 #endif  // TF_CUDA_EMULATE (the emulation harness provides launch)
 
-int bucket(int64_t D) { return D <= 64 ? 64 : (D <= 128 ? 128 : 256); }
-
 
 template <int DP>
 void run_fwd(const Params& p) {
@@ -568,7 +505,7 @@ void attention_fwd_fp32_cuda(const at::Tensor& q, const at::Tensor& k, const at:
   p.out = out.mutable_data_ptr<float>();
   p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_sm = out.stride(2);
   p.lse_out = lse.mutable_data_ptr<float>();
-  switch (attn_fp32::bucket(p.D)) {
+  switch (attn_device::head_dim_bucket(p.D)) {
     case 64: attn_fp32::run_fwd<64>(p); break;
     case 128: attn_fp32::run_fwd<128>(p); break;
     default: attn_fp32::run_fwd<256>(p); break;
@@ -594,7 +531,7 @@ void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const 
   pkv.o2_sb = dv.stride(0), pkv.o2_sh = dv.stride(1), pkv.o2_sm = dv.stride(2);
   pq.out = dq.mutable_data_ptr<float>();
   pq.o_sb = dq.stride(0), pq.o_sh = dq.stride(1), pq.o_sm = dq.stride(2);
-  switch (attn_fp32::bucket(p.D)) {
+  switch (attn_device::head_dim_bucket(p.D)) {
     case 64: attn_fp32::run_bwd<64>(pkv, pq); break;
     case 128: attn_fp32::run_bwd<128>(pkv, pq); break;
     default: attn_fp32::run_bwd<256>(pkv, pq); break;

@@ -232,15 +232,23 @@ def test_output_layout_follows_q(device):
 # run in the default test run; the sweep is marked slow.
 
 _EMU_HARNESS = r"""
+#include "attention_cuda.h"
+
 namespace transformer_fast {
 using std::min;
 namespace {
 alignas(16) uint16_t smem[1 << 17];  // the kernels' `extern __shared__ uint16_t smem[]`
 void check_cuda_inputs(const at::Tensor& q);
+// Each kernel file's launch(), defined below (the Params types live outside these namespaces,
+// so argument-dependent lookup would not find them at instantiation).
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const AttentionParams<uint16_t>& p);
 }  // namespace
 namespace attn_fp32 {
 namespace {
 alignas(16) uint16_t smem[1 << 17];  // the same for attention_fp32_cuda.cu's kernels
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const AttentionParams<float>& p);
 }  // namespace
 }  // namespace attn_fp32
 // The real argument checks live in attention_cpu.cpp (tested there); not linked here.
@@ -297,7 +305,7 @@ std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Ten
 @pytest.fixture(scope="module")
 def cuda_emulation():
     return cuda_emulation_build("tf_attention_cuda_emu", _EMU_HARNESS,
-                                ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_cuda.h", "ops.h",
+                                ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_cuda.h", "attention_device.cuh", "ops.h",
                                  "philox.h"), ("fwd", "bwd"))
 
 
