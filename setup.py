@@ -109,7 +109,11 @@ def _extensions():
 
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
+    # -ffp-contract=off: GCC's default (fast) fuses a * b + c into an FMA wherever it likes, so
+    # one expression written twice can round differently (add_layer_norm's backward recomputes
+    # dy * w in two passes; fused in one and not the other, a width-1 row's gradient came out
+    # 3e-5 instead of 0).  The kernels ask for FMAs explicitly (at::vec::fmadd) where they want them.
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off"]
     include_dirs = [os.path.join(ROOT, "csrc")]
     define_macros = []
 
