@@ -29,7 +29,7 @@ from . import common
 
 OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
        "add_layer_norm", "feed_forward")
-PROVIDERS = ("reference", "torch", "triton", "cuda", "cpu")
+PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cpu")
 X_KEYS = {"scaled_dot_product_attention": "L", "attention_with_kv_cache": "L",
           "masked_softmax": "L", "add_layer_norm": "N", "feed_forward": "M"}
 ATTENTION_MASKS = ("none", "causal", "key_padding", "bool")
@@ -50,6 +50,7 @@ class Case:
     cudagraph: bool = False  # tiny steps: time with CUDA graphs on a GPU
     ref64: Callable | None = None  # (inputs, upstream) -> (outs, grads) in float64; None: whole
     bytes_for: Callable | None = None  # inputs -> bytes moved, where they depend on the draw
+    compile_peer: bool = False  # also time torch.compile of the torch backend ("torch.compile")
 
     @property
     def backward(self) -> bool:
@@ -384,23 +385,31 @@ def _layer_norm_case(device, dtype, m, n, pas):
 # feed_forward
 
 
+# Issue 6's target configuration: Linear-GELU-Dropout(0.1)-Linear at M 16384, d_model 1024,
+# d_ff 4096 on the GPU (bf16), and the same layer on the CPU (fp32) at the paper's widths; the
+# plain relu rows (dropout 0) are the GEMM-bound baseline and carry the error column.
+FFN_TARGET = ("gelu", 0.1)
+
+
 def feed_forward_cases(device, dtype, mode):
     if device.type == "cuda":
-        tokens = (4096, 16384) if mode == "quick" else (2048, 8192, 32768)
-        widths = ((512, 2048),) if mode == "quick" else ((512, 2048), (1024, 4096))
+        plain = [(m, 512, 2048) for m in ((4096, 16384) if mode == "quick" else (2048, 8192, 32768))]
+        plain += [] if mode == "quick" else [(m, 1024, 4096) for m in (2048, 8192, 32768)]
+        target = [(16384, 1024, 4096)]
     elif mode == "smoke":
-        tokens, widths = (16,), ((32, 64),)
-    elif mode == "quick":
-        tokens, widths = (256, 1024), ((512, 2048),)
+        plain, target = [(16, 32, 64)], [(16, 32, 64)]
     else:
-        tokens, widths = (256, 1024, 4096), ((512, 2048),)
-    for dm, dff in widths:
-        for m in tokens:
-            for pas in ("fwd", "fwd+bwd"):
-                yield _ffn_case(device, dtype, m, dm, dff, pas)
+        plain = [(m, 512, 2048) for m in ((256, 1024) if mode == "quick" else (256, 1024, 4096))]
+        target = [(1024, 512, 2048)]
+    configs = [(shape, "relu", 0.0) for shape in plain] + [(shape, *FFN_TARGET) for shape in target]
+    for (m, dm, dff), activation, dropout_p in configs:
+        for pas in ("fwd", "fwd+bwd"):
+            # torch.compile's first call compiles for tens of seconds: not in the smoke run.
+            yield _ffn_case(device, dtype, m, dm, dff, pas, activation, dropout_p,
+                            compile_peer=(activation, dropout_p) == FFN_TARGET and mode != "smoke")
 
 
-def _ffn_case(device, dtype, m, dm, dff, pas):
+def _ffn_case(device, dtype, m, dm, dff, pas, activation, dropout_p, compile_peer=False):
     def make(g):
         return {
             "x": _randn(g, m, dm, dtype=dtype, device=device),
@@ -411,14 +420,23 @@ def _ffn_case(device, dtype, m, dm, dff, pas):
         }
 
     def call(inp, backend):
-        return TF.feed_forward(inp["x"], inp["w1"], inp["b1"], inp["w2"], inp["b2"], backend=backend)
+        return TF.feed_forward(inp["x"], inp["w1"], inp["b1"], inp["w2"], inp["b2"],
+                               activation=activation, dropout_p=dropout_p, backend=backend)
+
+    def no_ref64(inputs, upstream):
+        # Each provider draws its own dropout mask (torch's RNG or our Philox stream), so one
+        # float64 run cannot be everyone's truth; tests/test_ffn.py checks the masked numerics
+        # exactly, and the dropout-0 rows here carry the error column.
+        raise ValueError("dropout > 0: each provider draws its own mask; tests/test_ffn.py checks ours exactly")
 
     flops = 4.0 * m * dm * dff * (3 if pas == "fwd+bwd" else 1)
     return Case(
-        op="feed_forward", shape={"pass": pas, "M": m, "d_model": dm, "d_ff": dff}, dtype=dtype,
-        mask="none", make=make, call=call,
+        op="feed_forward",
+        shape={"pass": pas, "M": m, "d_model": dm, "d_ff": dff, "act": activation, "p": dropout_p},
+        dtype=dtype, mask="none", make=make, call=call,
         grad_names=("x", "w1", "b1", "w2", "b2") if pas == "fwd+bwd" else (), flops=flops,
-        naive_bytes=m * dff * max(torch.finfo(dtype).bits // 8, 4) * 4)
+        naive_bytes=m * dff * max(torch.finfo(dtype).bits // 8, 4) * 4,
+        ref64=no_ref64 if dropout_p > 0.0 else None, compile_peer=compile_peer)
 
 
 CASES = {
@@ -440,6 +458,11 @@ def cases(op: str, device: torch.device, dtypes, mode: str) -> list[Case]:
 
 def provider_reasons(provider: str, case: Case, inputs: dict, device: torch.device) -> list[str]:
     """Why ``provider`` cannot run ``case`` here (empty: it can)."""
+    if provider == "torch.compile":
+        if not case.compile_peer:
+            return ["timed only on the cases whose targets name it (feed_forward's GELU + dropout "
+                    "layer); end to end: torch.nn+compile"]
+        return backends.not_supported_reasons("torch", case.op, inputs)
     if provider == "triton" and device.type == "cpu":
         return ["on a CPU Triton runs only through its interpreter (TRITON_INTERPRET=1), which "
                 "checks kernels but is not a benchmark"]
@@ -454,8 +477,22 @@ def _leaves(inputs: dict, names) -> list[torch.Tensor]:
     return [inputs[n] for n in names]
 
 
+_COMPILED: dict = {}
+
+
+def _call(case: Case, inputs: dict, provider: str):
+    if provider != "torch.compile":
+        return case.call(inputs, provider)
+    # torch.compile of the torch backend: the peer issue 6's "under torch.compile" target names.
+    # One compiled function per case (its shape and flags are constants of the graph).
+    key = id(case)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(lambda inp: case.call(inp, "torch"), fullgraph=True)
+    return _COMPILED[key](inputs)
+
+
 def _forward_backward(case: Case, inputs: dict, provider: str, upstream):
-    out = case.call(inputs, provider)
+    out = _call(case, inputs, provider)
     if not case.backward:
         return [out], []
     grads = torch.autograd.grad(out, _leaves(inputs, case.grad_names), upstream)
@@ -517,7 +554,7 @@ def _run_case(case: Case, providers, device: torch.device, mode: str, peaks: dic
     if case.backward:
         with torch.no_grad():
             probe = case.call({k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in first.items()},
-                              "torch" if "torch" in runnable else runnable[0])
+                              "torch" if "torch" in runnable else runnable[0].replace("torch.compile", "torch"))
         upstreams = [_randn(g, *probe.shape, dtype=probe.dtype, device=device) for _ in sets]
         del probe
 

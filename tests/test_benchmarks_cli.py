@@ -183,9 +183,14 @@ def test_quick_sweep_of_the_cheap_ops(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert {r["op"] for r in rows} == {"add_layer_norm", "feed_forward"}
+    assert any(r["provider"] == "torch.compile" for r in rows)  # issue 6's peer, target rows
     for r in rows:
         assert tuple(r) == common.ROW_KEYS
-        assert r["median_ms"] > 0 and r["max_err"] is not None and r["max_err"] < 1e-3, r
+        assert r["median_ms"] > 0, r
+        if r["shape"].get("p", 0.0) > 0.0:  # dropout rows: each provider has its own mask
+            assert r["max_err"] is None and "own mask" in r["shape"]["note"], r
+        else:
+            assert r["max_err"] is not None and r["max_err"] < 1e-3, r
 
 
 def test_non_finite_error_is_null_with_a_note():
