@@ -223,16 +223,33 @@ void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double d
   });
 }
 
-// part[j] += acc[j] in double, then acc[j] = 0.
-void flush_into_double(float* acc, double* part, int64_t n) {
-  int64_t j = 0;
+// dw[j..j+8) += dy * xhat and db[j..j+8) += dy in double (either may be null): exact products,
+// double sums.  fp32 sums of 16-row blocks were measurably less exact (a 7-wide grad weight at
+// 1.4x the oracle's bound); the double updates cost nothing measurable (the row is in L1).
+void accumulate_param_grads8(const Vec& dy, const Vec& xh, double* dw, double* db) {
 #ifdef TF_CPU_AVX2_PRAGMA
-  for (; j + 4 <= n; j += 4) {
-    _mm256_storeu_pd(part + j, _mm256_add_pd(_mm256_loadu_pd(part + j), _mm256_cvtps_pd(_mm_loadu_ps(acc + j))));
+  const __m256 d8 = dy, x8 = xh;
+  const __m256d d_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(d8));
+  const __m256d d_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(d8, 1));
+  if (dw) {
+    const __m256d x_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x8));
+    const __m256d x_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x8, 1));
+    _mm256_storeu_pd(dw, _mm256_fmadd_pd(d_lo, x_lo, _mm256_loadu_pd(dw)));
+    _mm256_storeu_pd(dw + 4, _mm256_fmadd_pd(d_hi, x_hi, _mm256_loadu_pd(dw + 4)));
+  }
+  if (db) {
+    _mm256_storeu_pd(db, _mm256_add_pd(d_lo, _mm256_loadu_pd(db)));
+    _mm256_storeu_pd(db + 4, _mm256_add_pd(d_hi, _mm256_loadu_pd(db + 4)));
+  }
+#else
+  float d[kV], x[kV];
+  dy.store(d);
+  xh.store(x);
+  for (int64_t l = 0; l < kV; ++l) {
+    if (dw) dw[l] += static_cast<double>(d[l]) * x[l];
+    if (db) db[l] += d[l];
   }
 #endif
-  for (; j < n; ++j) part[j] += acc[j];
-  std::fill(acc, acc + n, 0.0f);
 }
 
 template <typename T>
@@ -256,17 +273,13 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
   const uint32_t threshold = dropout_threshold(dropout_p);
   const float scale = dropout_scale(dropout_p);
   constexpr bool kFloat = std::is_same_v<T, float>;
-  // dweight/dbias: fp32 sums over blocks of kParamBlock rows, added into double partials.  A
-  // plain fp32 running sum over all rows drifts past the oracle's bound (measured); double
-  // accumulators updated every row cost ~1.4 ms of the 4 ms backward at 4096 x 1024 (measured).
-  constexpr int64_t kParamBlock = 16;
 
   // Fixed row groups (one partial dweight/dbias row each), summed in a fixed order afterwards:
   // deterministic for a given thread count, no atomics.
   at::parallel_for(0, groups, 1, [&](int64_t gbegin, int64_t gend) {
     // Per-row fp32 scratch: x, residual, dy, dh as fp32 (16-bit dtypes), the dropout factors,
-    // the outputs before their conversion (16-bit); dweight/dbias sums over the last rows.
-    std::vector<float> buf(static_cast<size_t>(N) * 9, 0.0f);
+    // the outputs before their conversion (16-bit).
+    std::vector<float> buf(static_cast<size_t>(N) * 7);
     float* xbuf = buf.data();
     float* rbuf = xbuf + N;
     float* dybuf = rbuf + N;
@@ -274,8 +287,6 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
     float* mbuf = dhbuf + N;
     float* obuf = mbuf + N;    // dresidual
     float* dxbuf = obuf + N;   // dx
-    float* dwacc = dxbuf + N;  // sum over <= kParamBlock rows of dy * xhat, then into dw_part
-    float* dbacc = dwacc + N;
     for (int64_t g = gbegin; g < gend; ++g) {
       double* dwp = dw_part ? dw_part + g * N : nullptr;
       double* dbp = db_part ? db_part + g * N : nullptr;
@@ -291,7 +302,7 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
         const float mu = meanp[i], rs = rstdp[i];
         const Vec vmu(mu), vrs(rs);
         // Pass 1: xhat = (r + x*m - mean) * rstd and g = dy*w recomputed on the fly, nothing
-        // of the row stored: sum(g), sum(g*xhat) and the dweight/dbias block sums.
+        // of the row stored: sum(g), sum(g*xhat) and the dweight/dbias partial sums.
         RowSum sg, sgx;
         int64_t j = 0;
         for (; j + kV <= N; j += kV) {
@@ -300,8 +311,7 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
           const Vec xh = (hv + Vec::loadu(rf + j) - vmu) * vrs;
           const Vec d = Vec::loadu(dyf + j);
           const Vec gv = p.w ? d * Vec::loadu(p.w + j) : d;
-          if (dwp) at::vec::fmadd(d, xh, Vec::loadu(dwacc + j)).store(dwacc + j);
-          if (dbp) (Vec::loadu(dbacc + j) + d).store(dbacc + j);
+          if (dwp || dbp) accumulate_param_grads8(d, xh, dwp ? dwp + j : nullptr, dbp ? dbp + j : nullptr);
           sg.add(gv);
           sgx.add_product(gv, xh);
         }
@@ -309,14 +319,10 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
         for (; j < N; ++j) {
           const float xh = (rf[j] + (m ? xf[j] * m[j] : xf[j]) - mu) * rs;
           const float gv = p.w ? dyf[j] * p.w[j] : dyf[j];
-          if (dwp) dwacc[j] += dyf[j] * xh;
-          if (dbp) dbacc[j] += dyf[j];
+          if (dwp) dwp[j] += static_cast<double>(dyf[j]) * xh;
+          if (dbp) dbp[j] += dyf[j];
           sum_g += gv;
           sum_gx += gv * xh;
-        }
-        if ((i - rbegin + 1) % kParamBlock == 0 || i + 1 == rend) {
-          if (dwp) flush_into_double(dwacc, dwp, N);
-          if (dbp) flush_into_double(dbacc, dbp, N);
         }
         // Pass 2: dresidual = rstd * (g - a - xhat * b) (+ dh), dx = dresidual * m.
         const float a = static_cast<float>(sum_g / N), b = static_cast<float>(sum_gx / N);
