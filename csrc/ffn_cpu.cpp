@@ -11,6 +11,7 @@
 //   wgrad     dw = dy^T @ x (at::mm), db = sum of dy's rows (own column-sum pass, double
 //             accumulators).
 //   act_bwd   the same elementwise pass as dgrad's, from dy.
+// fp16 GEMMs run in fp32 (cpu_gemm says why); dgrad's pass then reads the fp32 product.
 // The argument checks shared with ffn_cuda.cu live here too (check_ffn_*).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -239,14 +240,15 @@ void fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, boo
   });
 }
 
-// d = g * act'(aux) * keep * scale, row by row; g (M, N) any row stride, d (M, N) contiguous
-// (d may be g itself).  aux: pre (gelu / gelu_tanh) or y (relu), unit column stride.  d32, when
-// given for a 16-bit d, receives the same rows before their rounding (for db, see dact_with_dbias).
-template <typename T>
+// d = g * act'(aux) * keep * scale, row by row; g (M, N) any row stride, in d's dtype or fp32
+// (G), d (M, N) contiguous (d may be g itself).  aux: pre (gelu / gelu_tanh) or y (relu), unit
+// column stride.  d32, when given for a 16-bit d, receives the same rows before their rounding
+// (for db, see dact_with_dbias); it may be g's own fp32 rows (each is read before it is written).
+template <typename T, typename G>
 void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, Tensor& d, float* d32) {
   const int64_t M = g.size(0), N = g.size(1);
   const int64_t sg = g.stride(0), sa = aux ? aux->stride(0) : 0;
-  const T* gp = g.const_data_ptr<T>();
+  const G* gp = g.const_data_ptr<G>();
   const T* ap = aux ? aux->const_data_ptr<T>() : nullptr;
   T* dp = d.mutable_data_ptr<T>();
   at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
@@ -334,7 +336,14 @@ void run_fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr,
 }
 
 void run_dact(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, Tensor& d, float* d32 = nullptr) {
-  dispatch_float_dtype("ffn", g.scalar_type(), [&](auto tag) { dact_pass<decltype(tag)>(g, aux, act, dr, d, d32); });
+  dispatch_float_dtype("ffn", d.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    if (g.scalar_type() == at::kFloat) {
+      dact_pass<T, float>(g, aux, act, dr, d, d32);
+    } else {
+      dact_pass<T, T>(g, aux, act, dr, d, d32);
+    }
+  });
 }
 
 }  // namespace
@@ -386,9 +395,24 @@ Tensor2 dact_with_dbias(const Tensor& g, const Tensor* aux, FfnAct act, const Dr
     run_dact(g, aux, act, dr, d);
     return {d, col_sum(d)};
   }
-  Tensor d32 = at::empty(d.sizes(), d.options().dtype(at::kFloat));
+  // An fp32 g with a 16-bit d is our own GEMM output (fp16_gemm): its rows take the fp32 values.
+  Tensor d32 = g.scalar_type() == at::kFloat ? g : at::empty(d.sizes(), d.options().dtype(at::kFloat));
   run_dact(g, aux, act, dr, d, d32.mutable_data_ptr<float>());
   return {d, col_sum(d32).to(d.scalar_type())};
+}
+
+// a @ b (+ bias on every row) on the CPU.  fp16 runs in fp32: PyTorch's CPU fp16 matmul has no
+// fast kernel (1024 x 512 x 2048 measured 3.7 s, against 60 ms in fp32 and 7.6 ms for bf16
+// through oneDNN here), and an fp32 accumulation rounded once is what a half GEMM computes
+// anyway.  The result is in a's dtype, or for fp16 with keep_fp32 the fp32 product itself.
+bool fp16_gemm(const Tensor& a) { return a.scalar_type() == at::kHalf; }
+
+Tensor cpu_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias = std::nullopt,
+                bool keep_fp32 = false) {
+  if (!fp16_gemm(a)) return present(bias) ? at::addmm(*bias, a, b) : at::mm(a, b);
+  const Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
+  Tensor r = present(bias) ? at::addmm(bias->to(at::kFloat), a32, b32) : at::mm(a32, b32);
+  return keep_fp32 ? r : r.to(a.scalar_type());
 }
 
 }  // namespace
@@ -418,17 +442,19 @@ Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional
     // pre is kept (gelu): the GEMM adds the bias (addmm writes pre once) and the one pass reads
     // pre and writes y.  Adding the bias in the pass instead would write pre twice (measured
     // ~5 ms slower than torch's linear + gelu at 4096 x 2048 fp32).
-    Tensor pre = present(b) ? at::addmm(*b, x, w.t()) : at::mm(x, w.t());  // (M, N)
+    Tensor pre = cpu_gemm(x, w.t(), b);  // (M, N)
     if (!pre.is_contiguous()) pre = pre.contiguous();
     Tensor y = at::empty({M, N}, x.options());
     run_fwd_epilogue(pre, nullptr, act, dr, false, y);
     return {y, pre};
   }
   // Nothing kept but y: one in-place pass over mm adds the bias, applies the activation and
-  // the dropout (torch eager: addmm's bias copy, then an out-of-place relu, then dropout).
-  Tensor mm = at::mm(x, w.t());  // (M, N), contiguous
+  // the dropout (torch eager: addmm's bias copy, then an out-of-place relu, then dropout).  fp16
+  // adds the bias in its fp32 GEMM instead, so that pre is rounded once (as addmm's).
+  const bool bias_in_gemm = fp16_gemm(x);
+  Tensor mm = cpu_gemm(x, w.t(), bias_in_gemm ? b : std::nullopt);  // (M, N), contiguous
   if (!mm.is_contiguous()) mm = mm.contiguous();
-  const Tensor b32 = present(b) ? b->to(at::kFloat).contiguous() : Tensor();
+  const Tensor b32 = present(b) && !bias_in_gemm ? b->to(at::kFloat).contiguous() : Tensor();
   run_fwd_epilogue(mm, b32.defined() ? b32.const_data_ptr<float>() : nullptr, act, dr, false, mm);
   return {mm, empty0(x)};
 }
@@ -443,20 +469,25 @@ Tensor2 ffn_linear_dgrad_cpu(const Tensor& dy, const Tensor& w, const std::optio
   check_ffn_aux(aux, act, M, N, dy, c10::DeviceType::CPU);
   check_ffn_dropout(dropout_p, rng, dy);
   check_cpu_avx2();
-  Tensor d = (dy.size(1) == 0 || M == 0 || N == 0) ? at::zeros({M, N}, dy.options()) : at::mm(dy, w);
-  if (!d.is_contiguous()) d = d.contiguous();
-  if ((act != FfnAct::kNone || dropout_p > 0.0) && M > 0 && N > 0) {
+  const bool dact = (act != FfnAct::kNone || dropout_p > 0.0) && M > 0 && N > 0;
+  const bool empty = dy.size(1) == 0 || M == 0 || N == 0;
+  // fp16 with an activation / dropout: act' and the mask apply to the fp32 GEMM output (one
+  // rounding, in place of two) and d is written once, in fp16.
+  Tensor g = empty ? at::zeros({M, N}, dy.options()) : cpu_gemm(dy, w, std::nullopt, dact);
+  if (!g.is_contiguous()) g = g.contiguous();
+  if (dact) {
     const Tensor a = act != FfnAct::kNone ? unit_cols(*aux) : Tensor();
-    return dact_with_dbias(d, a.defined() ? &a : nullptr, act, make_drop(dropout_p, rng), d, want_dbias);
+    Tensor d = g.scalar_type() == dy.scalar_type() ? g : at::empty({M, N}, dy.options());
+    return dact_with_dbias(g, a.defined() ? &a : nullptr, act, make_drop(dropout_p, rng), d, want_dbias);
   }
-  return {d, want_dbias ? col_sum(d) : empty0(dy)};
+  return {g, want_dbias ? col_sum(g) : empty0(dy)};
 }
 
 Tensor2 ffn_linear_wgrad_cpu(const Tensor& dy, const Tensor& x, bool want_dbias, bool allow_tf32) {
   (void)allow_tf32;
   check_ffn_wgrad_args(dy, x, c10::DeviceType::CPU);
   const int64_t M = dy.size(0), N = dy.size(1), K = x.size(1);
-  Tensor dw = (M == 0 || N == 0 || K == 0) ? at::zeros({N, K}, dy.options()) : at::mm(dy.t(), x);
+  Tensor dw = (M == 0 || N == 0 || K == 0) ? at::zeros({N, K}, dy.options()) : cpu_gemm(dy.t(), x);
   if (!dw.is_contiguous()) dw = dw.contiguous();
   return {dw, want_dbias ? col_sum(dy) : empty0(dy)};
 }
