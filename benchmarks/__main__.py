@@ -91,6 +91,10 @@ def main(argv=None) -> int:
         common.log(f"warning: load average {load[0]:.1f} exceeds the {torch.get_num_threads()} threads "
                    "in use: other jobs share these cores and every time below is inflated "
                    "(oversubscribed OpenMP threads can be 10-30x slower; --threads 1 suffers least)")
+    malloc_note = ""
+    if device.type == "cpu" and common.pin_cpu_malloc():
+        malloc_note = common.CPU_MALLOC_NOTE + "."
+        common.log(malloc_note)
     peaks = common.measure_peaks(device, args.mode)
     common.log(f"measured peaks: copy {peaks['copy_gbps']} GB/s, matmul {peaks['matmul_tflops']} TFLOP/s")
 
@@ -117,7 +121,7 @@ def main(argv=None) -> int:
     argv_text = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
     common.write_json(out_dir / "results.json", meta, rows)
     common.write_markdown(out_dir / "results.md", meta, rows, list(skipped.values()), argv_text,
-                          load=load if device.type == "cpu" else None)
+                          load=load if device.type == "cpu" else None, malloc_note=malloc_note)
     plots = [] if args.no_plots else common.write_plots(out_dir, rows, ops.X_KEYS)
     failed = [r for r in rows if str(r["shape"].get("note", "")).startswith("failed")]
     common.log(f"{len(rows)} rows ({len(failed)} failed) in {time.perf_counter() - start:.0f} s: "

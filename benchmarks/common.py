@@ -438,6 +438,33 @@ def _shape_text(shape: dict) -> str:
                     if k not in ("note", "pass", "timer", "config", "tokens_per_s"))
 
 
+# glibc malloc: give freed memory back to the OS never, and take blocks of up to 32 MiB (its
+# maximum) from the heap instead of a fresh mmap.  Otherwise every large tensor a call allocates
+# can arrive as fresh pages that fault in (and are zeroed) on first touch: on this build machine
+# that made CPU timings bimodal (add_layer_norm forward+backward at 4096 x 1024: 1.2M-1.6M page
+# faults per 300 calls and 3.6-11 ms, against ~0 and 3.6-3.9 ms pinned; benchmarks/NOTES.md).  It
+# is what a caching allocator (jemalloc, tcmalloc) gives a training loop, for every provider alike.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+CPU_MALLOC_NOTE = ("glibc malloc pinned for the run (no trimming, heap blocks up to 32 MiB, 256 MiB "
+                   "top pad), as a caching allocator would: fresh-page faults otherwise dominate")
+
+
+def pin_cpu_malloc() -> bool:
+    """Apply the settings above through mallopt; False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(mallopt(opt, val) == 1 for opt, val in ((_M_TRIM_THRESHOLD, 2**31 - 1),
+                                                       (_M_TOP_PAD, 256 << 20),
+                                                       (_M_MMAP_THRESHOLD, 32 << 20)))
+
+
 def cpu_load() -> tuple[float, float, float] | None:
     try:
         return os.getloadavg()
@@ -446,7 +473,7 @@ def cpu_load() -> tuple[float, float, float] | None:
 
 
 def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str], argv: str,
-                   load=None) -> None:
+                   load=None, malloc_note: str = "") -> None:
     lines = [
         f"# Benchmarks: {meta['device']}",
         "",
@@ -457,6 +484,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str],
         f"({'bf16' if meta['sm_count'] else 'fp32'}).",
         (f"CPU load average when the run started: {load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on "
          f"{os.cpu_count()} cores, {torch.get_num_threads()} threads used." if load else ""),
+        malloc_note,
         "",
         "Times in ms (median, 20%–80%); TFLOP/s (attention 4·B·H·Lq·Lk·D, halved for causal "
         "masks, x2.5 fwd+bwd; FFN 4·M·d_model·d_ff, x3 fwd+bwd) or GB/s (bytes that must move "
