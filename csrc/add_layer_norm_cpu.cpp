@@ -326,8 +326,8 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
         if (drop) dropout_factors(seed, offset, static_cast<uint64_t>(i) * N, N, threshold, scale, mbuf);
         const float mu = meanp[i], rs = rstdp[i];
         const Vec vmu(mu), vrs(rs);
-        // Pass 1: xhat = (r + x*m - mean) * rstd and g = dy*w recomputed on the fly, nothing
-        // of the row stored: sum(g), sum(g*xhat) and the dweight/dbias partial sums.
+        // Pass 1: xhat = (r + x*m - mean) * rstd and g = dy*w recomputed from the row (no
+        // staging of h or g): sum(g), sum(g*xhat); dy and xhat go to the block buffers.
         const int64_t in_blk = (i - rbegin) % kParamRows;
         float* dyrow = dyblk + in_blk * N;
         float* xhrow = xhblk + in_blk * N;
