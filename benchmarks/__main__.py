@@ -108,20 +108,28 @@ def main(argv=None) -> int:
             common.log(line)
 
     rows: list[dict] = []
+    argv_text = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def write_results():
+        # After every case, not only at the end: a run killed by its time limit (gpu_suite.sh's
+        # step budget, a device call's 10 minutes) still leaves every row it measured.
+        common.fill_speedups(rows)
+        meta = common.collect_meta(device, peaks)
+        common.write_json(out_dir / "results.json", meta, rows)
+        common.write_markdown(out_dir / "results.md", meta, rows, list(skipped.values()), argv_text,
+                              load=load if device.type == "cpu" else None, malloc_note=malloc_note)
+
     op_cases = [c for op in selected if op in ops.OPS for c in ops.cases(op, device, dtypes, args.mode)]
     for case in common.progress(op_cases, "ops"):
         rows += ops.run_case(case, providers, device, args.mode, peaks, skip)
+        write_results()
     model_ops = [op for op in selected if op in models.MODEL_OPS]
     for op in common.progress(model_ops, "end to end"):
         for dtype in dtypes:
             rows += models.run(op, device, dtype, args.mode, peaks, skip, provider_filter)
+            write_results()
 
-    common.fill_speedups(rows)
-    meta = common.collect_meta(device, peaks)
-    argv_text = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
-    common.write_json(out_dir / "results.json", meta, rows)
-    common.write_markdown(out_dir / "results.md", meta, rows, list(skipped.values()), argv_text,
-                          load=load if device.type == "cpu" else None, malloc_note=malloc_note)
+    write_results()
     plots = [] if args.no_plots else common.write_plots(out_dir, rows, ops.X_KEYS)
     failed = [r for r in rows if str(r["shape"].get("note", "")).startswith("failed")]
     common.log(f"{len(rows)} rows ({len(failed)} failed) in {time.perf_counter() - start:.0f} s: "
