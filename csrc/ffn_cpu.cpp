@@ -14,6 +14,8 @@
 // fp16 GEMMs run in fp32 (cpu_gemm says why); dgrad's pass then reads the fp32 product.
 // The argument checks shared with ffn_cuda.cu live here too (check_ffn_*).
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
@@ -24,6 +26,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -407,6 +412,62 @@ Tensor2 dact_with_dbias(const Tensor& g, const Tensor* aux, FfnAct act, const Dr
 // anyway.  The result is in a's dtype, or for fp16 with keep_fp32 the fp32 product itself.
 bool fp16_gemm(const Tensor& a) { return a.scalar_type() == at::kHalf; }
 
+// x @ w^T (+ bias) in fp32 through oneDNN (the mkldnn::_linear_pointwise op PyTorch registers
+// for inductor), or an undefined tensor where that does not apply.  Why: PyTorch's fp32 CPU
+// matmul is MKL, which runs AVX2 code on this AMD EPYC (0.16 TFLOP/s on 2 cores); oneDNN uses
+// its AVX-512 and took 4.9 ms against MKL's 13.4-15.5 ms at 1024 x 512 -> 2048.  But oneDNN
+// sums K in one sequential chain: 2.5x MKL's error there, past the oracle's 2x.  Chunks of
+// kOneDnnK along K added in fp32 measured 2.3e-5 against MKL's 4.8e-5 (6.6 ms).  Chunks are
+// contiguous copies: on strided views oneDNN fell to a path ~2000x slower (measured).  Small
+// GEMMs stay on MKL (a oneDNN call costs tens of microseconds); TRANSFORMER_FAST_CPU_NO_ONEDNN=1
+// turns the path off.
+constexpr int64_t kOneDnnK = 64;
+constexpr double kOneDnnMinFlops = 1e8;
+
+const c10::OperatorHandle* onednn_linear_op() {
+  static const std::optional<c10::OperatorHandle> op = []() -> std::optional<c10::OperatorHandle> {
+    if (std::getenv("TRANSFORMER_FAST_CPU_NO_ONEDNN") != nullptr) return std::nullopt;
+    return c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+  }();
+  return op.has_value() ? &*op : nullptr;
+}
+
+Tensor onednn_linear_chunk(const c10::OperatorHandle& op, const Tensor& x, const Tensor& w,
+                           const std::optional<Tensor>& bias) {
+  torch::jit::Stack stack;
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(present(bias) ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<c10::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return std::move(stack[0]).toTensor();
+}
+
+Tensor linear_onednn_fp32(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias) {
+  const c10::OperatorHandle* op = onednn_linear_op();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (op == nullptr || x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat ||
+      (present(bias) && bias->scalar_type() != at::kFloat) ||
+      2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K) < kOneDnnMinFlops) {
+    return Tensor();
+  }
+  Tensor out;
+  for (int64_t k0 = 0; k0 < K; k0 += kOneDnnK) {
+    const int64_t kc = std::min(kOneDnnK, K - k0);
+    Tensor part = onednn_linear_chunk(*op, x.narrow(1, k0, kc).contiguous(),
+                                      w.narrow(1, k0, kc).contiguous(),
+                                      k0 == 0 ? bias : std::nullopt);
+    if (k0 == 0) {
+      out = part.is_contiguous() ? part : part.contiguous();
+    } else {
+      out.add_(part);
+    }
+  }
+  return out;
+}
+
 Tensor cpu_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias = std::nullopt,
                 bool keep_fp32 = false) {
   if (!fp16_gemm(a)) return present(bias) ? at::addmm(*bias, a, b) : at::mm(a, b);
@@ -442,7 +503,8 @@ Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional
     // pre is kept (gelu): the GEMM adds the bias (addmm writes pre once) and the one pass reads
     // pre and writes y.  Adding the bias in the pass instead would write pre twice (measured
     // ~5 ms slower than torch's linear + gelu at 4096 x 2048 fp32).
-    Tensor pre = cpu_gemm(x, w.t(), b);  // (M, N)
+    Tensor pre = linear_onednn_fp32(x, w, b);  // (M, N)
+    if (!pre.defined()) pre = cpu_gemm(x, w.t(), b);
     if (!pre.is_contiguous()) pre = pre.contiguous();
     Tensor y = at::empty({M, N}, x.options());
     run_fwd_epilogue(pre, nullptr, act, dr, false, y);
@@ -451,8 +513,9 @@ Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional
   // Nothing kept but y: one in-place pass over mm adds the bias, applies the activation and
   // the dropout (torch eager: addmm's bias copy, then an out-of-place relu, then dropout).  fp16
   // adds the bias in its fp32 GEMM instead, so that pre is rounded once (as addmm's).
-  const bool bias_in_gemm = fp16_gemm(x);
-  Tensor mm = cpu_gemm(x, w.t(), bias_in_gemm ? b : std::nullopt);  // (M, N), contiguous
+  Tensor mm = linear_onednn_fp32(x, w, b);  // (M, N), the bias added (when it applies)
+  const bool bias_in_gemm = fp16_gemm(x) || mm.defined();
+  if (!mm.defined()) mm = cpu_gemm(x, w.t(), bias_in_gemm ? b : std::nullopt);  // (M, N), contiguous
   if (!mm.is_contiguous()) mm = mm.contiguous();
   const Tensor b32 = present(b) && !bias_in_gemm ? b->to(at::kFloat).contiguous() : Tensor();
   run_fwd_epilogue(mm, b32.defined() ? b32.const_data_ptr<float>() : nullptr, act, dr, false, mm);

@@ -42,14 +42,11 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
         "scaled_dot_product_attention": ("torch", "cpu"),
         "attention_with_kv_cache": ("cpu", "torch"),  # decode steps 0.9-1.9x torch (NOTES.md)
         "masked_softmax": ("cpu", "torch"),  # cpu measured 2-10x faster than torch (NOTES.md)
-        # C++ cpu measured 0.94-1.0x torch eager without dropout, and ahead of it with dropout
-        # (torch's CPU dropout draws a bernoulli mask: gelu + dropout 0.1 forward 1.2-1.6x,
-        # forward+backward 1.04-1.08x; benchmarks/NOTES.md, FFN).  "<op>+dropout" is the order
-        # while the call drops (dropout_p > 0).
-        "feed_forward": ("torch", "cpu"),
-        "feed_forward+dropout": ("cpu", "torch"),
-        "linear_bias_act": ("torch", "cpu"),
-        "linear_bias_act+dropout": ("cpu", "torch"),
+        # C++ cpu, with its fp32 forward GEMMs on oneDNN: 1.07-1.62x torch eager forward and
+        # 0.99-1.17x forward+backward without dropout, 1.95-2.2x / 1.14-1.26x with gelu +
+        # dropout 0.1 (benchmarks/NOTES.md, FFN).
+        "feed_forward": ("cpu", "torch"),
+        "linear_bias_act": ("cpu", "torch"),
     },
 }
 _DEFAULT_ORDER = ("torch",)
@@ -245,14 +242,8 @@ def _ambient_backend() -> str:
     return "auto"
 
 
-def auto_order(op: str, device_type: str, inputs: Mapping[str, object] | None = None) -> tuple[str, ...]:
-    """``AUTO_ORDER``'s list for ``op`` on ``device_type``; its "<op>+dropout" list where there is
-    one and ``inputs["dropout_p"]`` > 0."""
-    table = AUTO_ORDER.get(device_type, {})
-    dropping = inputs is not None and float(inputs.get("dropout_p") or 0.0) > 0.0
-    if dropping and f"{op}+dropout" in table:
-        return table[f"{op}+dropout"]
-    return table.get(op, _DEFAULT_ORDER)
+def auto_order(op: str, device_type: str) -> tuple[str, ...]:
+    return AUTO_ORDER.get(device_type, {}).get(op, _DEFAULT_ORDER)
 
 
 def resolve(op: str, backend: str | None, inputs: Mapping[str, object]) -> str:
@@ -270,7 +261,7 @@ def resolve(op: str, backend: str | None, inputs: Mapping[str, object]) -> str:
         return name
     device_type = _device_type(inputs)
     collected = []
-    for candidate in auto_order(op, device_type, inputs):
+    for candidate in auto_order(op, device_type):
         reasons = not_supported_reasons(candidate, op, inputs)
         if not reasons:
             return candidate

@@ -785,7 +785,7 @@ def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, backend
     activation = _checks.choice("activation", activation, ACTIVATIONS)
     dropout_p = _checks.dropout_p(dropout_p)
 
-    inputs = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "dropout_p": dropout_p}
+    inputs = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2}
     name = backends.resolve("feed_forward", backend, inputs)
     if name == "reference":
         return reference.feed_forward(x, w1, b1, w2, b2, activation, dropout_p)
@@ -827,7 +827,7 @@ def linear_bias_act(x, w, b=None, *, activation=None, dropout_p=0.0, backend=Non
         _checks.choice("activation", activation, ACTIVATIONS)
     dropout_p = _checks.dropout_p(dropout_p)
 
-    inputs = {"x": x, "w": w, "b": b, "dropout_p": dropout_p}
+    inputs = {"x": x, "w": w, "b": b}
     name = backends.resolve("linear_bias_act", backend, inputs)
     if name == "reference":
         return _reference_linear_bias_act(x, w, b, activation, dropout_p)
