@@ -412,7 +412,7 @@ Tensor2 dact_with_dbias(const Tensor& g, const Tensor* aux, FfnAct act, const Dr
 // anyway.  The result is in a's dtype, or for fp16 with keep_fp32 the fp32 product itself.
 bool fp16_gemm(const Tensor& a) { return a.scalar_type() == at::kHalf; }
 
-// x @ w^T (+ bias) in fp32 through oneDNN (the mkldnn::_linear_pointwise op PyTorch registers
+// x @ w^T (+ bias) in fp32 through oneDNN (forward, and dgrad as dy @ (w^T)^T) (the mkldnn::_linear_pointwise op PyTorch registers
 // for inductor), or an undefined tensor where that does not apply.  Why: PyTorch's fp32 CPU
 // matmul is MKL, which runs AVX2 code on this AMD EPYC (0.16 TFLOP/s on 2 cores); oneDNN uses
 // its AVX-512 and took 4.9 ms against MKL's 13.4-15.5 ms at 1024 x 512 -> 2048.  But oneDNN
@@ -536,7 +536,8 @@ Tensor2 ffn_linear_dgrad_cpu(const Tensor& dy, const Tensor& w, const std::optio
   const bool empty = dy.size(1) == 0 || M == 0 || N == 0;
   // fp16 with an activation / dropout: act' and the mask apply to the fp32 GEMM output (one
   // rounding, in place of two) and d is written once, in fp16.
-  Tensor g = empty ? at::zeros({M, N}, dy.options()) : cpu_gemm(dy, w, std::nullopt, dact);
+  Tensor g = empty ? at::zeros({M, N}, dy.options()) : linear_onednn_fp32(dy, w.t(), std::nullopt);
+  if (!g.defined()) g = cpu_gemm(dy, w, std::nullopt, dact);
   if (!g.is_contiguous()) g = g.contiguous();
   if (dact) {
     const Tensor a = act != FfnAct::kNone ? unit_cols(*aux) : Tensor();
