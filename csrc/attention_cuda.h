@@ -30,8 +30,19 @@ inline at::Tensor empty_in_layout_of(const at::Tensor& q, std::array<int64_t, 4>
   return base.permute({inverse[0], inverse[1], inverse[2], 3});
 }
 
-// How the CUDA kernels' Params (attention_cuda.cu, attention_fp32_cuda.cu) encode attn_mask.
+// How the CUDA kernels' Params (attention_cuda.cu, attention_fp32_cuda.cu, masked_softmax_cuda.cu)
+// encode attn_mask.
 enum AttnMaskType : int { kMaskNone = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBf16 = 3, kMaskFloat = 4 };
+
+// The AttnMaskType of a mask tensor of dtype t (bool, fp16, bf16; any other dtype is read as fp32).
+inline int attn_mask_type(c10::ScalarType t) {
+  switch (t) {
+    case at::kBool: return kMaskBool;
+    case at::kHalf: return kMaskHalf;
+    case at::kBFloat16: return kMaskBf16;
+    default: return kMaskFloat;
+  }
+}
 
 // Kernel arguments of both CUDA kernel families; E is the element type in memory (uint16_t bit
 // patterns of fp16/bf16 for attention_cuda.cu, float for attention_fp32_cuda.cu).
@@ -92,12 +103,7 @@ P fill_attention_params(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (attn_mask.has_value() && attn_mask->defined()) {
     const at::Tensor& m = *attn_mask;
     p.am = m.const_data_ptr();
-    switch (m.scalar_type()) {
-      case at::kBool: p.am_type = kMaskBool; break;
-      case at::kHalf: p.am_type = kMaskHalf; break;
-      case at::kBFloat16: p.am_type = kMaskBf16; break;
-      default: p.am_type = kMaskFloat; break;
-    }
+    p.am_type = attn_mask_type(m.scalar_type());
     p.am_sb = m.stride(0), p.am_sh = m.stride(1), p.am_sm = m.stride(2), p.am_sn = m.stride(3);
   }
   if (kpm.has_value() && kpm->defined()) {

@@ -52,6 +52,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "attention_cuda.h"  // AttnMaskType, attn_mask_type
 #include "masked_softmax.h"
 #include "ops.h"
 #include "philox.h"
@@ -67,8 +68,6 @@ constexpr int kMaxItems = 32;                    // warp kernels: values per lan
 constexpr int kBlockThreads = 256;               // block kernels
 constexpr int kBlockWarps = kBlockThreads / 32;
 constexpr float kLog2e = 1.4426950408889634f;
-
-enum MaskType : int { kMaskNone = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBf16 = 3, kMaskFloat = 4 };
 
 struct FwdParams {
   const void* s;  // scores
@@ -573,12 +572,7 @@ Tensor2 masked_softmax_fwd_cuda(TF_MASKED_SOFTMAX_FWD_ARGS) {
   if (mask.has_value() && mask->defined()) {
     m = mask->scalar_type() == at::kDouble ? mask->to(at::kFloat) : *mask;
     p.am = m.const_data_ptr();
-    switch (m.scalar_type()) {
-      case at::kBool: p.am_type = kMaskBool; break;
-      case at::kHalf: p.am_type = kMaskHalf; break;
-      case at::kBFloat16: p.am_type = kMaskBf16; break;
-      default: p.am_type = kMaskFloat; break;
-    }
+    p.am_type = attn_mask_type(m.scalar_type());
     p.am_sb = m.stride(0), p.am_sh = m.stride(1), p.am_sm = m.stride(2), p.am_sn = m.stride(3);
   }
   p.out = out.mutable_data_ptr();
