@@ -233,7 +233,8 @@ void accumulate_param_grads(const float* dy, const float* xh, int64_t rows, int6
   int64_t j = 0;
 #ifdef TF_CPU_AVX2_PRAGMA
   // 16 columns at a time: four independent FMA chains per accumulator (one chain is bound by
-  // the FMA's latency, row after row).
+  // the FMA's latency, row after row); the < 16 columns left take the scalar loop (the products
+  // are exact in double, so its mul + add rounds as the FMA does).
   for (; j + 16 <= n; j += 16) {
     __m256d aw[4], ab[4];
     for (int q = 0; q < 4; ++q) {
@@ -251,17 +252,6 @@ void accumulate_param_grads(const float* dy, const float* xh, int64_t rows, int6
       if (dw) _mm256_storeu_pd(dw + j + 4 * q, aw[q]);
       if (db) _mm256_storeu_pd(db + j + 4 * q, ab[q]);
     }
-  }
-  for (; j + 4 <= n; j += 4) {
-    __m256d aw = dw ? _mm256_loadu_pd(dw + j) : _mm256_setzero_pd();
-    __m256d ab = db ? _mm256_loadu_pd(db + j) : _mm256_setzero_pd();
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256d d = _mm256_cvtps_pd(_mm_loadu_ps(dy + r * n + j));
-      if (dw) aw = _mm256_fmadd_pd(d, _mm256_cvtps_pd(_mm_loadu_ps(xh + r * n + j)), aw);
-      if (db) ab = _mm256_add_pd(ab, d);
-    }
-    if (dw) _mm256_storeu_pd(dw + j, aw);
-    if (db) _mm256_storeu_pd(db + j, ab);
   }
 #endif
   for (; j < n; ++j) {
