@@ -49,19 +49,28 @@ def optional_tensor(name: str, value: object, **kwargs) -> torch.Tensor | None:
     return None if value is None else tensor(name, value, **kwargs)
 
 
+def _first_mismatch(tensors: dict, attr: str) -> bool:
+    # A plain loop: these checks run on every call of every op (a few us matter when decoding).
+    first = None
+    for v in tensors.values():
+        if v is not None:
+            value = getattr(v, attr)
+            if first is None:
+                first = value
+            elif value != first:
+                return True
+    return False
+
+
 def same_device(**tensors: torch.Tensor | None) -> None:
-    present = {k: v for k, v in tensors.items() if v is not None}
-    devices = {k: v.device for k, v in present.items()}
-    if len(set(devices.values())) > 1:
-        listing = ", ".join(f"{k} on {d}" for k, d in devices.items())
+    if _first_mismatch(tensors, "device"):
+        listing = ", ".join(f"{k} on {v.device}" for k, v in tensors.items() if v is not None)
         raise ValueError(f"all tensors must be on one device; got {listing}")
 
 
 def same_dtype(**tensors: torch.Tensor | None) -> None:
-    present = {k: v for k, v in tensors.items() if v is not None}
-    dtypes = {k: v.dtype for k, v in present.items()}
-    if len(set(dtypes.values())) > 1:
-        listing = ", ".join(f"{k} is {d}" for k, d in dtypes.items())
+    if _first_mismatch(tensors, "dtype"):
+        listing = ", ".join(f"{k} is {v.dtype}" for k, v in tensors.items() if v is not None)
         raise TypeError(f"tensors must share one dtype; got {listing}")
 
 

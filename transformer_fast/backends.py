@@ -136,13 +136,11 @@ def register(op: str, backend: str, check: Check | None = None) -> None:
     _SUPPORT.setdefault(op, {})[backend] = check or (lambda inputs: [])
 
 
-def _tensors(inputs: Mapping[str, object]) -> list[torch.Tensor]:
-    return [v for v in inputs.values() if isinstance(v, torch.Tensor)]
-
-
 def _device_type(inputs: Mapping[str, object]) -> str:
-    tensors = _tensors(inputs)
-    return tensors[0].device.type if tensors else "cpu"
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    return "cpu"
 
 
 def _backend_reasons(backend: str, device_type: str) -> list[str]:

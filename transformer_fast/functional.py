@@ -373,6 +373,8 @@ def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale,
     scores_shape = tuple(query.shape[:-1]) + (lk,)
     if query.dim() == 3:  # (N, L, D): one head
         q4, k4, v4 = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    elif query.dim() == 4:
+        q4, k4, v4 = query, key, value
     else:  # (..., H, L, D): fold the leading dims into one batch (a view when strides allow)
         q4, k4, v4 = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
     b4, h = q4.shape[0], q4.shape[1]
@@ -395,7 +397,7 @@ def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale,
     out = _attention_op.attention(
         q4, k4, v4, mask4, padding, is_causal, scale, dropout_p, rng, _allow_tf32(query.dtype), name
     )
-    return out.reshape(*query.shape[:-1], value.shape[-1])
+    return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
 
 
 def scaled_dot_product_attention(

@@ -82,6 +82,15 @@ def _projections(mha: nn.Module):
     return w_q, w_k, w_v, b_q, b_k, b_v
 
 
+def _self_attention_weights(mha: nn.Module) -> tuple:
+    """(in_proj_weight, in_proj_bias) when q, k and v are one packed projection (one GEMM), else
+    the six separate weights and biases of _projections (which rejects add_bias_kv/add_zero_attn)."""
+    projections = _projections(mha)
+    if getattr(mha, "_qkv_same_embed_dim", True):
+        return mha.in_proj_weight, mha.in_proj_bias
+    return projections
+
+
 def _heads(x: torch.Tensor, nhead: int) -> torch.Tensor:
     # (N, L, d) -> (N, H, L, d / H)
     n, length, d = x.shape
@@ -98,18 +107,18 @@ def _layer_norm(x, norm):
     return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
-def _add_norm(x, residual, norm, prenorm=False):
+def _add_norm(x, residual, norm, backend, prenorm=False):
     """norm(residual + x) (and residual + x with prenorm) in one fused pass."""
     return tf.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, prenorm=prenorm,
-                             backend=backend_for("add_layer_norm"))
+                             backend=backend)
 
 
-def _feed_forward(layer, x):
+def _feed_forward(layer, x, backend):
     name = _activation_name(layer.activation)
     l1, l2 = layer.linear1, layer.linear2
     if name is not None:
         return tf.feed_forward(x, l1.weight, l1.bias, l2.weight, l2.bias, activation=name,
-                               backend=backend_for("feed_forward"))
+                               backend=backend)
     return l2(layer.activation(l1(x)))  # a custom activation: unfused
 
 
@@ -147,41 +156,48 @@ class CachedStepper:
                 # Cross-attention keys/values: projected once, (N, H, S, Dh).
                 "mem_k": _heads(F.linear(memory, w_k, b_k), ca.num_heads),
                 "mem_v": _heads(F.linear(memory, w_v, b_v), ca.num_heads),
+                # Per-step weights looked up once (a step is a few us of Python per op).
+                "self_qkv": _self_attention_weights(sa),
+                "cross_q": _projections(ca)[0::3],  # (w_q, b_q)
             })
+        # The backends chosen for this decoding (use_backend is read once, not every op).
+        self.backend = {op: backend_for(op) for op in
+                        ("attention_with_kv_cache", "scaled_dot_product_attention", "add_layer_norm",
+                         "feed_forward")}
 
     def _self_attention(self, layer, cache, h):
         sa = layer.self_attn
-        _projections(sa)  # rejects add_bias_kv / add_zero_attn
-        if getattr(sa, "_qkv_same_embed_dim", True):  # one GEMM for q, k and v
-            q, k, v = F.linear(h, sa.in_proj_weight, sa.in_proj_bias).chunk(3, dim=-1)
+        weights = cache["self_qkv"]
+        if len(weights) == 2:  # one GEMM for q, k and v
+            q, k, v = F.linear(h, *weights).chunk(3, dim=-1)
         else:
-            w_q, w_k, w_v, b_q, b_k, b_v = _projections(sa)
+            w_q, w_k, w_v, b_q, b_k, b_v = weights
             q, k, v = F.linear(h, w_q, b_q), F.linear(h, w_k, b_k), F.linear(h, w_v, b_v)
         q, k, v = (_heads(t, sa.num_heads) for t in (q, k, v))  # (N, H, 1, Dh) each
         out = tf.attention_with_kv_cache(q, cache["k"], cache["v"], self.seqlens, k, v,
-                                        backend=backend_for("attention_with_kv_cache"))
+                                        backend=self.backend["attention_with_kv_cache"])
         return sa.out_proj(_merge_heads(out))  # (N, 1, d)
 
     def _cross_attention(self, layer, cache, h):
         ca = layer.multihead_attn
-        w_q, _, _, b_q, _, _ = _projections(ca)
-        q = _heads(F.linear(h, w_q, b_q), ca.num_heads)  # (N, H, 1, Dh)
+        q = _heads(F.linear(h, *cache["cross_q"]), ca.num_heads)  # (N, H, 1, Dh)
         out = tf.scaled_dot_product_attention(
             q, cache["mem_k"], cache["mem_v"], key_padding_mask=self.src_padding,
-            backend=backend_for("scaled_dot_product_attention"),
+            backend=self.backend["scaled_dot_product_attention"],
         )
         return ca.out_proj(_merge_heads(out))  # (N, 1, d)
 
     def _layer(self, layer, cache, x):
         # x: (N, 1, d).  torch.nn.TransformerDecoderLayer's order, dropout off (eval).
+        ln, ffn = self.backend["add_layer_norm"], self.backend["feed_forward"]
         if layer.norm_first:
             h = _layer_norm(x, layer.norm1)
-            h, x = _add_norm(self._self_attention(layer, cache, h), x, layer.norm2, prenorm=True)
-            h, x = _add_norm(self._cross_attention(layer, cache, h), x, layer.norm3, prenorm=True)
-            return x + _feed_forward(layer, h)
-        x = _add_norm(self._self_attention(layer, cache, x), x, layer.norm1)
-        x = _add_norm(self._cross_attention(layer, cache, x), x, layer.norm2)
-        return _add_norm(_feed_forward(layer, x), x, layer.norm3)
+            h, x = _add_norm(self._self_attention(layer, cache, h), x, layer.norm2, ln, prenorm=True)
+            h, x = _add_norm(self._cross_attention(layer, cache, h), x, layer.norm3, ln, prenorm=True)
+            return x + _feed_forward(layer, h, ffn)
+        x = _add_norm(self._self_attention(layer, cache, x), x, layer.norm1, ln)
+        x = _add_norm(self._cross_attention(layer, cache, x), x, layer.norm2, ln)
+        return _add_norm(_feed_forward(layer, x, ffn), x, layer.norm3, ln)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (N,) at position ``self.length`` -> next-token logits (N, V)."""

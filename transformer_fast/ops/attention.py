@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
+from . import call
 
 
 def empty_in_layout_of(q, shape):
@@ -50,8 +51,7 @@ def _launcher(backend: str):
     raise ValueError(f"attention op: no fused implementation named {backend!r}")
 
 
-@torch.library.custom_op("transformer_fast::attention_fwd", mutates_args=())
-def attention_fwd(
+def _attention_fwd_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -66,6 +66,11 @@ def attention_fwd(
 ) -> tuple[Tensor, Tensor]:
     fwd, _ = _launcher(backend)
     return fwd(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32)
+
+
+attention_fwd = torch.library.custom_op(
+    "transformer_fast::attention_fwd", _attention_fwd_impl, mutates_args=()
+)
 
 
 @attention_fwd.register_fake
@@ -133,5 +138,6 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32, backend):
-    out, _ = attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32, backend)
+    out, _ = call(attention_fwd, _attention_fwd_impl, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
+                  dropout_p, rng, allow_tf32, backend)
     return out

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
+from . import call
 
 
 def _launcher(backend: str):
@@ -31,8 +32,7 @@ def _launcher(backend: str):
     raise ValueError(f"attention_with_kv_cache op: no fused implementation named {backend!r}")
 
 
-@torch.library.custom_op("transformer_fast::attention_with_kv_cache", mutates_args=("k_cache", "v_cache"))
-def attention_with_kv_cache(
+def _attention_with_kv_cache_impl(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -46,7 +46,18 @@ def attention_with_kv_cache(
     return _launcher(backend)(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, allow_tf32)
 
 
-@attention_with_kv_cache.register_fake
+attention_with_kv_cache_op = torch.library.custom_op(
+    "transformer_fast::attention_with_kv_cache", _attention_with_kv_cache_impl, mutates_args=("k_cache", "v_cache")
+)
+
+
+@attention_with_kv_cache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, allow_tf32, backend):
     b, h, l_new, _ = q.shape
     return q.new_empty((b, h, l_new, v_cache.shape[-1]))
+
+
+def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale, allow_tf32, backend):
+    """Run the op: appends k_new/v_new into the caches in place, returns out (B, H, L_new, D)."""
+    return call(attention_with_kv_cache_op, _attention_with_kv_cache_impl, q, k_cache, v_cache, cache_seqlens,
+                k_new, v_new, scale, allow_tf32, backend, mutated=(k_cache, v_cache))

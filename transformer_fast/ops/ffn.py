@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
+from . import call
 
 _EMPTY_SHAPE = (0,)
 _NEEDS_PRE = ("gelu", "gelu_tanh")
@@ -75,8 +76,7 @@ def _grad_or_none(g: Tensor, present: bool) -> Optional[Tensor]:
 # linear_bias_act
 
 
-@torch.library.custom_op("transformer_fast::linear_bias_act_fwd", mutates_args=())
-def linear_bias_act_fwd(
+def _linear_bias_act_fwd_impl(
     x: Tensor,
     w: Tensor,
     b: Optional[Tensor],
@@ -89,6 +89,11 @@ def linear_bias_act_fwd(
     launch = _launcher(backend)
     y, pre = launch.linear_fwd(_rows(x), w, b, activation, dropout_p, rng, needs_pre(activation), allow_tf32)
     return y.view(*x.shape[:-1], w.shape[0]), pre
+
+
+linear_bias_act_fwd = torch.library.custom_op(
+    "transformer_fast::linear_bias_act_fwd", _linear_bias_act_fwd_impl, mutates_args=()
+)
 
 
 @linear_bias_act_fwd.register_fake
@@ -153,7 +158,8 @@ linear_bias_act_fwd.register_autograd(_lba_backward, setup_context=_lba_setup_co
 
 def linear_bias_act(x, w, b, activation, dropout_p, rng, allow_tf32, backend):
     """Run the fused op; returns y (..., N)."""
-    y, _ = linear_bias_act_fwd(x, w, b, activation, dropout_p, rng, allow_tf32, backend)
+    y, _ = call(linear_bias_act_fwd, _linear_bias_act_fwd_impl, x, w, b, activation, dropout_p, rng, allow_tf32,
+                backend)
     return y
 
 
@@ -161,8 +167,7 @@ def linear_bias_act(x, w, b, activation, dropout_p, rng, allow_tf32, backend):
 # feed_forward
 
 
-@torch.library.custom_op("transformer_fast::feed_forward_fwd", mutates_args=())
-def feed_forward_fwd(
+def _feed_forward_fwd_impl(
     x: Tensor,
     w1: Tensor,
     b1: Optional[Tensor],
@@ -178,6 +183,11 @@ def feed_forward_fwd(
     hidden, pre = launch.linear_fwd(_rows(x), w1, b1, activation, dropout_p, rng, needs_pre(activation), allow_tf32)
     out, _ = launch.linear_fwd(hidden, w2, b2, "none", 0.0, None, False, allow_tf32)
     return out.view(*x.shape[:-1], w2.shape[0]), hidden, pre
+
+
+feed_forward_fwd = torch.library.custom_op(
+    "transformer_fast::feed_forward_fwd", _feed_forward_fwd_impl, mutates_args=()
+)
 
 
 @feed_forward_fwd.register_fake
@@ -247,7 +257,8 @@ feed_forward_fwd.register_autograd(_ff_backward, setup_context=_ff_setup_context
 
 def feed_forward(x, w1, b1, w2, b2, activation, dropout_p, rng, allow_tf32, backend):
     """Run the fused op; returns out (..., d_out)."""
-    out, _, _ = feed_forward_fwd(x, w1, b1, w2, b2, activation, dropout_p, rng, allow_tf32, backend)
+    out, _, _ = call(feed_forward_fwd, _feed_forward_fwd_impl, x, w1, b1, w2, b2, activation, dropout_p, rng,
+                     allow_tf32, backend)
     return out
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
+from . import call
 
 _EMPTY_SHAPE = (0,)
 
@@ -46,8 +47,7 @@ def _launcher(backend: str):
     raise ValueError(f"add_layer_norm op: no fused implementation named {backend!r}")
 
 
-@torch.library.custom_op("transformer_fast::add_layer_norm_fwd", mutates_args=())
-def add_layer_norm_fwd(
+def _add_layer_norm_fwd_impl(
     x: Tensor,
     residual: Tensor,
     weight: Optional[Tensor],
@@ -64,6 +64,11 @@ def add_layer_norm_fwd(
     y = y.view(x.shape)
     h = h.view(x.shape) if prenorm else h
     return y, h, mean, rstd
+
+
+add_layer_norm_fwd = torch.library.custom_op(
+    "transformer_fast::add_layer_norm_fwd", _add_layer_norm_fwd_impl, mutates_args=()
+)
 
 
 def _fwd_outputs(x, prenorm):
@@ -173,5 +178,6 @@ _register_cxx_fakes()
 
 def add_layer_norm(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend):
     """Run the fused op; returns ``y`` or ``(y, residual + dropout(x))`` when prenorm."""
-    y, h, _, _ = add_layer_norm_fwd(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend)
+    y, h, _, _ = call(add_layer_norm_fwd, _add_layer_norm_fwd_impl,
+                      x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend)
     return (y, h) if prenorm else y

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
+from . import call
 
 _EMPTY_SHAPE = (0,)
 
@@ -31,8 +32,7 @@ def _launcher(backend: str):
     raise ValueError(f"masked_softmax op: no fused implementation named {backend!r}")
 
 
-@torch.library.custom_op("transformer_fast::masked_softmax_fwd", mutates_args=())
-def masked_softmax_fwd(
+def _masked_softmax_fwd_impl(
     scores: Tensor,
     mask: Optional[Tensor],
     scale: float,
@@ -43,6 +43,11 @@ def masked_softmax_fwd(
 ) -> tuple[Tensor, Tensor]:
     fwd, _ = _launcher(backend)
     return fwd(scores, mask, scale, is_causal, dropout_p, rng)
+
+
+masked_softmax_fwd = torch.library.custom_op(
+    "transformer_fast::masked_softmax_fwd", _masked_softmax_fwd_impl, mutates_args=()
+)
 
 
 @masked_softmax_fwd.register_fake
@@ -83,5 +88,5 @@ masked_softmax_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def masked_softmax(scores, mask, scale, is_causal, dropout_p, rng, backend):
-    out, _ = masked_softmax_fwd(scores, mask, scale, is_causal, dropout_p, rng, backend)
+    out, _ = call(masked_softmax_fwd, _masked_softmax_fwd_impl, scores, mask, scale, is_causal, dropout_p, rng, backend)
     return out
