@@ -20,29 +20,78 @@ def _refuse(*args, **kwargs):
     raise AssertionError("the custom op was dispatched")
 
 
-def test_inference_call_skips_the_custom_op(monkeypatch):
+def test_eager_calls_skip_the_custom_op(monkeypatch):
     require_backend("cpu")
     x, r, w, b = _ln_inputs()
     expected = F.add_layer_norm(x, r, w, b, backend="cpu")
     monkeypatch.setattr(layer_norm, "add_layer_norm_fwd", _refuse)
+    monkeypatch.setattr(layer_norm, "add_layer_norm_bwd", _refuse)
     assert torch.equal(F.add_layer_norm(x, r, w, b, backend="cpu"), expected)  # nothing needs grad
     xg, rg, wg, bg = _ln_inputs(requires_grad=True)
     with torch.no_grad():
         F.add_layer_norm(xg, rg, wg, bg, backend="cpu")
     with torch.inference_mode():
         F.add_layer_norm(x, r, w, b, backend="cpu")
-    with pytest.raises(AssertionError, match="dispatched"):  # autograd needs the op
-        F.add_layer_norm(xg, rg, wg, bg, backend="cpu")
+    y = F.add_layer_norm(xg, rg, wg, bg, backend="cpu")  # the op's formula in an autograd.Function
+    torch.autograd.grad(y.sum(), [xg, rg, wg, bg])
+    with _Recorder(), pytest.raises(AssertionError, match="dispatched"):  # a mode gets the op
+        F.add_layer_norm(x, r, w, b, backend="cpu")
 
 
-def test_direct_and_dispatched_calls_agree():
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _leaves(*shapes):
+    return [torch.randn(*s).requires_grad_() for s in shapes]
+
+
+def _cases():
+    """(name, fn(*leaves) -> output, leaf shapes) for each fused op on the cpu backend."""
+    pad = torch.tensor([[False] * 5 + [True] * 2, [False] * 7])
+    return [
+        ("add_layer_norm prenorm", lambda x, r, w, b: torch.cat(
+            F.add_layer_norm(x, r, w, b, dropout_p=0.3, prenorm=True, backend="cpu"), -1),
+         [(2, 7, 24), (2, 7, 24), (24,), (24,)]),
+        ("scaled_dot_product_attention", lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=0.2, key_padding_mask=pad, backend="cpu"),
+         [(2, 3, 7, 16), (2, 3, 7, 16), (2, 3, 7, 16)]),
+        ("feed_forward", lambda x, w1, b1, w2, b2: F.feed_forward(
+            x, w1, b1, w2, b2, activation="gelu", dropout_p=0.25, backend="cpu"),
+         [(2, 7, 24), (40, 24), (40,), (24, 40), (24,)]),
+        ("linear_bias_act", lambda x, w, b: F.linear_bias_act(
+            x, w, b, activation="relu", dropout_p=0.25, backend="cpu"),
+         [(9, 24), (40, 24), (40,)]),
+        ("masked_softmax", lambda s: F.masked_softmax(
+            s, pad[:, None, None, :], scale=0.5, dropout_p=0.2, backend="cpu"),
+         [(2, 3, 7, 7)]),
+    ]
+
+
+@pytest.mark.parametrize("case", _cases(), ids=[c[0] for c in _cases()])
+def test_eager_and_dispatched_calls_agree_bitwise(case):
+    """Forward and every gradient, with dropout (the same rng draw): the eager path (direct
+    implementation, autograd.Function) against the custom op (forced by a dispatch mode)."""
     require_backend("cpu")
-    x, r, w, b = _ln_inputs(requires_grad=True)
-    with torch.no_grad():
-        direct = F.add_layer_norm(x, r, w, b, backend="cpu", prenorm=True)
-    dispatched = F.add_layer_norm(x, r, w, b, backend="cpu", prenorm=True)
-    for a, c in zip(direct, dispatched):
-        assert torch.equal(a, c.detach())
+    _, fn, shapes = case
+    leaves = _leaves(*shapes)
+
+    def run(mode):
+        torch.manual_seed(11)
+        with mode:
+            out = fn(*leaves)
+            upstream = torch.ones_like(out).mul_(0.5).add_(torch.arange(out.shape[-1]) / 10)
+            return [out.detach()] + list(torch.autograd.grad(out, leaves, upstream))
+
+    import contextlib
+
+    eager, dispatched = run(contextlib.nullcontext()), run(_PassThrough())
+    for a, c in zip(eager, dispatched):
+        assert torch.equal(a, c)
+    with torch.no_grad():  # the no-grad path too
+        torch.manual_seed(11)
+        assert torch.equal(fn(*leaves), eager[0])
 
 
 class _Recorder(TorchDispatchMode):

@@ -1,4 +1,11 @@
-"""torch.library custom ops: each fused op's autograd formula and fake (meta) kernel."""
+"""torch.library custom ops: each fused op's autograd formula and fake (meta) kernel.
+
+Each op file defines its implementation as a plain function (``_<op>_impl``), makes it the
+custom op, and registers the op's autograd formula and fake kernel.  The custom op is what
+torch.compile, torch.export, jit tracing, dispatch modes and functorch see.  An eager call runs
+the same implementation and the same autograd formula without the custom op's Python dispatch
+(see ``call``): the results are the same, bit for bit.
+"""
 from __future__ import annotations
 
 from typing import Callable
@@ -6,35 +13,55 @@ from typing import Callable
 import torch
 
 
-def call(op, impl: Callable, *args, mutated: tuple = ()):
+def call(op, impl: Callable, *args, mutated: tuple = (), autograd: type | None = None):
     """Run the custom op ``op`` (implemented by ``impl``) on ``args``.
 
-    An eager call with nothing to differentiate runs ``impl`` directly: the custom op's Python
-    dispatch (autograd wrapper, dynamo-disable frame, redispatch) costs ~15 us a call, which is
-    most of a KV-cached decoding step's time at small batch (benchmarks/NOTES.md).  Under
-    torch.compile/export tracing, a dispatch or torch-function mode (FakeTensorMode, profilers
-    and op counters), functorch transforms, tensor subclasses, or with an input that requires
-    grad while grad is enabled, the call goes through the op as usual.  ``mutated`` are the
-    tensors the op writes in place: their version counters are bumped as the op would.
+    The custom op's Python dispatch (autograd wrapper, dynamo-disable frame, redispatch) costs
+    ~15 us a call forward and as much backward: most of a KV-cached decoding step's time at small
+    batch, and a training step's at small shapes (benchmarks/NOTES.md).  So a plain eager call
+    skips it: with nothing to differentiate it runs ``impl`` directly; with an input that
+    requires grad it runs ``autograd`` (the ``eager_autograd`` Function of the op's own formula)
+    when given.  Under torch.compile/export/jit tracing, a dispatch or torch-function mode
+    (FakeTensorMode, profilers and op counters), functorch transforms, or with tensor subclasses,
+    the call goes through the op.  ``mutated`` are the tensors the op writes in place: their
+    version counters are bumped as the op would.
     """
-    if not _plain_eager(args):
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state()):
         return op(*args)
+    grad = torch.is_grad_enabled()
+    needs_grad = False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
+                return op(*args)
+            needs_grad = needs_grad or (grad and a.requires_grad)
+    if needs_grad:
+        return op(*args) if autograd is None else autograd.apply(*args)
     out = impl(*args)
     for t in mutated:
         torch.autograd.graph.increment_version(t)
     return out
 
 
-def _plain_eager(args) -> bool:
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active()):
-        return False
-    grad = torch.is_grad_enabled()
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if type(a) is not torch.Tensor and type(a) is not torch.nn.Parameter:
-                return False
-            if grad and a.requires_grad:
-                return False
-    return True
+def eager_autograd(impl: Callable, setup_context: Callable, backward: Callable) -> type:
+    """A torch.autograd.Function running ``impl`` with the autograd formula registered on the
+    custom op (its ``setup_context`` and ``backward``), for eager calls that need grad.  Old-style
+    ``forward(ctx, *args)``: the setup_context style binds arguments through inspect.signature
+    on every call (~15 us)."""
+
+    class EagerFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            out = impl(*args)
+            setup_context(ctx, args, out)
+            return out
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    EagerFunction.__name__ = EagerFunction.__qualname__ = f"Eager{impl.__name__}"
+    return EagerFunction

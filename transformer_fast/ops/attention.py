@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from . import call
+from . import call, eager_autograd
 
 
 def empty_in_layout_of(q, shape):
@@ -81,8 +81,7 @@ def _(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, al
     return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
 
-@torch.library.custom_op("transformer_fast::attention_bwd", mutates_args=())
-def attention_bwd(
+def _attention_bwd_impl(
     do: Tensor,
     q: Tensor,
     k: Tensor,
@@ -102,6 +101,11 @@ def attention_bwd(
     return bwd(
         do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32
     )
+
+
+attention_bwd = torch.library.custom_op(
+    "transformer_fast::attention_bwd", _attention_bwd_impl, mutates_args=()
+)
 
 
 @attention_bwd.register_fake
@@ -128,16 +132,16 @@ def _backward(ctx, dout, dlse):
         )
     q, k, v, out, lse, attn_mask, key_padding_mask, rng = ctx.saved_tensors
     is_causal, scale, dropout_p, allow_tf32, backend = ctx.flags
-    dq, dk, dv = attention_bwd(
-        dout, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32, backend
-    )
+    dq, dk, dv = call(attention_bwd, _attention_bwd_impl, dout, q, k, v, out, lse, attn_mask, key_padding_mask,
+                      is_causal, scale, dropout_p, rng, allow_tf32, backend)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_AttentionFunction = eager_autograd(_attention_fwd_impl, _setup_context, _backward)
 
 
 def attention(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32, backend):
     out, _ = call(attention_fwd, _attention_fwd_impl, q, k, v, attn_mask, key_padding_mask, is_causal, scale,
-                  dropout_p, rng, allow_tf32, backend)
+                  dropout_p, rng, allow_tf32, backend, autograd=_AttentionFunction)
     return out

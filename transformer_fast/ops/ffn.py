@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from . import call
+from . import call, eager_autograd
 
 _EMPTY_SHAPE = (0,)
 _NEEDS_PRE = ("gelu", "gelu_tanh")
@@ -104,8 +104,7 @@ def _(x, w, b, activation, dropout_p, rng, allow_tf32, backend):
     return y, pre
 
 
-@torch.library.custom_op("transformer_fast::linear_bias_act_bwd", mutates_args=())
-def linear_bias_act_bwd(
+def _linear_bias_act_bwd_impl(
     dy: Tensor,
     x: Tensor,
     w: Tensor,
@@ -130,6 +129,11 @@ def linear_bias_act_bwd(
     return dx.view(x.shape), dw, db
 
 
+linear_bias_act_bwd = torch.library.custom_op(
+    "transformer_fast::linear_bias_act_bwd", _linear_bias_act_bwd_impl, mutates_args=()
+)
+
+
 @linear_bias_act_bwd.register_fake
 def _(dy, x, w, aux, has_bias, activation, dropout_p, rng, allow_tf32, backend):
     db = w.new_empty((w.shape[0],) if has_bias else _EMPTY_SHAPE)
@@ -147,19 +151,19 @@ def _lba_setup_context(ctx, inputs, output):
 
 def _lba_backward(ctx, dy, dpre):
     x, w, aux, rng = ctx.saved_tensors
-    dx, dw, db = linear_bias_act_bwd(
-        dy, x, w, aux, ctx.has_bias, ctx.activation, ctx.dropout_p, rng, ctx.allow_tf32, ctx.backend
-    )
+    dx, dw, db = call(linear_bias_act_bwd, _linear_bias_act_bwd_impl,
+                      dy, x, w, aux, ctx.has_bias, ctx.activation, ctx.dropout_p, rng, ctx.allow_tf32, ctx.backend)
     return dx, dw, _grad_or_none(db, ctx.has_bias), None, None, None, None, None
 
 
 linear_bias_act_fwd.register_autograd(_lba_backward, setup_context=_lba_setup_context)
+_LinearBiasActFunction = eager_autograd(_linear_bias_act_fwd_impl, _lba_setup_context, _lba_backward)
 
 
 def linear_bias_act(x, w, b, activation, dropout_p, rng, allow_tf32, backend):
     """Run the fused op; returns y (..., N)."""
     y, _ = call(linear_bias_act_fwd, _linear_bias_act_fwd_impl, x, w, b, activation, dropout_p, rng, allow_tf32,
-                backend)
+                backend, autograd=_LinearBiasActFunction)
     return y
 
 
@@ -199,8 +203,7 @@ def _(x, w1, b1, w2, b2, activation, dropout_p, rng, allow_tf32, backend):
     return out, hidden, pre
 
 
-@torch.library.custom_op("transformer_fast::feed_forward_bwd", mutates_args=())
-def feed_forward_bwd(
+def _feed_forward_bwd_impl(
     dout: Tensor,
     x: Tensor,
     w1: Tensor,
@@ -226,6 +229,11 @@ def feed_forward_bwd(
     return dx.view(x.shape), dw1, db1, dw2, db2
 
 
+feed_forward_bwd = torch.library.custom_op(
+    "transformer_fast::feed_forward_bwd", _feed_forward_bwd_impl, mutates_args=()
+)
+
+
 @feed_forward_bwd.register_fake
 def _(dout, x, w1, w2, hidden, pre, has_b1, has_b2, activation, dropout_p, rng, allow_tf32, backend):
     db1 = w1.new_empty((w1.shape[0],) if has_b1 else _EMPTY_SHAPE)
@@ -244,21 +252,21 @@ def _ff_setup_context(ctx, inputs, output):
 
 def _ff_backward(ctx, dout, dhidden, dpre):
     x, w1, w2, hidden, pre, rng = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = feed_forward_bwd(
-        dout, x, w1, w2, hidden, pre, ctx.has_b1, ctx.has_b2, ctx.activation, ctx.dropout_p, rng,
-        ctx.allow_tf32, ctx.backend,
-    )
+    dx, dw1, db1, dw2, db2 = call(feed_forward_bwd, _feed_forward_bwd_impl,
+                                  dout, x, w1, w2, hidden, pre, ctx.has_b1, ctx.has_b2, ctx.activation,
+                                  ctx.dropout_p, rng, ctx.allow_tf32, ctx.backend)
     return (dx, dw1, _grad_or_none(db1, ctx.has_b1), dw2, _grad_or_none(db2, ctx.has_b2),
             None, None, None, None, None)
 
 
 feed_forward_fwd.register_autograd(_ff_backward, setup_context=_ff_setup_context)
+_FeedForwardFunction = eager_autograd(_feed_forward_fwd_impl, _ff_setup_context, _ff_backward)
 
 
 def feed_forward(x, w1, b1, w2, b2, activation, dropout_p, rng, allow_tf32, backend):
     """Run the fused op; returns out (..., d_out)."""
     out, _, _ = call(feed_forward_fwd, _feed_forward_fwd_impl, x, w1, b1, w2, b2, activation, dropout_p, rng,
-                     allow_tf32, backend)
+                     allow_tf32, backend, autograd=_FeedForwardFunction)
     return out
 
 

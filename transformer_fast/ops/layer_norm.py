@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from . import call
+from . import call, eager_autograd
 
 _EMPTY_SHAPE = (0,)
 
@@ -94,8 +94,7 @@ def _(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend):
     return _fwd_outputs(x, prenorm)
 
 
-@torch.library.custom_op("transformer_fast::add_layer_norm_bwd", mutates_args=())
-def add_layer_norm_bwd(
+def _add_layer_norm_bwd_impl(
     dy: Tensor,
     dh: Optional[Tensor],
     x: Tensor,
@@ -127,6 +126,11 @@ def add_layer_norm_bwd(
     return dx, dres, dw, db
 
 
+add_layer_norm_bwd = torch.library.custom_op(
+    "transformer_fast::add_layer_norm_bwd", _add_layer_norm_bwd_impl, mutates_args=()
+)
+
+
 @add_layer_norm_bwd.register_fake
 def _(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p, rng, backend):
     return _bwd_outputs(x, weight, bias, dropout_p)
@@ -145,9 +149,8 @@ def _backward(ctx, dy, dh, dmean, drstd):
     x, residual, weight, bias, mean, rstd, rng = ctx.saved_tensors
     if not ctx.prenorm:
         dh = None  # the gradient of the placeholder (0,) output
-    dx, dres, dw, db = add_layer_norm_bwd(
-        dy, dh, x, residual, weight, bias, mean, rstd, ctx.dropout_p, rng, ctx.backend
-    )
+    dx, dres, dw, db = call(add_layer_norm_bwd, _add_layer_norm_bwd_impl,
+                            dy, dh, x, residual, weight, bias, mean, rstd, ctx.dropout_p, rng, ctx.backend)
     if ctx.dropout_p == 0.0:
         dx = dres
     dweight = dw if weight is not None else None
@@ -156,6 +159,7 @@ def _backward(ctx, dy, dh, dmean, drstd):
 
 
 add_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+_AddLayerNormFunction = eager_autograd(_add_layer_norm_fwd_impl, _setup_context, _backward)
 
 
 def _register_cxx_fakes():
@@ -179,5 +183,6 @@ _register_cxx_fakes()
 def add_layer_norm(x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend):
     """Run the fused op; returns ``y`` or ``(y, residual + dropout(x))`` when prenorm."""
     y, h, _, _ = call(add_layer_norm_fwd, _add_layer_norm_fwd_impl,
-                      x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend)
+                      x, residual, weight, bias, eps, dropout_p, rng, prenorm, backend,
+                      autograd=_AddLayerNormFunction)
     return (y, h) if prenorm else y

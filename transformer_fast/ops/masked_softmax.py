@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from . import call
+from . import call, eager_autograd
 
 _EMPTY_SHAPE = (0,)
 
@@ -57,12 +57,16 @@ def _(scores, mask, scale, is_causal, dropout_p, rng, backend):
     return out, probs
 
 
-@torch.library.custom_op("transformer_fast::masked_softmax_bwd", mutates_args=())
-def masked_softmax_bwd(
+def _masked_softmax_bwd_impl(
     dout: Tensor, probs: Tensor, scale: float, dropout_p: float, rng: Optional[Tensor], backend: str
 ) -> Tensor:
     _, bwd = _launcher(backend)
     return bwd(dout, probs, scale, dropout_p, rng)
+
+
+masked_softmax_bwd = torch.library.custom_op(
+    "transformer_fast::masked_softmax_bwd", _masked_softmax_bwd_impl, mutates_args=()
+)
 
 
 @masked_softmax_bwd.register_fake
@@ -80,13 +84,15 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dprobs):
     probs, rng = ctx.saved_tensors
     scale, dropout_p, backend = ctx.flags
-    dscores = masked_softmax_bwd(dout, probs, scale, dropout_p, rng, backend)
+    dscores = call(masked_softmax_bwd, _masked_softmax_bwd_impl, dout, probs, scale, dropout_p, rng, backend)
     return dscores, None, None, None, None, None, None
 
 
 masked_softmax_fwd.register_autograd(_backward, setup_context=_setup_context)
+_MaskedSoftmaxFunction = eager_autograd(_masked_softmax_fwd_impl, _setup_context, _backward)
 
 
 def masked_softmax(scores, mask, scale, is_causal, dropout_p, rng, backend):
-    out, _ = call(masked_softmax_fwd, _masked_softmax_fwd_impl, scores, mask, scale, is_causal, dropout_p, rng, backend)
+    out, _ = call(masked_softmax_fwd, _masked_softmax_fwd_impl, scores, mask, scale, is_causal, dropout_p, rng, backend,
+                  autograd=_MaskedSoftmaxFunction)
     return out
