@@ -290,5 +290,9 @@ def test_enable_nested_tensor_accepted():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns here for a non-torch layer; ours does not
         enc = M.TransformerEncoder(layer, 2, enable_nested_tensor=True, mask_check=False)
-    assert enc.enable_nested_tensor is True and enc.use_nested_tensor is False
+    # use_nested_tensor follows torch's rule (unswap gives torch's encoder), unread by ours.
+    theirs = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2)
+    assert enc.enable_nested_tensor is True and enc.use_nested_tensor is theirs.use_nested_tensor is True
     assert enc.mask_check is False
+    odd_heads = M.TransformerEncoder(M.TransformerEncoderLayer(9, 3, 16, batch_first=True), 1)
+    assert odd_heads.use_nested_tensor is False

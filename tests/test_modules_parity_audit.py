@@ -7,8 +7,7 @@ parameters, float64, autocast, mixed-precision norms, torch's inference fast pat
 batches, non-contiguous / expanded masks), more malformed inputs, copies, pickling and the
 causal-mask helper.
 
-Tests marked ``xfail(strict=True)`` pin discrepancies found by the audit: each must start
-passing (and lose its mark) once the library is fixed.
+The tests at the end pin the discrepancies the audit found (fixed since).
 """
 import copy
 import pickle
@@ -763,13 +762,9 @@ def test_swap_unswap_round_trip_keeps_a_parametrized_linear():
 
 
 # --------------------------------------------------------------------------------------------
-# Discrepancies found by the audit (strict xfails: each passes once fixed)
+# Discrepancies the audit found, fixed since
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "MultiheadAttention lacks torch's public merge_masks(); torch's TransformerEncoderLayer fast "
-    "path (eval + no_grad) calls self.self_attn.merge_masks, so a torch layer subclass left alone "
-    "by swap (its self_attn swapped) raises AttributeError"))
 def test_swap_inside_a_skipped_torch_layer_subclass_in_eval():
     class MyLayer(nn.TransformerEncoderLayer):
         pass
@@ -784,8 +779,9 @@ def test_swap_inside_a_skipped_torch_layer_subclass_in_eval():
     x = torch.randn(N, L, E, generator=g)
     pad = _padding(g, N, L)
     with torch.no_grad():
-        torch.testing.assert_close(model(x, src_key_padding_mask=pad), original(x, src_key_padding_mask=pad),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model[0](x, src_key_padding_mask=pad),
+                                   original[0](x, src_key_padding_mask=pad), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x), original(x), rtol=1e-5, atol=1e-5)
 
 
 class _ScaledLinear(nn.Linear):
@@ -795,9 +791,6 @@ class _ScaledLinear(nn.Linear):
         return super().forward(x) * 2.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the fused FFN path accepts any nn.Linear subclass (isinstance) and calls F.linear on its "
-    "weight, bypassing an overridden forward; torch calls self.linear1/linear2"))
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])
 @pytest.mark.parametrize("which", ["linear1", "linear2"])
 def test_linear_subclass_forward_is_called(which, kind):
@@ -816,11 +809,6 @@ def test_linear_subclass_forward_is_called(which, kind):
     torch.testing.assert_close(ours(*args), theirs(*args), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "is_causal=True with add_bias_kv / add_zero_attn: where torch reads attn_mask (need_weights=True "
-    "or a key_padding_mask) it pads the mask with an open column, so every query sees the appended "
-    "key(s); ours applies a top-left causal mask over S+1/S+2 keys, hiding them from most queries, "
-    "even though the hint is correct"))
 @pytest.mark.parametrize("extra", ["add_bias_kv", "add_zero_attn"])
 @pytest.mark.parametrize("path", ["need_weights", "key_padding_mask"])
 def test_causal_hint_with_appended_keys(path, extra):
@@ -836,10 +824,6 @@ def test_causal_hint_with_appended_keys(path, extra):
     torch.testing.assert_close(ours(x, x, x, **kw)[0], theirs(x, x, x, **kw)[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a key/memory batch size different from the query's: torch raises RuntimeError (from a view in "
-    "F.multi_head_attention_forward); ours raises InputError (ValueError + AssertionError), which an "
-    "`except RuntimeError` written against torch does not catch"))
 @pytest.mark.parametrize("where", ["mha", "decoder_layer"])
 def test_batch_mismatch_error_class(where):
     errors = []
@@ -856,10 +840,6 @@ def test_batch_mismatch_error_class(where):
     assert isinstance(errors[1], type(errors[0])), errors
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a float attn_mask / key_padding_mask of another float dtype than the query (float64 or float16 "
-    "with a float32 module): torch raises RuntimeError, ours silently casts it (the modules' own rule "
-    "is to reject what torch rejects)"))
 @pytest.mark.parametrize("mask_dtype", [torch.float64, torch.float16], ids=["f64", "f16"])
 @pytest.mark.parametrize("which", ["attn_mask", "key_padding_mask"])
 @pytest.mark.parametrize("need_weights", [False, True], ids=["flash", "weights"])
@@ -872,10 +852,6 @@ def test_float_mask_of_another_dtype_rejected_like_torch(which, mask_dtype, need
             ns.MultiheadAttention(16, 2)(x, x, x, need_weights=need_weights, **{which: mask})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TransformerEncoder.__init__ always sets use_nested_tensor=False; unswap() then yields a torch "
-    "encoder that never takes torch's NestedTensor fast path (slower inference, non-zero outputs at "
-    "padded positions) where torch's encoder built with the same arguments does"))
 def test_unswapped_encoder_keeps_torch_nested_tensor_flag():
     def build(ns):
         return ns.TransformerEncoder(ns.TransformerEncoderLayer(E, H, FF, batch_first=True), 2,

@@ -18,7 +18,9 @@ Documented differences from torch (results are otherwise the same up to rounding
   need_weights=True path gives NaN (and its SDPA paths NaN or zeros, depending on the kernel).
 * ``is_causal=True`` is taken as true: the causal mask is applied and ``attn_mask`` is not read.
   torch does the same without key_padding_mask and with need_weights=False, and otherwise reads
-  ``attn_mask``; the two agree whenever the hint is correct, which torch requires of it.
+  ``attn_mask``; the two agree whenever the hint is correct, which torch requires of it.  With
+  add_bias_kv / add_zero_attn, where torch reads ``attn_mask`` so do we (the appended keys are
+  open to every query there, which a causal mask over them would not be).
 * The output of a batch_first module is contiguous (torch returns a transposed view).
 """
 import math
@@ -36,6 +38,23 @@ from .. import masks as tf_masks
 from ._semantics import InputError, InputRuntimeError, backend_for, check_mask_kind
 
 __all__ = ["MultiheadAttention"]
+
+
+def _check_float_mask_dtype(name, mask, query, need_weights) -> None:
+    """torch's rule for a float mask's dtype (outside autocast, which casts): the query's, or
+    float32 where torch's SDPA path takes the mask (need_weights=False); its need_weights=True
+    path adds the mask to the scores and needs the query's dtype exactly."""
+    if mask is None or not mask.is_floating_point() or mask.dtype == query.dtype:
+        return
+    if torch.is_autocast_enabled(query.device.type):
+        return
+    if mask.dtype == torch.float32 and not need_weights:
+        return
+    allowed = f"{query.dtype}" if need_weights else f"{query.dtype} or torch.float32"
+    raise InputRuntimeError(
+        f"a float {name} must have the query's dtype ({allowed}, as torch.nn.MultiheadAttention "
+        f"requires with need_weights={need_weights}); got {mask.dtype}"
+    )
 
 
 class MultiheadAttention(Module):
@@ -164,6 +183,8 @@ class MultiheadAttention(Module):
                 "module method `generate_square_subsequent_mask` to create this mask."
             )
         is_batched = self._check_shapes(query, key, value, key_padding_mask)
+        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            _check_float_mask_dtype(name, m, query, need_weights)
         seq_dim = (1 if self.batch_first else 0) if is_batched else 0
         tgt_len, src_len = query.shape[seq_dim], key.shape[seq_dim]
         bsz = query.shape[1 - seq_dim] if is_batched else 1
@@ -191,8 +212,12 @@ class MultiheadAttention(Module):
             k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
             extra += 1
 
+        # The hint stands for attn_mask, except where torch reads the mask (use_attn_mask) and
+        # keys were appended: torch pads the mask with open columns for them, which a causal
+        # mask over S + extra keys would hide from most queries.
+        causal = bool(is_causal) and not (extra and use_attn_mask)
         mask = None
-        if attn_mask is not None and not is_causal:
+        if attn_mask is not None and not causal:
             mask = self._sdpa_attn_mask(attn_mask, is_batched, bsz, tgt_len, src_len, q.dtype, extra)
         padding = None
         if key_padding_mask is not None:
@@ -206,7 +231,7 @@ class MultiheadAttention(Module):
         weights = None
         if not need_weights:
             out = tf_functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=bool(is_causal),
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                 key_padding_mask=padding, backend=backend_for("scaled_dot_product_attention"),
             )  # (N, H, L, D)
         else:
@@ -215,7 +240,7 @@ class MultiheadAttention(Module):
                 mask, False, padding, tgt_len, scores.shape[-1], 4, q.dtype, q.device
             )
             probs = tf_functional.masked_softmax(
-                scores, merged, scale=1.0 / math.sqrt(head_dim), is_causal=bool(is_causal),
+                scores, merged, scale=1.0 / math.sqrt(head_dim), is_causal=causal,
                 dropout_p=dropout_p, backend=backend_for("masked_softmax"),
             )
             out = torch.matmul(probs, v)  # (N, H, L, D)
@@ -233,6 +258,24 @@ class MultiheadAttention(Module):
             merged_out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)
         attn_output = F.linear(merged_out, self.out_proj.weight, self.out_proj.bias)
         return attn_output, weights
+
+    def merge_masks(
+        self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, query: Tensor
+    ) -> tuple[Tensor | None, int | None]:
+        """torch.nn.MultiheadAttention.merge_masks (torch's encoder-layer fast path calls it on
+        its self_attn): ``(mask, mask_type)`` with mask_type 1 for key_padding_mask alone, 2 for
+        an attn_mask (expanded to (N, num_heads, L, L), plus key_padding_mask when both are
+        given), ``(None, None)`` for neither.  query is (N, L, E)."""
+        if attn_mask is None:
+            return (key_padding_mask, 1) if key_padding_mask is not None else (None, None)
+        batch, length, _ = query.shape
+        if attn_mask.dim() == 3:  # (N * H, L, L)
+            merged = attn_mask.view(batch, -1, length, length)
+        else:  # (L, L)
+            merged = attn_mask.view(1, 1, length, length).expand(batch, self.num_heads, -1, -1)
+        if key_padding_mask is not None:  # (N, L) over the keys
+            merged = merged + key_padding_mask.view(batch, 1, 1, length).expand(-1, self.num_heads, -1, -1)
+        return merged, 2
 
     # ---- helpers
 
@@ -288,7 +331,7 @@ class MultiheadAttention(Module):
         if is_batched:
             bdim = 0 if self.batch_first else 1
             if key.shape[bdim] != query.shape[bdim]:
-                raise InputError(
+                raise InputRuntimeError(  # torch's view of k fails with a RuntimeError
                     f"key must have query's batch size {query.shape[bdim]} (dim {bdim}); got "
                     f"key {tuple(key.shape)}, query {tuple(query.shape)}"
                 )

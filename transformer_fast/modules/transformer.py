@@ -110,7 +110,9 @@ class _FusedFFN:
     def _fusable(self, x, norms, dropouts, check_hooks=True) -> bool:
         if torch.is_autocast_enabled(x.device.type):  # autocast mixes dtypes: torch's path
             return False
-        if not all(isinstance(m, Linear) for m in (self.linear1, self.linear2)):
+        # A Linear subclass with its own forward (LoRA, quantised, low-rank) is called as is.
+        if not all(isinstance(m, Linear) and type(m).forward is Linear.forward
+                   for m in (self.linear1, self.linear2)):
             return False
         if not all(sem.dropout_p(d) is not None for d in dropouts):
             return False
@@ -380,6 +382,17 @@ def _chainable(stack, layer_cls, x) -> bool:
     return all(m._can_fuse(x, check_hooks=False) for m in layers)
 
 
+def _nested_tensor_capable(layer) -> bool:
+    """torch.nn.TransformerEncoder's conditions for its NestedTensor fast path (without its
+    warning: that path is torch's, ours never takes it)."""
+    if not isinstance(layer, (TransformerEncoderLayer, torch.nn.TransformerEncoderLayer)):
+        return False
+    attn = layer.self_attn
+    return bool(not layer.norm_first and attn.batch_first and attn._qkv_same_embed_dim
+                and attn.in_proj_bias is not None and layer.activation_relu_or_gelu
+                and layer.norm1.eps == layer.norm2.eps and attn.num_heads % 2 == 0)
+
+
 class TransformerEncoder(Module):
     """Drop-in for torch.nn.TransformerEncoder (a stack of N encoder layers + optional norm)."""
 
@@ -398,9 +411,10 @@ class TransformerEncoder(Module):
         self.num_layers = num_layers
         self.norm = norm
         # Accepted and recorded for torch compatibility; padding is handled by the kernels
-        # (key_padding_mask), never by converting to a NestedTensor.
+        # (key_padding_mask), never by converting to a NestedTensor.  use_nested_tensor is set
+        # by torch's rule (unread here) so that unswap() gives the encoder torch would build.
         self.enable_nested_tensor = enable_nested_tensor
-        self.use_nested_tensor = False
+        self.use_nested_tensor = enable_nested_tensor and _nested_tensor_capable(encoder_layer)
         self.mask_check = mask_check
 
     def forward(
