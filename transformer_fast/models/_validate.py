@@ -7,6 +7,7 @@ import torch
 from .. import _checks
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+TOKEN_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding takes
 
 
 def positive_int(name: str, value: object) -> int:
@@ -44,8 +45,9 @@ def tokens(name: str, value: object, vocab_size: int, *, pad_id: int | None = No
     call (the embedding's device-side assert still stops an out-of-range id there)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids; got {type(value).__name__}")
-    if value.dtype not in INT_DTYPES:
-        raise TypeError(f"{name} must have an integer dtype (token ids); got {value.dtype}")
+    if value.dtype not in TOKEN_DTYPES:
+        raise TypeError(f"{name} must have dtype int64 or int32 (token ids, as nn.Embedding takes); "
+                        f"got {value.dtype}")
     if value.dim() != 2 or value.shape[0] < 1 or value.shape[1] < 1:
         raise ValueError(
             f"{name} must have shape (batch, length) with batch, length >= 1; got {tuple(value.shape)}"

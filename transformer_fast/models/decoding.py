@@ -314,10 +314,14 @@ def sample(model, src: torch.Tensor, max_len: int, temperature: float = 1.0, top
         top_k = min(top_k, model.tgt_vocab_size)
 
     def pick(logits):
-        logits = logits.float() / temperature  # (N, V)
-        if top_k is not None:
-            kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (N, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.float()  # (N, V)
+        if top_k == 1:  # exactly greedy, ties included
+            return logits.argmax(dim=-1)
+        if top_k is not None:  # exactly top_k tokens stay, ties with the k-th broken by topk
+            values, index = logits.topk(top_k, dim=-1)
+            logits = torch.full_like(logits, float("-inf")).scatter_(-1, index, values)
+        # Shifted before dividing: a tiny temperature sends the others to -inf, not the max to inf.
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
         probs = torch.softmax(logits, dim=-1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
@@ -338,8 +342,9 @@ def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_p
     Each step expands the ``beam_size`` live beams of every row, keeps the best ``beam_size``
     continuations that do not end in eos, and records the best finished hypothesis (an eos
     among the top ``beam_size`` candidates).  A row stops once its best finished hypothesis
-    scores at least as high as its best live beam would at the current length; at max_len the
-    live beams compete too.  With beam_size=1 this is greedy decoding.  The self-attention
+    scores at least as high as its best live beam at the current length (the usual early stop,
+    as Hugging Face's default: with length_penalty > 0 a longer continuation that might still
+    overtake is not explored); at max_len the live beams compete too.  With beam_size=1 this is greedy decoding.  The self-attention
     caches are reordered to each beam's parent every step (index_select along batch * beam).
     Output layout as greedy_decode (eos kept, pad after it).
     """
@@ -402,6 +407,10 @@ def _beam_search(model, src, k, max_len, alpha, use_cache):
         tokens = tok.gather(1, live_j).view(n)
         seqs = torch.cat([seqs[parent], tokens[:, None]], dim=1)
         scores = live_s
+        # The usual early stop (Hugging Face's default, early_stopping=False): the live beams are
+        # judged at the current length.  With length_penalty > 0 a longer continuation could still
+        # overtake (its bound would be score / max_len**alpha); stopping here keeps beam_size=1
+        # equal to greedy decoding and stops at the first eos that wins.
         done |= best_score >= scores.max(dim=-1).values / norm
         if bool(done.all()) or t == max_len - 1:
             break

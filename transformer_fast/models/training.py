@@ -35,8 +35,8 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, smo
     if logits.dim() < 1 or tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"target must have logits' shape without the class dimension "
                          f"{tuple(logits.shape[:-1])}; got {tuple(target.shape)}")
-    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
-        raise ValueError(f"smoothing must be a float in [0, 1); got {smoothing!r}")
+    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing <= 1:
+        raise ValueError(f"smoothing must be a float in [0, 1]; got {smoothing!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
     vocab = logits.shape[-1]
@@ -50,8 +50,10 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, smo
     wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     logp = torch.log_softmax(wide, dim=-1)  # (..., V): half-precision logits upcast to float32
     nll = -logp.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # (...)
-    uniform = -logp.mean(dim=-1)  # (...)
-    loss = ((1.0 - smoothing) * nll + smoothing * uniform) * keep
+    loss = (1.0 - smoothing) * nll
+    if smoothing > 0.0:  # skipped at 0: 0 * inf (a class masked with -inf) would be NaN
+        loss = loss + smoothing * -logp.mean(dim=-1)
+    loss = loss.masked_fill(~keep, 0.0)  # not a product: NaN/inf logits at padding count for nothing
     if reduction == "none":
         return loss
     if reduction == "sum":
@@ -96,8 +98,13 @@ def warmup_scheduler(optimizer: torch.optim.Optimizer, d_model: int, warmup_step
 def shift_right(tgt: torch.Tensor, bos_id: int) -> torch.Tensor:
     """Teacher forcing: the decoder input for target ``tgt`` (B, T) (tokens, eos, padding) is
     ``[bos, tgt[:, :-1]]`` (B, T): position t sees the true tokens before t and predicts tgt[:, t]."""
-    if not isinstance(tgt, torch.Tensor) or tgt.dtype not in _validate.INT_DTYPES or tgt.dim() != 2:
-        raise TypeError("tgt must be a (batch, length) integer torch.Tensor")
+    if not isinstance(tgt, torch.Tensor) or tgt.dtype not in _validate.INT_DTYPES:
+        raise TypeError(f"tgt must be an integer torch.Tensor of token ids; got "
+                        f"{tgt.dtype if isinstance(tgt, torch.Tensor) else type(tgt).__name__}")
+    if tgt.dim() != 2:
+        raise ValueError(f"tgt must have shape (batch, length); got {tuple(tgt.shape)}")
+    if isinstance(bos_id, bool) or not isinstance(bos_id, int) or bos_id < 0:
+        raise ValueError(f"bos_id must be a token id (an int >= 0); got {bos_id!r}")
     bos = torch.full_like(tgt[:, :1], bos_id)
     return torch.cat([bos, tgt[:, :-1]], dim=1)
 
