@@ -398,6 +398,8 @@ def linear_fwd(x, w, b, activation: str, dropout_p: float, rng, store_pre: bool,
         raise ValueError(f"ffn: w must have shape (N, {k}), got {tuple(w.shape)}")
     if b is not None and (b.shape != (n,) or b.dtype != x.dtype or b.device != x.device):
         raise ValueError(f"ffn: b must be a ({n},) {x.dtype} tensor on {x.device}")
+    if b is not None:
+        b = b.contiguous()  # the epilogue reads BIAS + column (a strided or expanded b would not be)
     act = _activation_code(activation)
     drop = _dropout_args(dropout_p, rng, x)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

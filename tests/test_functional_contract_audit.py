@@ -7,8 +7,10 @@ forms of every rank, extra leading dims, scale <= 0, stride-0 inputs, float mask
 grad, dropout outside grad mode, dtype routing, KV-cache corner cases, add_layer_norm parameter
 dtypes, feed_forward weight layouts, and the selection precedence corner cases.
 
-Tests marked ``xfail(strict=True)`` are discrepancies found by the audit: each fails today for
-the reason in its mark and will XPASS (failing the run) once fixed, so the mark must go then.
+The seven discrepancies the audit found (causal SDPA with scale <= 0 on torch's CPU kernel, 0-d
+and 1-D masks on the torch backend, the reference's dtype with float32 LayerNorm parameters, mixed
+parameter dtypes on the torch backend, strided FFN biases in Triton, errors not catchable as
+RuntimeError, NumPy / tensor scalars) are fixed; their tests stay.
 """
 from __future__ import annotations
 
@@ -140,18 +142,10 @@ def test_sdpa_any_scale_without_causal_matches_torch(backend, scale):
     _close(got.cpu(), expected)
 
 
-_CAUSAL_SCALE_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="is_causal=True with scale <= 0 and no other mask: the torch backend (auto's pick on "
-    "CPU) forwards to torch's CPU SDPA, which multiplies the -inf causal fill by the scale "
-    "(-inf * 0 = NaN, -inf * -1 = +inf) and returns all-NaN rows; reference/cpu/triton are finite",
-)
-
 
 @pytest.mark.parametrize(
     "backend",
-    [*NOT_TORCH, pytest.param("torch", marks=_CAUSAL_SCALE_BUG), pytest.param("auto", marks=_CAUSAL_SCALE_BUG)],
+    [*NOT_TORCH, "torch", "auto"],
 )
 @pytest.mark.parametrize("scale", [0.0, -0.5])
 def test_sdpa_causal_with_nonpositive_scale_is_finite(backend, scale):
@@ -168,18 +162,10 @@ def test_sdpa_causal_with_nonpositive_scale_is_finite(backend, scale):
     _close(got.cpu().double(), expected, atol=1e-5)
 
 
-_LOW_RANK_MASK_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="a 0-d or (S,) attn_mask passes validation (broadcastable, as documented) and runs on "
-    "reference/cpu/triton, but the torch backend (auto on CPU) passes it unchanged to torch's "
-    "4-D SDPA, which raises IndexError (not ValueError/TypeError) from inside the kernel call",
-)
-
 
 @pytest.mark.parametrize(
     "backend",
-    [*NOT_TORCH, pytest.param("torch", marks=_LOW_RANK_MASK_BUG), pytest.param("auto", marks=_LOW_RANK_MASK_BUG)],
+    [*NOT_TORCH, "torch", "auto"],
 )
 @pytest.mark.parametrize("mask_shape", [(S,), ()], ids=["S", "scalar"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
@@ -435,13 +421,6 @@ def test_sdpa_errors_are_design9_types(case):
         F.scaled_dot_product_attention(**kwargs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(ValueError, TypeError),
-    reason="drop-in: torch raises RuntimeError for these inputs, ours a plain ValueError/TypeError, so "
-    "`except RuntimeError` around a swapped-in SDPA no longer catches it (BackendError already "
-    "subclasses both ValueError and RuntimeError; the validation errors do not)",
-)
 @pytest.mark.parametrize("case", list(_RUNTIME_CASES))
 def test_sdpa_errors_catchable_as_torch_runtime_error(case):
     kwargs = dict(query=torch.randn(B, H, L, D), key=torch.randn(B, H, S, D), value=torch.randn(B, H, S, D))
@@ -450,12 +429,6 @@ def test_sdpa_errors_catchable_as_torch_runtime_error(case):
         F.scaled_dot_product_attention(**kwargs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="drop-in: torch's SDPA takes any real scalar for scale/dropout_p (numpy float32, 0-d "
-    "tensor); _checks.optional_scale/_checks.dropout_p accept only Python int/float",
-)
 @pytest.mark.parametrize("kwargs", [dict(scale=np.float32(0.25)), dict(scale=torch.tensor(0.25)),
                                     dict(dropout_p=np.float32(0.0))], ids=["scale-np32", "scale-0d-tensor", "dropout-np32"])
 def test_sdpa_accepts_the_scalars_torch_accepts(kwargs):
@@ -601,14 +574,8 @@ def test_add_layer_norm_matches_torch_layer_norm(backend, affine, prenorm, eps):
     _close(out.cpu().double(), expected, atol=1e-5)
 
 
-_REF_DTYPE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="reference backend: half x with float32 weight/bias returns float32 (out * weight "
-    "promotes in reference.add_layer_norm); DESIGN 4/docstring: the result is in x's dtype",
-)
 
-
-@pytest.mark.parametrize("backend", [pytest.param("reference", marks=_REF_DTYPE_BUG), "torch", "auto",
+@pytest.mark.parametrize("backend", ["reference", "torch", "auto",
                                      *backend_params("cpu", "triton")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("params", ["weight+bias", "weight", "bias"])
@@ -623,18 +590,10 @@ def test_add_layer_norm_half_input_float32_params_keep_x_dtype(backend, dtype, p
     assert y.dtype == dtype, f"{backend} returned {y.dtype} for {dtype} x"
 
 
-_MIXED_PARAMS_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="validation accepts weight/bias each in x's dtype or float32, but the torch backend passes "
-    "them to F.layer_norm unconverted, which raises RuntimeError 'mixed dtype' (float64 x with "
-    "float32 params, where auto picks torch; half x with one half and one float32 param)",
-)
-
 
 @pytest.mark.parametrize(
     "backend",
-    ["reference", pytest.param("torch", marks=_MIXED_PARAMS_BUG), pytest.param("auto", marks=_MIXED_PARAMS_BUG)],
+    ["reference", "torch", "auto"],
 )
 @pytest.mark.parametrize(
     "x_dtype,w_dtype,b_dtype",
@@ -663,13 +622,13 @@ def test_add_layer_norm_accepted_param_dtypes_run(backend, x_dtype, w_dtype, b_d
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
 def test_feed_forward_weight_layouts_and_odd_sizes(backend, activation):
-    """Transposed (non-contiguous) weights, a strided bias, an expanded x, d_ff = 1 and 0."""
+    """Transposed (non-contiguous) weights, an expanded x, d_ff = 1 and 0."""
     device = _ready(backend)
     g = _gen(89)
     x = _randn(1, 13, g=g).expand(5, 13)
     for d_ff in (7, 1, 0):
         w1 = _randn(13, d_ff, g=g).t()
-        b1 = _randn(2 * d_ff, g=g)[::2]
+        b1 = _randn(d_ff, g=g)
         w2 = _randn(d_ff, 11, g=g).t()
         b2 = _randn(11, g=g)
         d = lambda t: t.double()  # noqa: E731
@@ -679,6 +638,32 @@ def test_feed_forward_weight_layouts_and_odd_sizes(backend, activation):
         to = lambda t: t.to(device)  # noqa: E731
         got = F.feed_forward(to(x), to(w1), to(b1), to(w2), to(b2), activation=activation, backend=backend)
         _close(got.cpu().double(), expected, atol=1e-4)
+
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "auto", *backend_params("cpu"),
+                                     pytest.param("triton", marks=[pytest.mark.triton])])
+@pytest.mark.parametrize("which", ["ffn-b1", "ffn-b2", "linear_bias_act-b", "linear_bias_act-b-stride0"])
+def test_strided_bias(backend, which):
+    device = _ready(backend)
+    g = _gen(97)
+    x, w1, w2 = _randn(5, 13, g=g), _randn(7, 13, g=g), _randn(11, 7, g=g)
+    b1, b2 = _randn(7, 2, g=g)[:, 0], _randn(11, 2, g=g)[:, 1]  # columns of matrices: stride 2
+    d = lambda t: t.double()  # noqa: E731
+    to = lambda t: t.to(device)  # noqa: E731
+    if which == "linear_bias_act-b-stride0":
+        # One value broadcast to every output (stride 0).  Taken from a larger buffer so that a
+        # kernel reading it as contiguous reads wrong values, not memory outside the storage.
+        b1 = _randn(16, g=g)[:1].expand(7)
+    if which.startswith("linear_bias_act"):
+        expected = TF.gelu(TF.linear(d(x), d(w1), d(b1)))
+        got = F.linear_bias_act(to(x), to(w1), to(b1), activation="gelu", backend=backend)
+    else:
+        b1 = b1 if which == "ffn-b1" else b1.contiguous()
+        b2 = b2 if which == "ffn-b2" else b2.contiguous()
+        expected = TF.linear(TF.relu(TF.linear(d(x), d(w1), d(b1))), d(w2), d(b2))
+        got = F.feed_forward(to(x), to(w1), to(b1), to(w2), to(b2), backend=backend)
+    _close(got.cpu().double(), expected, atol=1e-4)
 
 
 # ============================================================================================

@@ -6,12 +6,35 @@ came.  TypeError for a wrong kind of object or dtype, ValueError for a wrong sha
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Iterable, Sequence
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class ArgumentValueError(ValueError, RuntimeError):
+    """A bad argument value or shape: ValueError (DESIGN section 9), and RuntimeError as torch's
+    own ops raise for the same inputs, so code written against either keeps catching it."""
+
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """A wrong kind of object or dtype: TypeError (DESIGN section 9), and RuntimeError as
+    torch's own ops raise for the same inputs."""
+
+
+def _real(value: object) -> float | None:
+    """A real scalar as torch's float arguments take it (Python or NumPy int/float, a
+    one-element tensor) -> float; None for anything else (bools included)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        return float(value)
+    return None
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -28,20 +51,20 @@ def tensor(
     dtypes: Sequence[torch.dtype] | None = FLOAT_DTYPES,
 ) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if value.dim() not in allowed:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{name} must have {' or '.join(map(str, allowed))} dimensions; "
                 f"got shape {tuple(value.shape)}"
             )
     if min_ndim is not None and value.dim() < min_ndim:
-        raise ValueError(
+        raise ArgumentValueError(
             f"{name} must have at least {min_ndim} dimension(s); got shape {tuple(value.shape)}"
         )
     if dtypes is not None and value.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}); got {value.dtype}")
+        raise ArgumentTypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}); got {value.dtype}")
     return value
 
 
@@ -65,55 +88,58 @@ def _first_mismatch(tensors: dict, attr: str) -> bool:
 def same_device(**tensors: torch.Tensor | None) -> None:
     if _first_mismatch(tensors, "device"):
         listing = ", ".join(f"{k} on {v.device}" for k, v in tensors.items() if v is not None)
-        raise ValueError(f"all tensors must be on one device; got {listing}")
+        raise ArgumentValueError(f"all tensors must be on one device; got {listing}")
 
 
 def same_dtype(**tensors: torch.Tensor | None) -> None:
     if _first_mismatch(tensors, "dtype"):
         listing = ", ".join(f"{k} is {v.dtype}" for k, v in tensors.items() if v is not None)
-        raise TypeError(f"tensors must share one dtype; got {listing}")
+        raise ArgumentTypeError(f"tensors must share one dtype; got {listing}")
 
 
 def shape(name: str, value: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
     if tuple(value.shape) != tuple(expected):
-        raise ValueError(
+        raise ArgumentValueError(
             f"{name} must have shape {tuple(expected)}{' (' + what + ')' if what else ''}; "
             f"got {tuple(value.shape)}"
         )
 
 
 def dropout_p(value: object, name: str = "dropout_p") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float in [0, 1); got {type(value).__name__}")
-    value = float(value)
+    real = _real(value)
+    if real is None:
+        raise ArgumentTypeError(f"{name} must be a float in [0, 1); got {type(value).__name__}")
+    value = real
     if not (0.0 <= value < 1.0):
-        raise ValueError(f"{name} must be in [0, 1); got {value}")
+        raise ArgumentValueError(f"{name} must be in [0, 1); got {value}")
     return value
 
 
 def positive_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a positive float; got {type(value).__name__}")
-    value = float(value)
+    real = _real(value)
+    if real is None:
+        raise ArgumentTypeError(f"{name} must be a positive float; got {type(value).__name__}")
+    value = real
     if not (value > 0.0) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite float > 0; got {value}")
+        raise ArgumentValueError(f"{name} must be a finite float > 0; got {value}")
     return value
 
 
 def boolean(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name} must be a bool; got {type(value).__name__}")
     return value
 
 
 def optional_scale(value: object, name: str = "scale") -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float or None; got {type(value).__name__}")
-    value = float(value)
+    real = _real(value)
+    if real is None:
+        raise ArgumentTypeError(f"{name} must be a float or None; got {type(value).__name__}")
+    value = real
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite; got {value}")
+        raise ArgumentValueError(f"{name} must be finite; got {value}")
     return value
 
 
@@ -129,19 +155,20 @@ def kernel_dtype_reasons(backend: str, **tensors: torch.Tensor | None) -> list[s
 def choice(name: str, value: object, options: Sequence[str]) -> str:
     """A string option: TypeError for a non-string, ValueError for an unknown one."""
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {', '.join(map(repr, options))}; got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name} must be a str, one of {', '.join(map(repr, options))}; got {type(value).__name__}")
     if value not in options:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
+        raise ArgumentValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
     return value
 
 
 def number(name: str, value: object) -> float:
     """A finite real number (not bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float; got {type(value).__name__}")
-    value = float(value)
+    real = _real(value)
+    if real is None:
+        raise ArgumentTypeError(f"{name} must be a float; got {type(value).__name__}")
+    value = real
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite; got {value}")
+        raise ArgumentValueError(f"{name} must be finite; got {value}")
     return value
 
 

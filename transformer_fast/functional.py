@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _checks, backends, masks, philox, reference
+from ._checks import ArgumentTypeError, ArgumentValueError
 from .ops import attention as _attention_op
 from .ops import decode as _decode_op
 from .ops import ffn as _ffn_op
@@ -52,6 +53,12 @@ backends.register("add_layer_norm", "torch")
 
 
 def _torch_add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm):
+    params = [p for p in (weight, bias) if p is not None]
+    if any(p.dtype != x.dtype for p in params):
+        # F.layer_norm takes parameters in x's dtype, or float32 ones for half x (both): float64
+        # x with float32 parameters, or one half and one float32 parameter, would raise there.
+        pdt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        weight, bias = (None if p is None else p.to(pdt) for p in (weight, bias))
     summed = residual + F.dropout(x, dropout_p) if dropout_p > 0.0 else residual + x
     out = F.layer_norm(summed, (x.shape[-1],), weight, bias, eps)
     return (out, summed) if prenorm else out
@@ -82,13 +89,13 @@ def add_layer_norm(
     _checks.shape("residual", residual, x.shape, "the shape of x")
     n = x.shape[-1]
     if n == 0:
-        raise ValueError(f"x must have a non-empty last dimension; got shape {tuple(x.shape)}")
+        raise ArgumentValueError(f"x must have a non-empty last dimension; got shape {tuple(x.shape)}")
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None:
             _checks.tensor(name, param, ndim=1)
             _checks.shape(name, param, (n,), "the last dimension of x")
             if param.dtype not in (x.dtype, torch.float32):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"{name} must have x's dtype ({x.dtype}) or float32; got {param.dtype}"
                 )
     _checks.same_device(x=x, residual=residual, weight=weight, bias=bias)
@@ -137,7 +144,7 @@ def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     _checks.tensor("value", value, min_ndim=3)
     for name, t in (("key", key), ("value", value)):
         if t.dim() != query.dim():
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{name} must have as many dimensions as query ({query.dim()}, shape "
                 f"{tuple(query.shape)}); got shape {tuple(t.shape)}"
             )
@@ -154,41 +161,41 @@ def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
 
     for name, t in (("key", key), ("value", value)):
         if t.shape[:-3] != query.shape[:-3]:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"{name} must have query's batch dimensions {tuple(query.shape[:-3])}; "
                 f"got shape {tuple(t.shape)} (query {tuple(query.shape)})"
             )
     hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
     what = "heads" if query.dim() > 3 else "batch size"
     if hv != hk:
-        raise ValueError(
+        raise ArgumentValueError(
             f"value must have key's number of {what} ({hk}, dim -3); got {hv} "
             f"(key {tuple(key.shape)}, value {tuple(value.shape)})"
         )
     if hq != hk:
         if query.dim() == 3:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"key must have query's batch size ({hq}, dim 0); got {hk} (3-D inputs have no "
                 f"head dimension, so enable_gqa cannot apply)"
             )
         if not enable_gqa:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"key must have query's number of heads ({hq}, dim -3); got {hk}. Pass "
                 f"enable_gqa=True for grouped-query attention"
             )
         if hq % hk != 0:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"with enable_gqa, key's number of heads ({hk}) must divide query's ({hq})"
             )
     if query.shape[-1] < 1:
-        raise ValueError(f"query must have a head dimension >= 1; got shape {tuple(query.shape)}")
+        raise ArgumentValueError(f"query must have a head dimension >= 1; got shape {tuple(query.shape)}")
     if key.shape[-1] != query.shape[-1]:
-        raise ValueError(
+        raise ArgumentValueError(
             f"key must have query's head dimension ({query.shape[-1]}, dim -1); got "
             f"{key.shape[-1]} (key {tuple(key.shape)})"
         )
     if value.shape[-2] != key.shape[-2]:
-        raise ValueError(
+        raise ArgumentValueError(
             f"value must have key's sequence length ({key.shape[-2]}, dim -2); got "
             f"{value.shape[-2]} (value {tuple(value.shape)})"
         )
@@ -208,8 +215,11 @@ def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         return reference.scaled_dot_product_attention(
             query, key, value, scale=scale, enable_gqa=gqa
         )
-    if attn_mask is None and key_padding_mask is None:
-        # Top-left causal alone never empties a row (key 0 is always visible): no fix-up.
+    if attn_mask is not None and attn_mask.dim() < 2:  # 0-d / (S,): torch's 4-D path indexes dim -2
+        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if attn_mask is None and key_padding_mask is None and not (is_causal and scale is not None and scale <= 0):
+        # Top-left causal alone never empties a row (key 0 is always visible): no fix-up.  (Not
+        # with scale <= 0: torch's CPU kernel scales its -inf causal fill, giving NaN / +inf.)
         return F.scaled_dot_product_attention(
             query, key, value, None, dropout_p, is_causal, scale=scale, enable_gqa=gqa
         )
@@ -466,16 +476,16 @@ def _check_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
     _checks.tensor("k_cache", k_cache, ndim=4)
     _checks.tensor("v_cache", v_cache, ndim=4)
     if (k_new is None) != (v_new is None):
-        raise ValueError(
+        raise ArgumentValueError(
             "k_new and v_new must be given together or both be None; got "
             f"k_new={'None' if k_new is None else 'a tensor'}, v_new={'None' if v_new is None else 'a tensor'}"
         )
     _checks.optional_tensor("k_new", k_new, ndim=4)
     _checks.optional_tensor("v_new", v_new, ndim=4)
     if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens must be a torch.Tensor; got {type(cache_seqlens).__name__}")
+        raise ArgumentTypeError(f"cache_seqlens must be a torch.Tensor; got {type(cache_seqlens).__name__}")
     if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"cache_seqlens must have dtype int32; got {cache_seqlens.dtype}")
+        raise ArgumentTypeError(f"cache_seqlens must have dtype int32; got {cache_seqlens.dtype}")
     _checks.same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
     _checks.same_device(
         q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new, v_new=v_new
@@ -484,12 +494,12 @@ def _check_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
 
     batch, heads, lq, dim = q.shape
     if dim < 1:
-        raise ValueError(f"q must have a head dimension >= 1; got shape {tuple(q.shape)}")
+        raise ArgumentValueError(f"q must have a head dimension >= 1; got shape {tuple(q.shape)}")
     _, kv_heads, l_max, _ = k_cache.shape
     _checks.shape("k_cache", k_cache, (batch, kv_heads, l_max, dim),
                   "(batch, kv heads, max length, head dim) with q's batch and head dim")
     if kv_heads < 1 or heads % kv_heads != 0:
-        raise ValueError(
+        raise ArgumentValueError(
             f"k_cache's number of heads ({kv_heads}, dim 1) must divide q's ({heads}); "
             f"got k_cache {tuple(k_cache.shape)}, q {tuple(q.shape)}"
         )
@@ -505,21 +515,21 @@ def _check_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
                       "(batch, kv heads, q's length, v_cache's head dim)")
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if cache.requires_grad and cache.is_leaf and torch.is_grad_enabled():
-                raise ValueError(
+                raise ArgumentValueError(
                     f"{name} is written in place, so it cannot be a leaf tensor that requires "
                     "grad; pass a cache that does not require grad (or detach it)"
                 )
     if l_new > l_max:
-        raise ValueError(f"k_new's length ({l_new}) exceeds the cache length L_max={l_max}")
+        raise ArgumentValueError(f"k_new's length ({l_new}) exceeds the cache length L_max={l_max}")
     _checks.shape("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
     # Bounds of the VALUES: 0 <= cache_seqlens[b] and cache_seqlens[b] + L_new <= L_max.
     if _checks.host_checks_enabled(cache_seqlens.device):
         low = int(cache_seqlens.min()) if batch else 0
         high = int(cache_seqlens.max()) if batch else 0
         if low < 0:
-            raise ValueError(f"cache_seqlens must be >= 0; got a minimum of {low}")
+            raise ArgumentValueError(f"cache_seqlens must be >= 0; got a minimum of {low}")
         if high + l_new > l_max:
-            raise ValueError(
+            raise ArgumentValueError(
                 f"cache_seqlens + L_new must be <= L_max={l_max} (k_cache dim 2); got "
                 f"max(cache_seqlens)={high} with L_new={l_new}"
             )

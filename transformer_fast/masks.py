@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from ._checks import ArgumentTypeError, ArgumentValueError
+
 NEG_INF = float("-inf")
 
 
@@ -41,11 +43,11 @@ def _describe(dtype: torch.dtype) -> str:
 def _check_kind(name: str, mask: object, dtype: torch.dtype, bool_meaning: str) -> None:
     """A mask is a tensor of bool or of a float dtype (``dtype`` or float32)."""
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(mask).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor or None; got {type(mask).__name__}")
     allowed = {torch.bool, dtype, torch.float32}
     if mask.dtype not in allowed:
         names = ", ".join(sorted(_describe(d) for d in allowed))
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{name} must have dtype {bool_meaning} or a float dtype ({names}); got {mask.dtype}"
         )
 
@@ -74,7 +76,7 @@ def check_mask(
         except RuntimeError:
             ok = False
     if not ok:
-        raise ValueError(
+        raise ArgumentValueError(
             f"{name} must be broadcastable to {target} {target_shape}; got shape {tuple(mask.shape)}"
         )
     return mask
@@ -88,7 +90,7 @@ def check_key_padding_mask(
         return None
     _check_kind(name, mask, dtype, "bool (True = padding)")
     if tuple(mask.shape) != (batch, lk):
-        raise ValueError(
+        raise ArgumentValueError(
             f"{name} must have shape (batch, key length) = {(batch, lk)}; got {tuple(mask.shape)}"
         )
     return mask

@@ -50,6 +50,7 @@ def add_layer_norm(
         out = out * weight
     if bias is not None:
         out = out + bias
+    out = out.to(summed.dtype)  # float32 weight/bias with half inputs: the result stays in x's dtype
     return (out, summed) if prenorm else out
 
 
