@@ -766,3 +766,15 @@ def test_triton_without_interpreter_reason(monkeypatch):
         pytest.skip("triton not installed")
     reasons = tf.not_supported_reasons("triton", "add_layer_norm", _LN_INPUTS)
     assert any("TRITON_INTERPRET" in r for r in reasons)
+
+
+@pytest.mark.parametrize("which", ["k_cache", "v_cache"])
+def test_expanded_cache_that_would_be_written_is_rejected(which):
+    q = torch.randn(2, 2, 1, 16)
+    caches = {"k_cache": torch.zeros(2, 2, 8, 16), "v_cache": torch.zeros(2, 2, 8, 16)}
+    caches[which] = torch.zeros(1, 2, 8, 16).expand(2, -1, -1, -1)  # both rows share storage
+    seqlens = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"{which}.*stride-0"):
+        F.attention_with_kv_cache(q, caches["k_cache"], caches["v_cache"], seqlens, q, q)
+    # Read-only use (no k_new/v_new) of an expanded cache is fine.
+    F.attention_with_kv_cache(q, caches["k_cache"], caches["v_cache"], seqlens)

@@ -514,6 +514,11 @@ def _check_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
         _checks.shape("v_new", v_new, (batch, kv_heads, lq, dim_v),
                       "(batch, kv heads, q's length, v_cache's head dim)")
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if any(st == 0 and n > 1 for st, n in zip(cache.stride(), cache.shape)):
+                raise ArgumentValueError(
+                    f"{name} is written in place, so it cannot be an expanded (stride-0) view: "
+                    f"got shape {tuple(cache.shape)}, strides {cache.stride()}"
+                )
             if cache.requires_grad and cache.is_leaf and torch.is_grad_enabled():
                 raise ArgumentValueError(
                     f"{name} is written in place, so it cannot be a leaf tensor that requires "
