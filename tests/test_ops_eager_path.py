@@ -123,3 +123,33 @@ def test_direct_kv_cache_call_bumps_the_caches_versions(monkeypatch):
     F.attention_with_kv_cache(q, k_cache, v_cache, seqlens, q.clone(), q.clone(), backend="cpu")
     assert k_cache._version > before[0] and v_cache._version > before[1]
     assert torch.equal(k_cache[0, :, 0], q[0, :, 0]) and torch.equal(k_cache[1, :, 3], q[1, :, 0])
+
+
+@pytest.mark.parametrize("route", ["eager", "dispatched"])
+def test_outputs_can_be_modified_in_place_like_torch_ops(route):
+    """Outputs that are not saved for backward may be changed in place, as torch's own
+    F.layer_norm / linear outputs (e.g. a layer's output followed by ``out += x``); the kernels'
+    outputs are views of their 2-D results, which a multi-output autograd node would forbid."""
+    require_backend("cpu")
+    import contextlib
+
+    import transformer_fast as tf
+
+    x, r = torch.randn(2, 3, 16, requires_grad=True), torch.randn(2, 3, 16, requires_grad=True)
+    w1, w2 = torch.randn(32, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    layer = tf.nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True)
+    cases = [
+        (lambda: F.add_layer_norm(x, r, None, None, backend="cpu"), [x, r]),
+        (lambda: F.add_layer_norm(x, r, None, None, prenorm=True, backend="cpu")[1], [x, r]),
+        (lambda: F.feed_forward(x, w1, None, w2, None, activation="gelu", backend="cpu"), [x, w1, w2]),
+        (lambda: layer(x), [x] + list(layer.parameters())),
+    ]
+    mode = contextlib.nullcontext() if route == "eager" else _PassThrough()
+    for fn, leaves in cases:
+        with mode:
+            expected = torch.autograd.grad(fn().sum() * 2, leaves)
+            out = fn()
+            out.mul_(2)
+            got = torch.autograd.grad(out.sum(), leaves)
+        for a, c in zip(got, expected):
+            torch.testing.assert_close(a, c)

@@ -45,6 +45,16 @@ def call(op, impl: Callable, *args, mutated: tuple = (), autograd: type | None =
     return out
 
 
+def own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of its own when it is a view (of a kernel's 2-D output, or a permuted
+    allocation): the same storage, sizes and strides, no copy.  A multi-output custom op or
+    autograd.Function whose output is a view forbids in-place changes of it, where the outputs
+    of torch's own ops (F.layer_norm, SDPA, linear) allow them (``layer(x).add_(1)``)."""
+    if t._base is None:
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 def eager_autograd(impl: Callable, setup_context: Callable, backward: Callable) -> type:
     """A torch.autograd.Function running ``impl`` with the autograd formula registered on the
     custom op (its ``setup_context`` and ``backward``), for eager calls that need grad.  Old-style

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from . import call, eager_autograd
+from . import call, eager_autograd, own
 
 
 def empty_in_layout_of(q, shape):
@@ -65,7 +65,8 @@ def _attention_fwd_impl(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     fwd, _ = _launcher(backend)
-    return fwd(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32)
+    out, lse = fwd(q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32)
+    return own(out), lse
 
 
 attention_fwd = torch.library.custom_op(

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from . import call, eager_autograd
+from . import call, eager_autograd, own
 
 _EMPTY_SHAPE = (0,)
 _NEEDS_PRE = ("gelu", "gelu_tanh")
@@ -88,7 +88,7 @@ def _linear_bias_act_fwd_impl(
 ) -> tuple[Tensor, Tensor]:
     launch = _launcher(backend)
     y, pre = launch.linear_fwd(_rows(x), w, b, activation, dropout_p, rng, needs_pre(activation), allow_tf32)
-    return y.view(*x.shape[:-1], w.shape[0]), pre
+    return own(y.view(*x.shape[:-1], w.shape[0])), pre
 
 
 linear_bias_act_fwd = torch.library.custom_op(
@@ -186,7 +186,7 @@ def _feed_forward_fwd_impl(
     launch = _launcher(backend)
     hidden, pre = launch.linear_fwd(_rows(x), w1, b1, activation, dropout_p, rng, needs_pre(activation), allow_tf32)
     out, _ = launch.linear_fwd(hidden, w2, b2, "none", 0.0, None, False, allow_tf32)
-    return out.view(*x.shape[:-1], w2.shape[0]), hidden, pre
+    return own(out.view(*x.shape[:-1], w2.shape[0])), hidden, pre
 
 
 feed_forward_fwd = torch.library.custom_op(

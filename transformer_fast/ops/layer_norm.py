@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from . import call, eager_autograd
+from . import call, eager_autograd, own
 
 _EMPTY_SHAPE = (0,)
 
@@ -61,8 +61,8 @@ def _add_layer_norm_fwd_impl(
     n = x.shape[-1]
     fwd, _ = _launcher(backend)
     y, h, mean, rstd = fwd(_rows(x, n), _rows(residual, n), weight, bias, eps, dropout_p, rng, prenorm)
-    y = y.view(x.shape)
-    h = h.view(x.shape) if prenorm else h
+    y = own(y.view(x.shape))
+    h = own(h.view(x.shape)) if prenorm else h
     return y, h, mean, rstd
 
 

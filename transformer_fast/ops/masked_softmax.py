@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from . import call, eager_autograd
+from . import call, eager_autograd, own
 
 _EMPTY_SHAPE = (0,)
 
@@ -42,7 +42,8 @@ def _masked_softmax_fwd_impl(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     fwd, _ = _launcher(backend)
-    return fwd(scores, mask, scale, is_causal, dropout_p, rng)
+    out, probs = fwd(scores, mask, scale, is_causal, dropout_p, rng)
+    return own(out), probs
 
 
 masked_softmax_fwd = torch.library.custom_op(
