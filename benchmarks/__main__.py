@@ -29,7 +29,7 @@ def parse_args(argv=None):
                    help="ops to run (default all)")
     p.add_argument("--quick", action="store_true", help="a few shapes per op (minutes)")
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny shapes: tests
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--dtype", default=None,
                    help="comma list of float32/float16/bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--providers", default=None,

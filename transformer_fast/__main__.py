@@ -43,6 +43,9 @@ def cmd_verify(args) -> int:
     from . import verify
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("verify: --device cuda: no CUDA device visible to torch here", file=sys.stderr)
+        return 2
     dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else verify.DTYPES
     print(f"verify on {device}: {_device_name(device)}")
     rows = verify.verify(device, ops=args.op, dtypes=dtypes, backend_names=args.backend)
@@ -69,6 +72,9 @@ def cmd_verify(args) -> int:
 def cmd_train_demo(args) -> int:
     from .models import demo
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("train-demo: --device cuda: no CUDA device visible to torch here", file=sys.stderr)
+        return 2
     return demo.main(args)
 
 
@@ -78,8 +84,11 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="versions, device, and which backends are available and why")
     p = sub.add_parser("verify", help="check every op x backend x dtype against the float64 oracle")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
-    p.add_argument("--op", action="append", help="only this op (repeatable)")
-    p.add_argument("--backend", action="append", help="only this backend (repeatable)")
+    from . import backends, verify
+
+    p.add_argument("--op", action="append", choices=list(verify.CASES), help="only this op (repeatable)")
+    p.add_argument("--backend", action="append", choices=list(backends.BACKENDS),
+                   help="only this backend (repeatable)")
     p.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--output", help="also write the table as markdown to this file")
     from .models import demo

@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class ArgumentValueError(ValueError, RuntimeError):
@@ -27,15 +28,19 @@ class ArgumentTypeError(TypeError, RuntimeError):
 
 def _real(value: object) -> float | None:
     """A real scalar as torch's float arguments take it (Python or NumPy int/float, a
-    one-element tensor) -> float; None for anything else (bools included)."""
+    one-element tensor) -> float; None for anything else (bools included).  Symbolic numbers
+    (torch.compile(dynamic=True) traces eps and scale as SymFloat) pass through as they are."""
     if isinstance(value, bool):
         return None
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value
+    if isinstance(value, (int, float)):
+        return value if type(value) is float else float(value)
     if isinstance(value, numbers.Real):
         return float(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
         return float(value)
     return None
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
@@ -120,7 +125,7 @@ def positive_float(name: str, value: object) -> float:
     if real is None:
         raise ArgumentTypeError(f"{name} must be a positive float; got {type(value).__name__}")
     value = real
-    if not (value > 0.0) or not math.isfinite(value):
+    if not (value > 0.0) or not _finite(value):
         raise ArgumentValueError(f"{name} must be a finite float > 0; got {value}")
     return value
 
@@ -138,9 +143,17 @@ def optional_scale(value: object, name: str = "scale") -> float | None:
     if real is None:
         raise ArgumentTypeError(f"{name} must be a float or None; got {type(value).__name__}")
     value = real
-    if not math.isfinite(value):
+    if not _finite(value):
         raise ArgumentValueError(f"{name} must be finite; got {value}")
     return value
+
+
+def _finite(value) -> bool:
+    """math.isfinite; not checked while torch.compile traces (with dynamic=True eps and scale
+    are symbolic floats, which math.isfinite cannot take; eager calls check them)."""
+    if torch.compiler.is_compiling() or isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return True
+    return math.isfinite(value)
 
 
 def kernel_dtype_reasons(backend: str, **tensors: torch.Tensor | None) -> list[str]:
@@ -167,7 +180,7 @@ def number(name: str, value: object) -> float:
     if real is None:
         raise ArgumentTypeError(f"{name} must be a float; got {type(value).__name__}")
     value = real
-    if not math.isfinite(value):
+    if not _finite(value):
         raise ArgumentValueError(f"{name} must be finite; got {value}")
     return value
 

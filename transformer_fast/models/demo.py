@@ -139,27 +139,39 @@ def demo_schedule(args: argparse.Namespace):
     return rate
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=TASKS, default="reverse")
-    p.add_argument("--steps", type=int, default=1200, help="training updates")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--steps", type=_positive_int, default=1200, help="training updates")
+    p.add_argument("--batch-size", type=_positive_int, default=64)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where to train (default: cuda when present)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for training (CUDA)")
     p.add_argument("--out", default="train_demo_loss.png", help="loss-curve PNG path ('' for none)")
-    p.add_argument("--symbols", type=int, default=10, help="distinct tokens in the strings")
-    p.add_argument("--min-len", type=int, default=3)
-    p.add_argument("--max-len", type=int, default=10)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--nhead", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers each")
-    p.add_argument("--ffn", type=int, default=256, help="dim_feedforward")
+    p.add_argument("--symbols", type=_positive_int, default=10, help="distinct tokens in the strings")
+    p.add_argument("--min-len", type=_positive_int, default=3)
+    p.add_argument("--max-len", type=_positive_int, default=10)
+    p.add_argument("--d-model", type=_positive_int, default=64)
+    p.add_argument("--nhead", type=_positive_int, default=4)
+    p.add_argument("--layers", type=_positive_int, default=2, help="encoder and decoder layers each")
+    p.add_argument("--ffn", type=_positive_int, default=256, help="dim_feedforward")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=200, help="warm-up steps of the paper's schedule")
     p.add_argument("--lr-scale", type=float, default=0.5, help="multiplies the paper's rate")
     p.add_argument("--cooldown", type=float, default=0.4,
                    help="fraction of the steps at the end with the rate decaying linearly to 0")
     p.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
-    p.add_argument("--held-out", type=int, default=1000, help="held-out strings for the accuracy")
+    p.add_argument("--held-out", type=_positive_int, default=1000, help="held-out strings for the accuracy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: 1: the demo's matrices are small, "

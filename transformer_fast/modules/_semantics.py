@@ -159,9 +159,12 @@ def dropout_p(module) -> float | None:
 
 
 def has_hooks(root: torch.nn.Module) -> bool:
-    """Any forward (pre-)hook on ``root`` or below: the fused path would skip them, so the
-    layers then call their submodules one by one (torch's fast path makes the same check)."""
-    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+    """Any forward or backward (pre-)hook on ``root`` or below, or a global module hook: the
+    fused path would skip them, so the layers then call their submodules one by one (torch's
+    fast path makes the same check for forward hooks)."""
+    mod = torch.nn.modules.module
+    if (mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks
+            or mod._global_backward_pre_hooks):
         return True
     # A plain walk: root.modules() (a generator per level, names) cost ~5% of a small layer.
     stack, seen = [root], set()
@@ -170,7 +173,7 @@ def has_hooks(root: torch.nn.Module) -> bool:
         if id(m) in seen:
             continue
         seen.add(id(m))
-        if m._forward_hooks or m._forward_pre_hooks:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             return True
         stack.extend(c for c in m._modules.values() if c is not None)
     return False

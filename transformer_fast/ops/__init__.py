@@ -21,14 +21,23 @@ def call(op, impl: Callable, *args, mutated: tuple = (), autograd: type | None =
     batch, and a training step's at small shapes (benchmarks/NOTES.md).  So a plain eager call
     skips it: with nothing to differentiate it runs ``impl`` directly; with an input that
     requires grad it runs ``autograd`` (the ``eager_autograd`` Function of the op's own formula)
-    when given.  Under torch.compile/export/jit tracing, a dispatch or torch-function mode
-    (FakeTensorMode, profilers and op counters), functorch transforms, or with tensor subclasses,
-    the call goes through the op.  ``mutated`` are the tensors the op writes in place: their
+    when given (its setup_context-style twin under torch.func transforms).  Under
+    torch.compile/export/jit tracing, a dispatch or torch-function mode (FakeTensorMode,
+    profilers and op counters), vmap without grad, or with tensor subclasses, the call goes
+    through the op.  ``mutated`` are the tensors the op writes in place: their
     version counters are bumped as the op would.
     """
+    if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+        # torch.func.grad & co. need a setup_context-style Function (the custom op's own
+        # autograd does not support them); vmap alone goes through the op.
+        if autograd is None and not mutated:  # a backward op, called from a formula above
+            return impl(*args)
+        if autograd is not None and torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return autograd.functorch.apply(*args)
+        return op(*args)
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state()):
+            or torch._C._is_torch_function_mode_enabled() or torch._C._get_tracing_state()):
         return op(*args)
     grad = torch.is_grad_enabled()
     needs_grad = False
@@ -73,5 +82,24 @@ def eager_autograd(impl: Callable, setup_context: Callable, backward: Callable) 
         def backward(ctx, *grads):
             return backward(ctx, *grads)
 
+    class FunctorchFunction(torch.autograd.Function):
+        """The same formula in the setup_context style that torch.func transforms require."""
+
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(*args):
+            return impl(*args)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            setup_context(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
     EagerFunction.__name__ = EagerFunction.__qualname__ = f"Eager{impl.__name__}"
+    FunctorchFunction.__name__ = FunctorchFunction.__qualname__ = f"Functorch{impl.__name__}"
+    EagerFunction.functorch = FunctorchFunction
     return EagerFunction
