@@ -137,15 +137,7 @@ def boolean(name: str, value: object) -> bool:
 
 
 def optional_scale(value: object, name: str = "scale") -> float | None:
-    if value is None:
-        return None
-    real = _real(value)
-    if real is None:
-        raise ArgumentTypeError(f"{name} must be a float or None; got {type(value).__name__}")
-    value = real
-    if not _finite(value):
-        raise ArgumentValueError(f"{name} must be finite; got {value}")
-    return value
+    return None if value is None else number(name, value, "a float or None")
 
 
 def _finite(value) -> bool:
@@ -174,11 +166,11 @@ def choice(name: str, value: object, options: Sequence[str]) -> str:
     return value
 
 
-def number(name: str, value: object) -> float:
+def number(name: str, value: object, expected: str = "a float") -> float:
     """A finite real number (not bool)."""
     real = _real(value)
     if real is None:
-        raise ArgumentTypeError(f"{name} must be a float; got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name} must be {expected}; got {type(value).__name__}")
     value = real
     if not _finite(value):
         raise ArgumentValueError(f"{name} must be finite; got {value}")
