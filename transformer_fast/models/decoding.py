@@ -344,8 +344,9 @@ def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_p
     among the top ``beam_size`` candidates).  A row stops once its best finished hypothesis
     scores at least as high as its best live beam at the current length (the usual early stop,
     as Hugging Face's default: with length_penalty > 0 a longer continuation that might still
-    overtake is not explored); at max_len the live beams compete too.  With beam_size=1 this is greedy decoding.  The self-attention
-    caches are reordered to each beam's parent every step (index_select along batch * beam).
+    overtake is not explored); at max_len the live beams compete too.  With beam_size=1 this is
+    greedy decoding.  The self-attention caches are reordered to each beam's parent every step
+    (index_select along batch * beam).
     Output layout as greedy_decode (eos kept, pad after it).
     """
     _check_decode_args(model, src, max_len)
