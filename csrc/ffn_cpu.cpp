@@ -12,7 +12,7 @@
 //             accumulators).
 //   act_bwd   the same elementwise pass as dgrad's, from dy.
 // fp16 GEMMs run in fp32 (cpu_gemm says why); dgrad's pass then reads the fp32 product.
-// The argument checks shared with ffn_cuda.cu live here too (check_ffn_*).
+// The argument checks shared with ffn_cuda.cu are in ffn_checks.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -39,88 +39,11 @@ namespace transformer_fast {
 
 using at::Tensor;
 
-// --------------------------------------------------------------------------------------------
-// Argument checks (also used by ffn_cuda.cu)
-
 namespace {
-
-bool ffn_dtype_ok(c10::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
 
 bool present(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
 
-void check_matrix(const Tensor& t, const char* name, const Tensor& like, c10::DeviceType dev) {
-  TORCH_CHECK(t.dim() == 2, "ffn: ", name, " must be 2-D, got ", t.dim(), "-D");
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "ffn: ", name, " must have dtype ",
-              like.scalar_type(), ", got ", t.scalar_type());
-  TORCH_CHECK(t.device().type() == dev && t.device() == like.device(), "ffn: ", name,
-              " must be on ", like.device(), ", got ", t.device());
-}
-
 }  // namespace
-
-FfnAct parse_ffn_activation(c10::string_view activation) {
-  if (activation == "none") return FfnAct::kNone;
-  if (activation == "relu") return FfnAct::kRelu;
-  if (activation == "gelu") return FfnAct::kGelu;
-  if (activation == "gelu_tanh") return FfnAct::kGeluTanh;
-  TORCH_CHECK(false, "ffn: activation must be one of none, relu, gelu, gelu_tanh; got '",
-              std::string(activation.data(), activation.size()), "'");
-}
-
-void check_ffn_dropout(double dropout_p, const std::optional<Tensor>& rng, const Tensor& like) {
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "ffn: dropout_p must be in [0, 1), got ",
-              dropout_p);
-  if (dropout_p > 0.0) {
-    TORCH_CHECK(present(rng), "ffn: rng ([seed, offset] int64) is required when dropout_p > 0");
-    TORCH_CHECK(rng->scalar_type() == at::kLong && rng->dim() == 1 && rng->numel() == 2,
-                "ffn: rng must be an int64 tensor of shape (2,), got ", rng->scalar_type(), " ",
-                rng->sizes());
-    TORCH_CHECK(rng->device() == like.device(), "ffn: rng must be on ", like.device(), ", got ",
-                rng->device());
-  }
-}
-
-void check_ffn_linear_fwd_args(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
-                               c10::DeviceType dev) {
-  TORCH_CHECK(ffn_dtype_ok(x.scalar_type()), "ffn: x must be float32, float16 or bfloat16, got ",
-              x.scalar_type());
-  check_matrix(x, "x", x, dev);
-  check_matrix(w, "w", x, dev);
-  TORCH_CHECK(w.size(1) == x.size(1), "ffn: w must have shape (N, ", x.size(1), "), got ", w.sizes());
-  if (present(b)) {
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == w.size(0), "ffn: b must have shape (", w.size(0),
-                ",), got ", b->sizes());
-    TORCH_CHECK(b->scalar_type() == x.scalar_type() && b->device() == x.device(),
-                "ffn: b must be a ", x.scalar_type(), " tensor on ", x.device());
-  }
-}
-
-void check_ffn_aux(const std::optional<Tensor>& aux, FfnAct act, int64_t m, int64_t n,
-                   const Tensor& like, c10::DeviceType dev) {
-  if (act == FfnAct::kNone) return;
-  TORCH_CHECK(present(aux), "ffn: aux (pre-activation, or y for relu) is required for this activation");
-  check_matrix(*aux, "aux", like, dev);
-  TORCH_CHECK(aux->size(0) == m && aux->size(1) == n, "ffn: aux must have shape (", m, ", ", n,
-              "), got ", aux->sizes());
-}
-
-void check_ffn_dgrad_args(const Tensor& dy, const Tensor& w, c10::DeviceType dev) {
-  TORCH_CHECK(ffn_dtype_ok(dy.scalar_type()), "ffn: dy must be float32, float16 or bfloat16, got ",
-              dy.scalar_type());
-  check_matrix(dy, "dy", dy, dev);
-  check_matrix(w, "w", dy, dev);
-  TORCH_CHECK(w.size(0) == dy.size(1), "ffn: w must have shape (", dy.size(1), ", N), got ", w.sizes());
-}
-
-void check_ffn_wgrad_args(const Tensor& dy, const Tensor& x, c10::DeviceType dev) {
-  TORCH_CHECK(ffn_dtype_ok(dy.scalar_type()), "ffn: dy must be float32, float16 or bfloat16, got ",
-              dy.scalar_type());
-  check_matrix(dy, "dy", dy, dev);
-  check_matrix(x, "x", dy, dev);
-  TORCH_CHECK(x.size(0) == dy.size(0), "ffn: x must have ", dy.size(0), " rows, got ", x.sizes());
-}
 
 }  // namespace transformer_fast
 
@@ -559,9 +482,7 @@ Tensor2 ffn_linear_wgrad_cpu(const Tensor& dy, const Tensor& x, bool want_dbias,
 Tensor2 ffn_act_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& aux,
                         c10::string_view activation, double dropout_p,
                         const std::optional<Tensor>& rng, bool want_dbias) {
-  TORCH_CHECK(ffn_dtype_ok(dy.scalar_type()), "ffn: dy must be float32, float16 or bfloat16, got ",
-              dy.scalar_type());
-  check_matrix(dy, "dy", dy, c10::DeviceType::CPU);
+  check_ffn_act_bwd_args(dy, c10::DeviceType::CPU);
   const FfnAct act = parse_ffn_activation(activation);
   const int64_t M = dy.size(0), N = dy.size(1);
   check_ffn_aux(aux, act, M, N, dy, c10::DeviceType::CPU);

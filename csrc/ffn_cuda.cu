@@ -1,7 +1,11 @@
 // Position-wise FFN building blocks on CUDA: cuBLASLt GEMMs with fused epilogues, plus our own
 // kernels for what cuBLASLt does not fuse.  Contract of the four primitives: kernels/ffn.py.
-// UNVERIFIED: compiled and linked on the build machine, never run (no GPU there); the gpu tests
-// in tests/test_gpu_ffn.py check it against the float64 oracle when a GPU is at hand.
+// UNVERIFIED on a GPU: compiled and linked on the build machine, never run there (no GPU); the gpu
+// tests in tests/test_gpu_ffn.py check it against the float64 oracle when a GPU is at hand.
+// TF_CUDA_EMULATE: tests/test_ffn_cuda_emulated.py compiles this file as host C++ with our
+// kernels run by emulated CTAs (tests/cuda_emulation.py) and the cuBLASLt GEMMs replaced by a
+// CPU GEMM that applies the epilogues as cuBLASLt documents them, so the host-side paths and our
+// kernels run against the oracle; cuBLASLt itself, races and speed wait for a GPU.
 //
 // Row-major (M, N) matrices are column-major (N, M) ones, so every GEMM below is issued as its
 // transpose:  Y = X W^T  ->  Y^T = W X^T,  D = dY W  ->  D^T = W^T dY^T,  dW = dY^T X  ->
@@ -26,12 +30,15 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#ifndef TF_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <cublasLt.h>
+#endif
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -46,6 +53,24 @@ namespace transformer_fast {
 namespace {
 
 using at::Tensor;
+
+#ifndef TF_CUDA_EMULATE  // (the emulation provides kFfnDevice, DeviceScope, launch and run_gemm)
+constexpr c10::DeviceType kFfnDevice = c10::DeviceType::CUDA;
+
+// The inputs' device made current for the call, and its current stream.
+struct DeviceScope {
+  c10::cuda::CUDAGuard guard;
+  int device;
+  cudaStream_t stream;
+  explicit DeviceScope(const Tensor& t)
+      : guard(t.device()), device(t.get_device()), stream(c10::cuda::getCurrentCUDAStream(device).stream()) {}
+};
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, int threads, cudaStream_t stream, Args... args) {
+  kernel<<<grid, threads, 0, stream>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 #define TF_CUBLAS_CHECK(expr)                                                                  \
   do {                                                                                         \
@@ -154,6 +179,8 @@ cudaDataType_t cuda_dtype(c10::ScalarType t) {
   }
 }
 
+#endif  // TF_CUDA_EMULATE
+
 // One column-major GEMM D (m x n) = op(A) (m x k) @ op(B) (k x n) with an epilogue.
 struct Gemm {
   cublasOperation_t ta, tb;
@@ -169,6 +196,9 @@ struct Gemm {
 
 // Runs the GEMM; returns false (running nothing) when cuBLASLt has no algorithm for it, so the
 // caller can fall back to a plain epilogue plus our kernels.
+#ifdef TF_CUDA_EMULATE
+bool run_gemm(const Gemm& g, c10::ScalarType dtype, bool allow_tf32, int device, cudaStream_t stream);
+#else
 bool run_gemm(const Gemm& g, c10::ScalarType dtype, bool allow_tf32, int device, cudaStream_t stream) {
   const cudaDataType_t t = cuda_dtype(dtype);
   const cublasComputeType_t compute =
@@ -206,6 +236,7 @@ bool run_gemm(const Gemm& g, c10::ScalarType dtype, bool allow_tf32, int device,
                                  g.d, ld.l, &result.algo, ctx.workspace, ctx.workspace_bytes, stream));
   return true;
 }
+#endif  // TF_CUDA_EMULATE
 
 void run_gemm_or_fail(const Gemm& g, c10::ScalarType dtype, bool allow_tf32, int device,
                       cudaStream_t stream) {
@@ -268,8 +299,21 @@ __global__ void act_dropout_kernel(const T* in, T* out, int64_t total, int64_t N
   (void)N;
 }
 
-// d[i, j] = g[i, j] * act'(aux[i, j]) * keep * scale (relu: aux is y; y > 0 iff kept and
-// pre > 0).  g rows of stride ldg, aux/d contiguous rows of N (d may be g when ldg == N).
+// g[r, c] * act'(aux[r, c]) * keep * scale in fp32 (relu: aux is y; y > 0 iff kept and pre > 0).
+template <typename T>
+__device__ __forceinline__ float dact_value(const T* g, int64_t ldg, const T* aux, int64_t r, int64_t c,
+                                            int64_t N, int act, const DropArgs& dr, uint64_t seed,
+                                            uint64_t offset) {
+  const int64_t i = r * N + c;
+  float v = static_cast<float>(g[r * ldg + c]);
+  if (act == 1) return static_cast<float>(aux[i]) <= 0.0f ? 0.0f : v * dr.scale;  // NaN passes, as torch
+  if (act != 0) v *= act_grad(static_cast<float>(aux[i]), act);
+  if (dr.on) v = philox_word(seed, offset, static_cast<uint64_t>(i)) >= dr.threshold ? v * dr.scale : 0.0f;
+  return v;
+}
+
+// d = dact(g) elementwise over (M, N).  g rows of stride ldg, aux/d contiguous rows of N (d may
+// be g when ldg == N).
 template <typename T>
 __global__ void dact_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t M, int64_t N,
                             int act, DropArgs dr) {
@@ -281,20 +325,38 @@ __global__ void dact_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t
   const int64_t total = M * N;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / N, c = i - r * N;
-    float v = static_cast<float>(g[r * ldg + c]);
-    if (act == 1) {
-      v = static_cast<float>(aux[i]) <= 0.0f ? 0.0f : v * dr.scale;  // NaN passes, as torch
-    } else {
-      if (act != 0) v *= act_grad(static_cast<float>(aux[i]), act);
-      if (dr.on) v = philox_word(seed, offset, static_cast<uint64_t>(i)) >= dr.threshold ? v * dr.scale : 0.0f;
-    }
-    d[i] = static_cast<T>(v);
+    const int64_t r = i / N;
+    d[i] = static_cast<T>(dact_value(g, ldg, aux, r, i - r * N, N, act, dr, seed, offset));
   }
 }
 
 constexpr int kColThreads = 256;
 constexpr int kColRowsPerChunk = 256;
+
+// dact_kernel by columns, also writing part[chunk, j] = the sum (double, fixed order) of the
+// chunk's fp32 d values of column j before they are rounded to T: in 16-bit, db then carries one
+// rounding, not the rounding of every summed element.  A thread walks one column of a chunk of
+// rows; a warp's loads and stores are consecutive columns.
+template <typename T>
+__global__ void dact_colsum_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t M, int64_t N,
+                                   int act, DropArgs dr, double* part) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x;
+  if (j >= N) return;
+  uint64_t seed = 0, offset = 0;
+  if (dr.on) {
+    seed = static_cast<uint64_t>(dr.rng[0]);
+    offset = static_cast<uint64_t>(dr.rng[1]);
+  }
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRowsPerChunk;
+  const int64_t r1 = r0 + kColRowsPerChunk < M ? r0 + kColRowsPerChunk : M;
+  double s = 0.0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float v = dact_value(g, ldg, aux, r, j, N, act, dr, seed, offset);
+    d[r * N + j] = static_cast<T>(v);
+    s += v;
+  }
+  part[static_cast<int64_t>(blockIdx.y) * N + j] = s;
+}
 
 // part[chunk, j] = sum of rows [chunk * kColRowsPerChunk, ...) of column j (double, fixed order:
 // db then carries only the rounding of the summed values).
@@ -349,41 +411,65 @@ void launch_act_dropout(const Tensor& in, Tensor& out, int act, const DropArgs& 
   if (total == 0) return;
   dispatch_ffn_dtype(in.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    act_dropout_kernel<T><<<ew_blocks(total), kEwThreads, 0, stream>>>(
-        in.const_data_ptr<T>(), out.mutable_data_ptr<T>(), total, in.size(1), act, dr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(act_dropout_kernel<T>, dim3(ew_blocks(total)), kEwThreads, stream, in.const_data_ptr<T>(),
+           out.mutable_data_ptr<T>(), total, in.size(1), act, dr);
   });
 }
 
-void launch_dact(const Tensor& g, const Tensor* aux, Tensor& d, int act, const DropArgs& dr,
-                 cudaStream_t stream) {
+// The column-chunk grid of the bias-gradient kernels and their (chunks, N) partial sums.
+struct ColGrid {
+  dim3 grid;
+  int64_t chunks;
+  Tensor part;
+};
+
+ColGrid col_grid(const Tensor& x) {
+  const int64_t M = x.size(0), N = x.size(1);
+  const int64_t chunks = (M + kColRowsPerChunk - 1) / kColRowsPerChunk;
+  TORCH_CHECK(chunks <= 65535, "ffn (cuda): too many rows for the bias-gradient kernel: ", M);
+  return {dim3(static_cast<unsigned>((N + kColThreads - 1) / kColThreads), static_cast<unsigned>(chunks)), chunks,
+          at::empty({chunks, N}, x.options().dtype(at::kDouble))};
+}
+
+template <typename T>
+void launch_colsum_finish(const ColGrid& cg, Tensor& out, cudaStream_t stream) {
+  launch(colsum_finish_kernel<T>, dim3(cg.grid.x), kColThreads, stream, cg.part.const_data_ptr<double>(),
+         cg.chunks, out.size(0), out.mutable_data_ptr<T>());
+}
+
+// d = dact(g); with want_dbias also returns db = the column sums of d, summed from its fp32
+// values (before d is rounded to its dtype).
+Tensor launch_dact(const Tensor& g, const Tensor* aux, Tensor& d, int act, const DropArgs& dr, bool want_dbias,
+                   cudaStream_t stream) {
   const int64_t M = g.size(0), N = g.size(1);
-  if (M == 0 || N == 0) return;
+  Tensor db = want_dbias ? at::zeros({N}, g.options()) : Tensor();
+  if (M == 0 || N == 0) return db;
   dispatch_ffn_dtype(g.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    dact_kernel<T><<<ew_blocks(M * N), kEwThreads, 0, stream>>>(
-        g.const_data_ptr<T>(), g.stride(0), aux ? aux->const_data_ptr<T>() : nullptr,
-        d.mutable_data_ptr<T>(), M, N, act, dr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const T* a = aux ? aux->const_data_ptr<T>() : nullptr;
+    if (!want_dbias) {
+      launch(dact_kernel<T>, dim3(ew_blocks(M * N)), kEwThreads, stream, g.const_data_ptr<T>(), g.stride(0), a,
+             d.mutable_data_ptr<T>(), M, N, act, dr);
+      return;
+    }
+    ColGrid cg = col_grid(g);
+    launch(dact_colsum_kernel<T>, cg.grid, kColThreads, stream, g.const_data_ptr<T>(), g.stride(0), a,
+           d.mutable_data_ptr<T>(), M, N, act, dr, cg.part.mutable_data_ptr<double>());
+    launch_colsum_finish<T>(cg, db, stream);
   });
+  return db;
 }
 
 Tensor launch_colsum(const Tensor& x, cudaStream_t stream) {
   const int64_t M = x.size(0), N = x.size(1);
   Tensor out = at::zeros({N}, x.options());
   if (M == 0 || N == 0) return out;
-  const int64_t chunks = (M + kColRowsPerChunk - 1) / kColRowsPerChunk;
-  TORCH_CHECK(chunks <= 65535, "ffn (cuda): too many rows for the bias-gradient kernel: ", M);
-  Tensor part = at::empty({chunks, N}, x.options().dtype(at::kDouble));
-  const dim3 grid(static_cast<unsigned>((N + kColThreads - 1) / kColThreads), static_cast<unsigned>(chunks));
+  ColGrid cg = col_grid(x);
   dispatch_ffn_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    colsum_partial_kernel<T><<<grid, kColThreads, 0, stream>>>(x.const_data_ptr<T>(), x.stride(0), M, N,
-                                                               part.mutable_data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    colsum_finish_kernel<T><<<grid.x, kColThreads, 0, stream>>>(part.const_data_ptr<double>(), chunks, N,
-                                                                out.mutable_data_ptr<T>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(colsum_partial_kernel<T>, cg.grid, kColThreads, stream, x.const_data_ptr<T>(), x.stride(0), M, N,
+           cg.part.mutable_data_ptr<double>());
+    launch_colsum_finish<T>(cg, out, stream);
   });
   return out;
 }
@@ -405,12 +491,12 @@ bool present(const std::optional<Tensor>& t) { return t.has_value() && t->define
 Tensor2 ffn_linear_fwd_cuda(const Tensor& x_in, const Tensor& w_in, const std::optional<Tensor>& b,
                             c10::string_view activation, double dropout_p,
                             const std::optional<Tensor>& rng, bool store_pre, bool allow_tf32) {
-  check_ffn_linear_fwd_args(x_in, w_in, b, c10::DeviceType::CUDA);
+  check_ffn_linear_fwd_args(x_in, w_in, b, kFfnDevice);
   const FfnAct act = parse_ffn_activation(activation);
   check_ffn_dropout(dropout_p, rng, x_in);
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const int device = x_in.get_device();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const DeviceScope scope(x_in);
+  const int device = scope.device;
+  const cudaStream_t stream = scope.stream;
   const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
   const int code = static_cast<int>(act);
   const Tensor rng_c = dropout_p > 0.0 ? rng->contiguous() : Tensor();
@@ -465,14 +551,14 @@ Tensor2 ffn_linear_fwd_cuda(const Tensor& x_in, const Tensor& w_in, const std::o
 Tensor2 ffn_linear_dgrad_cuda(const Tensor& dy_in, const Tensor& w_in, const std::optional<Tensor>& aux,
                               c10::string_view activation, double dropout_p,
                               const std::optional<Tensor>& rng, bool want_dbias, bool allow_tf32) {
-  check_ffn_dgrad_args(dy_in, w_in, c10::DeviceType::CUDA);
+  check_ffn_dgrad_args(dy_in, w_in, kFfnDevice);
   const FfnAct act = parse_ffn_activation(activation);
   const int64_t M = dy_in.size(0), K = dy_in.size(1), N = w_in.size(1);
-  check_ffn_aux(aux, act, M, N, dy_in, c10::DeviceType::CUDA);
+  check_ffn_aux(aux, act, M, N, dy_in, kFfnDevice);
   check_ffn_dropout(dropout_p, rng, dy_in);
-  const c10::cuda::CUDAGuard guard(dy_in.device());
-  const int device = dy_in.get_device();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const DeviceScope scope(dy_in);
+  const int device = scope.device;
+  const cudaStream_t stream = scope.stream;
   const Tensor rng_c = dropout_p > 0.0 ? rng->contiguous() : Tensor();
   const DropArgs dr = make_drop(dropout_p, rng_c);
   const int code = static_cast<int>(act);
@@ -498,8 +584,10 @@ Tensor2 ffn_linear_dgrad_cuda(const Tensor& dy_in, const Tensor& w_in, const std
     g.bias = bgrad ? db.mutable_data_ptr() : nullptr;
     done = run_gemm(g, dt, allow_tf32, device, stream);
     if (done) {
-      if (dr.on) launch_dact(d, nullptr, d, 0, dr, stream);  // the mask, in place
-      if (want_dbias && !bgrad) db = launch_colsum(d, stream);
+      if (dr.on) {  // the mask, in place
+        Tensor db_masked = launch_dact(d, nullptr, d, 0, dr, want_dbias, stream);
+        if (want_dbias) db = db_masked;
+      }
       return {d, db};
     }
     db = want_dbias ? Tensor() : empty0(dy_in);
@@ -509,16 +597,20 @@ Tensor2 ffn_linear_dgrad_cuda(const Tensor& dy_in, const Tensor& w_in, const std
   g.ld_aux = 0;
   g.bias = nullptr;
   run_gemm_or_fail(g, dt, allow_tf32, device, stream);
-  if (code != 0 || dr.on) launch_dact(d, a.defined() ? &a : nullptr, d, code, dr, stream);
-  if (want_dbias) db = launch_colsum(d, stream);
+  if (code != 0 || dr.on) {
+    Tensor db_act = launch_dact(d, a.defined() ? &a : nullptr, d, code, dr, want_dbias, stream);
+    if (want_dbias) db = db_act;
+  } else if (want_dbias) {
+    db = launch_colsum(d, stream);
+  }
   return {d, db};
 }
 
 Tensor2 ffn_linear_wgrad_cuda(const Tensor& dy_in, const Tensor& x_in, bool want_dbias, bool allow_tf32) {
-  check_ffn_wgrad_args(dy_in, x_in, c10::DeviceType::CUDA);
-  const c10::cuda::CUDAGuard guard(dy_in.device());
-  const int device = dy_in.get_device();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  check_ffn_wgrad_args(dy_in, x_in, kFfnDevice);
+  const DeviceScope scope(dy_in);
+  const int device = scope.device;
+  const cudaStream_t stream = scope.stream;
   const int64_t M = dy_in.size(0), N = dy_in.size(1), K = x_in.size(1);
   Tensor dw = at::empty({N, K}, dy_in.options());
   if (M == 0 || N == 0 || K == 0) {
@@ -545,26 +637,29 @@ Tensor2 ffn_linear_wgrad_cuda(const Tensor& dy_in, const Tensor& x_in, bool want
 
 Tensor2 ffn_act_bwd_cuda(const Tensor& dy, const std::optional<Tensor>& aux, c10::string_view activation,
                          double dropout_p, const std::optional<Tensor>& rng, bool want_dbias) {
-  TORCH_CHECK(dy.dim() == 2 && dy.is_cuda(), "ffn: dy must be a 2-D CUDA tensor");
+  check_ffn_act_bwd_args(dy, kFfnDevice);
   const FfnAct act = parse_ffn_activation(activation);
   const int64_t M = dy.size(0), N = dy.size(1);
-  check_ffn_aux(aux, act, M, N, dy, c10::DeviceType::CUDA);
+  check_ffn_aux(aux, act, M, N, dy, kFfnDevice);
   check_ffn_dropout(dropout_p, rng, dy);
-  const c10::cuda::CUDAGuard guard(dy.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dy.get_device()).stream();
+  const DeviceScope scope(dy);
+  const cudaStream_t stream = scope.stream;
   const Tensor rng_c = dropout_p > 0.0 ? rng->contiguous() : Tensor();
   const Tensor g = gemm_ready(dy);
   const Tensor a = act != FfnAct::kNone ? aux->contiguous() : Tensor();
   Tensor d = at::empty({M, N}, dy.options());
-  launch_dact(g, a.defined() ? &a : nullptr, d, static_cast<int>(act), make_drop(dropout_p, rng_c), stream);
-  return {d, want_dbias ? launch_colsum(d, stream) : empty0(dy)};
+  Tensor db = launch_dact(g, a.defined() ? &a : nullptr, d, static_cast<int>(act), make_drop(dropout_p, rng_c),
+                          want_dbias, stream);
+  return {d, want_dbias ? db : empty0(dy)};
 }
 
+#ifndef TF_CUDA_EMULATE
 TORCH_LIBRARY_IMPL(transformer_fast_C, CUDA, m) {
   m.impl("ffn_linear_fwd", &ffn_linear_fwd_cuda);
   m.impl("ffn_linear_dgrad", &ffn_linear_dgrad_cuda);
   m.impl("ffn_linear_wgrad", &ffn_linear_wgrad_cuda);
   m.impl("ffn_act_bwd", &ffn_act_bwd_cuda);
 }
+#endif
 
 }  // namespace transformer_fast

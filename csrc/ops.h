@@ -77,7 +77,7 @@ at::Tensor attention_with_kv_cache_fwd_cpu(TF_KV_CACHE_ARGS);
 at::Tensor attention_with_kv_cache_fwd_cuda(TF_KV_CACHE_ARGS);
 #endif
 
-// ---- FFN (ffn_cpu.cpp holds the checks shared with ffn_cuda.cu)
+// ---- FFN (argument checks shared by both devices: ffn_checks.cpp)
 enum class FfnAct { kNone = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3 };
 FfnAct parse_ffn_activation(c10::string_view activation);
 void check_ffn_dropout(double dropout_p, const std::optional<at::Tensor>& rng, const at::Tensor& like);
@@ -87,6 +87,7 @@ void check_ffn_aux(const std::optional<at::Tensor>& aux, FfnAct act, int64_t m, 
                    const at::Tensor& like, c10::DeviceType device_type);
 void check_ffn_dgrad_args(const at::Tensor& dy, const at::Tensor& w, c10::DeviceType device_type);
 void check_ffn_wgrad_args(const at::Tensor& dy, const at::Tensor& x, c10::DeviceType device_type);
+void check_ffn_act_bwd_args(const at::Tensor& dy, c10::DeviceType device_type);
 
 Tensor2 ffn_linear_fwd_cpu(const at::Tensor& x, const at::Tensor& w,
                            const std::optional<at::Tensor>& b, c10::string_view activation,
