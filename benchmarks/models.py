@@ -9,6 +9,8 @@ Providers:
                       scores, separate add and LayerNorm, Linear-ReLU-Linear) on the same weights
     ours:<backend>    transformer_fast.modules / transformer_fast.models.Seq2SeqTransformer with
                       transformer_fast.use_backend(<backend>)
+    ours:<backend>+cuda_graph   greedy decoding on a GPU with cuda_graph=True: every step after
+                      the first replayed as one CUDA graph (the capture is part of the timed call)
 Ours are imported lazily: a missing module gives a row that says "not available yet".
 
 Tokens per second (shape["tokens_per_s"]): layers, tokens through the layer; train_step, target
@@ -32,6 +34,7 @@ from transformer_fast import backends, reference
 from . import common
 
 MODEL_OPS = ("encoder_layer", "decoder_layer", "train_step", "greedy_decode")
+GRAPH_SUFFIX = "+cuda_graph"  # ours' greedy decoding with cuda_graph=True (GPU only)
 PAD, BOS, EOS = 0, 1, 2
 
 
@@ -59,8 +62,9 @@ def config(device: torch.device, mode: str) -> Config:
         return Config("tiny", 32, 2, 1, 64, 50, 2, 8, 8, 2, 8, 4)
     if device.type == "cuda":
         if mode == "quick":
-            return Config("base", 512, 8, 6, 2048, 32000, 64, 128, 128, 64, 64, 64)
-        return Config("base", 512, 8, 6, 2048, 32000, 128, 128, 128, 128, 64, 128)
+            return Config("base", 512, 8, 6, 2048, 32000, 64, 128, 128, 64, 64, 128)
+        # Decoding: issue 8's target, 128 generated tokens at batch 1 and 64.
+        return Config("base", 512, 8, 6, 2048, 32000, 128, 128, 128, 64, 64, 128)
     if mode == "quick":
         return Config("small (CPU)", 128, 4, 2, 512, 1000, 4, 32, 32, 4, 16, 16)
     return Config("small (CPU)", 256, 4, 3, 1024, 8000, 8, 64, 64, 8, 32, 32)
@@ -251,7 +255,7 @@ class Runner:
     def wanted(self, provider):
         if self.providers is None:
             return True
-        base = provider.split(":", 1)[-1] if provider.startswith("ours:") else provider
+        base = provider.split(":", 1)[-1].removesuffix(GRAPH_SUFFIX) if provider.startswith("ours:") else provider
         return provider in self.providers or base in self.providers or (
             provider.startswith("torch.nn") and "torch" in self.providers)
 
@@ -446,17 +450,19 @@ class Runner:
     def greedy_decode(self):
         cfg, dev = self.cfg, self.device
         g = torch.Generator().manual_seed(2)
-        b, s, n = cfg.decode_batch, cfg.decode_src_len, cfg.max_len
-        src = _tokens(g, b, s, cfg.vocab, dev)
-        shape = {"pass": "decode", "B": b, "S": s, "max_len": n}
-        mask = "key_padding"
+        s, n = cfg.decode_src_len, cfg.max_len
+        # On a GPU, issue 8's two target shapes: batch 1 (launch-bound) and the configured batch.
+        batches = sorted({1, cfg.decode_batch}) if dev.type == "cuda" else [cfg.decode_batch]
+        for b in batches:
+            src = _tokens(g, b, s, cfg.vocab, dev)
+            shape = {"pass": "decode", "B": b, "S": s, "max_len": n}
 
-        def step_fn(model):
-            if isinstance(model, TorchSeq2Seq) or getattr(model, "_orig_mod", None) is not None:
-                return lambda: prefix_greedy_decode(model, src, n)
-            return lambda: model.greedy_decode(src, n, use_cache=True)
+            def step_fn(model, cuda_graph=False, src=src):
+                if isinstance(model, TorchSeq2Seq) or getattr(model, "_orig_mod", None) is not None:
+                    return lambda: prefix_greedy_decode(model, src, n)
+                return lambda: model.greedy_decode(src, n, use_cache=True, cuda_graph=cuda_graph)
 
-        self._model_rows("greedy_decode", mask, shape, b * n, step_fn, train=False)
+            self._model_rows("greedy_decode", "key_padding", shape, b * n, step_fn, train=False)
 
     def _model_rows(self, op, mask, shape, tokens, step_fn, train):
         torch.manual_seed(0)
@@ -491,11 +497,14 @@ class Runner:
             if op == "greedy_decode":
                 model.eos_id = -1  # decode all max_len tokens: no early stop (same work as the others)
             variants.append((provider, model))
+            if op == "greedy_decode" and self.device.type == "cuda":
+                variants.append((provider + GRAPH_SUFFIX, model))  # each step replayed as a CUDA graph
         for provider, model in variants:
             if not self.wanted(provider):
                 continue
-            backend = provider.split(":", 1)[1] if provider.startswith("ours:") else None
-            step = step_fn(model)
+            graph = provider.endswith(GRAPH_SUFFIX)
+            backend = provider.split(":", 1)[1].removesuffix(GRAPH_SUFFIX) if provider.startswith("ours:") else None
+            step = step_fn(model, cuda_graph=True) if graph else step_fn(model)
 
             def fn(step=step, backend=backend):
                 if backend is None:

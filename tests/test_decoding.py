@@ -314,4 +314,106 @@ def test_cached_greedy_on_triton_kernels():
     expected = greedy_decode(model, src, max_len=4, use_cache=False)
     with use_backend("triton"):
         got = greedy_decode(model, src, max_len=4)
+        static = greedy_decode(model, src, max_len=4, cuda_graph=True)  # GraphStepper's static step
     assert torch.equal(got, expected), (seed, got, expected)
+    assert torch.equal(static, expected), (seed, static, expected)
+
+
+# ---- the static step behind cuda_graph=True (run eagerly here; captured on a GPU)
+
+
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on the ops that read a tensor's value on the host (a sync on a GPU, and an error
+    while a CUDA graph is being captured)."""
+
+    SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+             torch.ops.aten.equal.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.item.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCS:
+            raise AssertionError(f"host sync inside a decoding step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_graph_stepper_matches_the_cached_stepper(variant, backend):
+    seed = fresh_seed()
+    model = small_model(nhead=2, **VARIANTS[variant])  # head dim 16 (the cpu kernels' least)
+    src = ragged_src([9, 4, 1, 6, 2])
+    with use_backend(backend):
+        cached = greedy_decode(model, src, max_len=12)
+        static = greedy_decode(model, src, max_len=12, cuda_graph=True)
+        assert torch.equal(static, cached), (seed, static, cached)
+        gen = lambda: torch.Generator().manual_seed(seed)
+        assert torch.equal(model.sample(src, 12, top_k=4, generator=gen(), cuda_graph=True),
+                           model.sample(src, 12, top_k=4, generator=gen())), seed
+
+
+def test_graph_stepper_logits_and_buffers_stay_in_place():
+    """Every step reads and writes the same buffers (what a graph replay needs), the logits equal
+    CachedStepper's, and the positions come from the device counter."""
+    from transformer_fast.models.decoding import GraphStepper, _inference
+
+    fresh_seed()
+    model = small_model(nhead=2, norm_first=True, activation="gelu")
+    src = ragged_src([5, 3, 7])
+    with _inference(model, src.device):
+        memory, padding = model.encode(src)
+        ref, static = CachedStepper(model, memory, padding, 6), GraphStepper(model, memory, padding, 6)
+        buffers = [static.tokens, static.position, static.seqlens] + [c[k] for c in static.layers for k in ("k", "v")]
+        ptrs = [b.data_ptr() for b in buffers]
+        tokens = torch.full((3,), BOS)
+        for t in range(6):
+            expected, got = ref(tokens), static(tokens)
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+            assert int(static.position) == t + 1 and static.length == t + 1
+            tokens = expected.argmax(-1)
+        assert [b.data_ptr() for b in buffers] == ptrs
+        with pytest.raises(ValueError, match="all are used"):
+            static(tokens)
+        with pytest.raises(NotImplementedError):
+            static.reorder(torch.arange(3))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_graph_step_has_no_host_sync(backend, monkeypatch):
+    """No op in the step reads a value back to the host (cache bounds: the GPU path uses a
+    device-side assert, so the CPU's ValueError check is switched off here)."""
+    from transformer_fast.models.decoding import GraphStepper, _inference
+
+    monkeypatch.setenv("TRANSFORMER_FAST_CHECKS", "0")
+    fresh_seed()
+    model = small_model(nhead=2)
+    src = ragged_src([4, 2])
+    with use_backend(backend), _inference(model, src.device):
+        memory, padding = model.encode(src)
+        step = GraphStepper(model, memory, padding, 4)
+        step.tokens.fill_(BOS)
+        with _NoHostSync():
+            step._static_step()
+            step._static_step()
+        with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+            int(step.position)  # the check can fail
+
+
+def test_cuda_graph_argument_errors():
+    model = small_model()
+    src = ragged_src([3, 2])
+    with pytest.raises(TypeError, match="cuda_graph"):
+        greedy_decode(model, src, 4, cuda_graph=1)
+    with pytest.raises(ValueError, match="use_cache"):
+        greedy_decode(model, src, 4, use_cache=False, cuda_graph=True)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_greedy_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    seed = fresh_seed()
+    model = small_model(d_model=64, nhead=4, layers=2).cuda()
+    src = ragged_src([9, 4, 1, 6, 2]).cuda()
+    cached = greedy_decode(model, src, max_len=16)
+    graphed = greedy_decode(model, src, max_len=16, cuda_graph=True)
+    assert torch.equal(graphed, cached), (seed, graphed, cached)

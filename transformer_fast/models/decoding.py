@@ -12,6 +12,11 @@ Every mode runs on a *stepper* that turns the last token of each row into next-t
   torch.nn's layer classes and with transformer_fast.modules alike.
 - ``UncachedStepper``: re-runs the whole decoder on the prefix every step (the baseline that
   cached decoding must reproduce token for token).
+- ``GraphStepper`` (``cuda_graph=True`` in greedy decoding and sampling): the cached step with
+  every per-step input and output in a fixed buffer and no host work between its kernels (the
+  position comes from a device counter), recorded once as a CUDA graph and replayed every step
+  after the first, so a step costs one launch instead of a few hundred.  Off a GPU the same
+  static step runs eagerly (that is how it is tested here).
 
 No mode ever emits pad or bos.  Decoding runs in eval mode (the model's mode is restored
 afterwards) without autograd, in the model's parameter dtype (autocast is switched off inside:
@@ -27,12 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _checks
 from .. import functional as tf
 from ..modules._semantics import backend_for
 from . import _validate
 
 __all__ = [
     "CachedStepper",
+    "GraphStepper",
     "UncachedStepper",
     "greedy_decode",
     "beam_search",
@@ -222,6 +229,64 @@ class CachedStepper:
             cache["v"] = cache["v"].index_select(0, index)
 
 
+class GraphStepper(CachedStepper):
+    """CachedStepper whose step reads only fixed buffers (tokens, a device step counter, the
+    caches and their lengths) and writes only fixed buffers, with no host sync, so that on a
+    GPU it is captured once as a CUDA graph and replayed.
+
+    The first step runs eagerly: it compiles and autotunes the kernels and creates the
+    workspaces that the graph will reuse.  The second step is captured, then replayed (a
+    capture records kernels without running them), and so is every later step.  ``reorder``
+    is not offered (beam search moves cache rows between steps: it uses CachedStepper).
+
+    UNVERIFIED on a GPU (never run on one yet): tests/test_decoding.py runs the static step
+    eagerly on the CPU (tokens equal to CachedStepper's; no host sync inside a step).
+    """
+
+    def __init__(self, model, memory: torch.Tensor, src_padding: torch.Tensor, max_len: int):
+        super().__init__(model, memory, src_padding, max_len)
+        n, device = memory.shape[0], memory.device
+        dtype = model.tgt_embed.weight.dtype
+        self.tokens = torch.zeros(n, dtype=torch.long, device=device)  # (N,) this step's input
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # this step's position
+        self.position_table = model.positions.positions(max_len, 0, dtype=dtype, device=device)  # (L_max, d)
+        self.use_graph = device.type == "cuda"
+        self.graph = None
+        self.logits = None  # (N, V), rewritten by every step
+
+    def _static_step(self) -> torch.Tensor:
+        model = self.model
+        x = model.tgt_embed(self.tokens[:, None])  # (N, 1, d)
+        x = x + self.position_table.index_select(0, self.position)  # (1, d): the same rows as positions()
+        for layer, cache in zip(model.decoder.layers, self.layers):
+            x = self._layer(layer, cache, x)
+        if model.decoder.norm is not None:
+            x = _layer_norm(x, model.decoder.norm)
+        self.seqlens += 1
+        self.position += 1
+        return model.generator(x[:, 0])  # (N, V)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.length >= self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} steps; all are used")
+        self.tokens.copy_(tokens)
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.use_graph and self.length >= 1:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._static_step()
+            self.graph.replay()
+        else:
+            self.logits = self._static_step()
+        self.length += 1
+        # A copy: the graph's logits buffer is rewritten by the next replay.
+        return self.logits.clone() if self.graph is not None else self.logits
+
+    def reorder(self, index: torch.Tensor) -> None:
+        raise NotImplementedError("GraphStepper keeps its buffers in place: beam search uses CachedStepper")
+
+
 class UncachedStepper:
     """Re-runs the decoder over the whole prefix every step (no cache)."""
 
@@ -239,8 +304,10 @@ class UncachedStepper:
         self.prefix = self.prefix.index_select(0, index)
 
 
-def _stepper(model, memory, src_padding, max_len, use_cache):
-    cls = CachedStepper if use_cache else UncachedStepper
+def _stepper(model, memory, src_padding, max_len, use_cache, cuda_graph=False):
+    if cuda_graph and not use_cache:
+        raise ValueError("cuda_graph=True needs use_cache=True (the graph replays a cached step)")
+    cls = GraphStepper if cuda_graph else CachedStepper if use_cache else UncachedStepper
     return cls(model, memory, src_padding, max_len)
 
 
@@ -258,12 +325,12 @@ def _forbid_specials(model, logits: torch.Tensor) -> torch.Tensor:
 SYNC_EVERY = {"cpu": 1}  # steps between "all rows done?" checks, per device type (default 4)
 
 
-def _generate(model, src, max_len, use_cache, pick):
+def _generate(model, src, max_len, use_cache, pick, cuda_graph=False):
     """Feed bos, then each row's picked token, until every row has produced eos or max_len
     tokens.  Returns (B, <= max_len): rows that stopped are padded with pad_id after their eos."""
     memory, src_padding = model.encode(src)
     n = src.shape[0]
-    step = _stepper(model, memory, src_padding, max_len, use_cache)
+    step = _stepper(model, memory, src_padding, max_len, use_cache, cuda_graph)
     out = torch.full((n, max_len), model.pad_id, dtype=torch.long, device=src.device)
     finished = torch.zeros(n, dtype=torch.bool, device=src.device)
     tokens = torch.full((n,), model.bos_id, dtype=torch.long, device=src.device)
@@ -290,24 +357,30 @@ def _check_decode_args(model, src, max_len):
     _validate.positive_int("max_len", max_len)
 
 
-def greedy_decode(model, src: torch.Tensor, max_len: int, use_cache: bool = True) -> torch.Tensor:
+def greedy_decode(model, src: torch.Tensor, max_len: int, use_cache: bool = True, *,
+                  cuda_graph: bool = False) -> torch.Tensor:
     """Greedy decoding: (B, S) source ids -> (B, <= max_len) target ids.
 
     Each row starts after bos and stops at its eos (the eos is kept); rows that stopped are
     padded with pad_id; the width is the longest row.  ``use_cache=False`` re-runs the whole
-    decoder every step (same tokens, slower).
+    decoder every step (same tokens, slower).  ``cuda_graph=True`` replays each cached step as
+    one CUDA graph on a GPU (GraphStepper; not yet verified on a GPU); elsewhere it runs the
+    same static step eagerly.
     """
     _check_decode_args(model, src, max_len)
+    cuda_graph = _checks.boolean("cuda_graph", cuda_graph)
     with _inference(model, src.device):
-        return _generate(model, src, max_len, use_cache, lambda logits: logits.argmax(dim=-1))
+        return _generate(model, src, max_len, use_cache, lambda logits: logits.argmax(dim=-1), cuda_graph)
 
 
 def sample(model, src: torch.Tensor, max_len: int, temperature: float = 1.0, top_k: int | None = None,
-           generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
+           generator: torch.Generator | None = None, use_cache: bool = True, *,
+           cuda_graph: bool = False) -> torch.Tensor:
     """Ancestral sampling from softmax(logits / temperature), restricted to the top_k most
     likely tokens when top_k is given.  Same output layout as greedy_decode; ``generator``
-    (on the model's device) makes it reproducible."""
+    (on the model's device) makes it reproducible; ``cuda_graph`` as in greedy_decode."""
     _check_decode_args(model, src, max_len)
+    cuda_graph = _checks.boolean("cuda_graph", cuda_graph)
     temperature = _validate.finite_float("temperature", temperature, positive=True)
     if top_k is not None:
         _validate.positive_int("top_k", top_k)
@@ -326,7 +399,7 @@ def sample(model, src: torch.Tensor, max_len: int, temperature: float = 1.0, top
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
     with _inference(model, src.device):
-        return _generate(model, src, max_len, use_cache, pick)
+        return _generate(model, src, max_len, use_cache, pick, cuda_graph)
 
 
 # --------------------------------------------------------------------------------------------
