@@ -213,12 +213,17 @@ class CachedStepper:
         model = self.model
         x = model.tgt_embed(tokens[:, None])  # (N, 1, d)
         x = x + model.positions.positions(1, self.length, dtype=x.dtype, device=x.device)
+        self.length += 1
+        return self._decoder_step(x)
+
+    def _decoder_step(self, x: torch.Tensor) -> torch.Tensor:
+        """Embedded tokens (N, 1, d) -> next-token logits (N, V), the caches one step longer."""
+        model = self.model
         for layer, cache in zip(model.decoder.layers, self.layers):
             x = self._layer(layer, cache, x)
         if model.decoder.norm is not None:
             x = _layer_norm(x, model.decoder.norm)
         self.seqlens += 1  # the caller of attention_with_kv_cache advances the lengths
-        self.length += 1
         return model.generator(x[:, 0])  # (N, V)
 
     def reorder(self, index: torch.Tensor) -> None:
@@ -255,16 +260,10 @@ class GraphStepper(CachedStepper):
         self.logits = None  # (N, V), rewritten by every step
 
     def _static_step(self) -> torch.Tensor:
-        model = self.model
-        x = model.tgt_embed(self.tokens[:, None])  # (N, 1, d)
+        x = self.model.tgt_embed(self.tokens[:, None])  # (N, 1, d)
         x = x + self.position_table.index_select(0, self.position)  # (1, d): the same rows as positions()
-        for layer, cache in zip(model.decoder.layers, self.layers):
-            x = self._layer(layer, cache, x)
-        if model.decoder.norm is not None:
-            x = _layer_norm(x, model.decoder.norm)
-        self.seqlens += 1
         self.position += 1
-        return model.generator(x[:, 0])  # (N, V)
+        return self._decoder_step(x)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.length >= self.max_len:
