@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, dot, imin
+from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, imin
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
 
 LOG2E = 1.4426950408889634
@@ -704,9 +704,11 @@ def _key(c):
 
 
 def _pick(configs, wanted):
-    wanted = set(wanted)
-    out = [c for c in configs if _key(c) in wanted]
-    return out or configs[:1]
+    """The configs of ``wanted``, in its order of preference (the first is the one kept with
+    TRANSFORMER_FAST_AUTOTUNE=0)."""
+    by_key = {_key(c): c for c in configs}
+    out = [by_key[w] for w in dict.fromkeys(wanted) if w in by_key]
+    return first_config_unless_tuning(out or configs[:1])
 
 
 def _prune_fwd(configs, nargs, **kwargs):

@@ -12,6 +12,21 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+AUTOTUNE_ENV = "TRANSFORMER_FAST_AUTOTUNE"
+
+
+def first_config_unless_tuning(configs: list) -> list:
+    """An autotuner's pruned configs, or only the first of them with TRANSFORMER_FAST_AUTOTUNE=0.
+
+    Every config of a list is a correct kernel; timing them all only picks the fastest.  A run
+    that checks numerics over many shapes (the gpu tests, verify, compute-sanitizer) compiles
+    one config per tuning key instead of up to eight and times it once instead of each: most of
+    its GPU time.  Read at every tuning decision, so it can be set per process."""
+    if configs and os.environ.get(AUTOTUNE_ENV, "1") in ("0", ""):
+        return configs[:1]
+    return configs
+
+
 @triton.jit
 def cast_out(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """``x.to(dtype)`` with round-to-nearest-even everywhere.

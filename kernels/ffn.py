@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, dot, is_interpreting
+from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, is_interpreting
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
 
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -195,7 +195,7 @@ def _prune_configs(configs, named_args, **kwargs):
         if esize < 4 and bk < 64:
             continue
         kept.append(c)
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return first_config_unless_tuning(kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])])
 
 
 @triton.autotune(

@@ -428,3 +428,29 @@ def test_kernels_compile_for_sm90():
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 failed" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# TRANSFORMER_FAST_AUTOTUNE=0: the first config each autotune list keeps (gpu_suite.sh's numerics
+# steps); the pruning functions are plain Python, so they are checked here without a GPU.
+
+
+@pytest.mark.parametrize("tune", ["1", "0"])
+def test_autotune_switch_keeps_the_preferred_config(monkeypatch, tune):
+    from transformer_fast.kernels import attention as A
+    from transformer_fast.kernels import ffn as FF
+
+    monkeypatch.setenv("TRANSFORMER_FAST_AUTOTUNE", tune)
+    q16 = torch.empty(1, dtype=torch.bfloat16)
+    configs = A._all_configs(A._FWD_CONFIGS, A._FWD_SMALL_M + A._FP32_CONFIGS["fwd"])
+    kept = A._prune_fwd(configs, {"Q": q16}, BLOCK_D=128, LQ_KEY=4096)
+    assert [A._key(c) for c in kept] == (A._FWD_CONFIGS[128] if tune == "1" else A._FWD_CONFIGS[128][:1])
+    kept = A._prune_dq(A._all_configs(A._DQ_CONFIGS, A._FP32_CONFIGS["dq"]),
+                       {"Q": torch.empty(1)}, BLOCK_D=64, LQ_KEY=512)  # fp32
+    assert [A._key(c) for c in kept] == (A._FP32_CONFIGS["dq"] if tune == "1" else A._FP32_CONFIGS["dq"][:1])
+
+    cfg = lambda bm, bn, bk: triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                           num_warps=8, num_stages=3)
+    gemm = [cfg(128, 256, 64), cfg(128, 128, 64), cfg(64, 64, 64)]
+    kept = FF._prune_configs(gemm, {"M": 4096, "N": 4096, "A": q16})
+    assert kept == (gemm if tune == "1" else gemm[:1])
