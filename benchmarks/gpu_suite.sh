@@ -12,6 +12,8 @@
 #   STEPS     run only these steps (words match step-name prefixes), e.g. STEPS="build install
 #             pytest_gpu verify" in one device call and STEPS="build install sanitizer benchmarks"
 #             in the next: one device call may run 10 minutes, and all of it may not fit
+#   PYTEST_PAR  pytest's parallel flags for the gpu tests (default "-n 8" when pytest-xdist is
+#             importable, e.g. from wheels carried in .gpu_wheels/ by scripts/fetch_gpu_wheels.sh)
 #   STEP_TIMEOUT  seconds per step before it is killed (default 420 for build, pytest_gpu and
 #             benchmarks, 240 for the others)
 # What lands in OUT stays small enough to copy back from a lent machine (at most 8 files, a few
@@ -97,8 +99,14 @@ step info $PY -m transformer_fast info
 # timing them all (kernels/common.py, first_config_unless_tuning): compile time dominates them.
 # The benchmarks tune (and report each row's error against float64, so tuned configs are checked).
 NO_TUNE="env TRANSFORMER_FAST_AUTOTUNE=0"
-# pytest-xdist where the machine has it (Triton compiles on 16 cores instead of one).
-PYTEST_PAR=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
+# pytest-xdist where the machine has it (Triton compiles on 16 cores instead of one); wheels
+# carried in .gpu_wheels/ (scripts/fetch_gpu_wheels.sh) are installed first.  PYTEST_PAR="" runs
+# the tests in one process.
+if ls .gpu_wheels/*.whl > /dev/null 2>&1; then
+    $PY -m pip install --no-index --no-deps .gpu_wheels/*.whl >> "$LOGS" 2>&1 \
+        || echo "installing .gpu_wheels failed (logs.txt); the gpu tests run in one process"
+fi
+PYTEST_PAR=${PYTEST_PAR-$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")}
 # shellcheck disable=SC2086
 step pytest_gpu $NO_TUNE $PY -m pytest tests -m "gpu or triton" -q -p no:cacheprovider $PYTEST_PAR
 step verify $NO_TUNE $PY -m transformer_fast verify --output "$OUT/verify.md"
