@@ -324,11 +324,13 @@ def test_cached_greedy_on_triton_kernels():
 
 class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
     """Fails on the ops that read a tensor's value on the host (a sync on a GPU, and an error
-    while a CUDA graph is being captured)."""
+    while a CUDA graph is being captured), and on tensors made from host data (torch.tensor(...):
+    on a GPU a host-to-device copy, which a capture cannot record either)."""
 
     SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
              torch.ops.aten.equal.default, torch.ops.aten.nonzero.default,
-             torch.ops.aten.item.default}
+             torch.ops.aten.item.default, torch.ops.aten.lift_fresh.default,
+             torch.ops.aten.lift_fresh_copy.default}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in self.SYNCS:
@@ -396,6 +398,8 @@ def test_graph_step_has_no_host_sync(backend, monkeypatch):
             step._static_step()
         with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
             int(step.position)  # the check can fail
+        with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+            torch.tensor([1.0])
 
 
 def test_cuda_graph_argument_errors():
