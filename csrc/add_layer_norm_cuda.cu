@@ -18,12 +18,19 @@
 //   bwd_dwdb_cols      the long-row path's dweight/dbias partials (column-parallel).
 //   reduce_cols        stage 2 of dweight/dbias: sum of the (P, N) fp32 partials over P in a
 //                      fixed order (no atomics anywhere: the backward is deterministic).
+//
+// UNVERIFIED on a GPU (never run on one yet).  TF_CUDA_EMULATE: tests/test_add_layer_norm_cuda_emulated.py
+// compiles this file as host C++ (tests/cuda_emulation.py: CTAs of std::threads, warp shuffles,
+// static shared arrays) and runs the kernels through the real host-side dispatch against the
+// float64 oracle; races, the memory model and speed wait for a GPU (compute-sanitizer, gpu tests).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <torch/library.h>
+#ifndef TF_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#endif
 
 #include <cuda_runtime.h>
 
@@ -45,6 +52,14 @@ constexpr int kFwdMaxElems = 32;     // fp32 values per thread kept in registers
 constexpr int kBwdMaxElems = 16;     // backward holds ~4x that (xhat, g, two accumulators)
 constexpr int kBwdMaxElemsScalar = 8;  // scalar loads: 16 would hit the 128-register cap and spill
 constexpr int kTargetTpr = 128;      // prefer <= 4 warps per row: cheap reductions, more ILP
+
+#ifdef TF_CUDA_EMULATE
+// The emulation runs one CTA at a time: a static array is the CTA's shared memory.
+#define TF_STATIC_SHARED static
+using std::min;
+#else
+#define TF_STATIC_SHARED __shared__
+#endif
 
 // ------------------------------------------------------------------------------------------
 // Device helpers
@@ -198,7 +213,7 @@ struct BwdArgs {
 
 template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
-  __shared__ float2 red[kMaxThreads / 32];
+  TF_STATIC_SHARED float2 red[kMaxThreads / 32];
   const int tpr = a.tpr;
   const int teams = blockDim.x / tpr;
   const int team = threadIdx.x / tpr;
@@ -319,7 +334,7 @@ __device__ Welford block_welford(Welford w, Welford* red) {
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
-  __shared__ Welford red[kMaxThreads / 32 + 1];
+  TF_STATIC_SHARED Welford red[kMaxThreads / 32 + 1];
   const int N = a.N;
   const int nvec = N / VEC;  // VEC > 1 only when N % VEC == 0
   const Dropout drop = make_dropout(a.rng, a.threshold, a.scale, a.drop);
@@ -383,7 +398,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
 template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
   static_assert(NV * VEC <= 32, "one keep bit per element in a uint32");
-  __shared__ float2 red[kMaxThreads / 32];
+  TF_STATIC_SHARED float2 red[kMaxThreads / 32];
   const int tpr = a.tpr;
   const int teams = blockDim.x / tpr;
   const int team = threadIdx.x / tpr;
@@ -484,7 +499,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
-  __shared__ float2 red[kMaxThreads / 32];
+  TF_STATIC_SHARED float2 red[kMaxThreads / 32];
   const int N = a.N;
   const int nvec = N / VEC;
   const int wpt = blockDim.x >> 5;
@@ -549,7 +564,7 @@ constexpr int kColsX = 32, kColsY = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(kColsX * kColsY) bwd_dwdb_cols_kernel(BwdArgs a, int64_t rows_per_group) {
-  __shared__ float sw[kColsY][kColsX + 1], sb[kColsY][kColsX + 1];
+  TF_STATIC_SHARED float sw[kColsY][kColsX + 1], sb[kColsY][kColsX + 1];
   const int N = a.N;
   const int col = blockIdx.x * kColsX + threadIdx.x;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_group;
@@ -584,7 +599,7 @@ constexpr int kRedX = 32, kRedY = 16;
 
 template <typename OT>
 __global__ void __launch_bounds__(kRedX * kRedY) reduce_cols_kernel(const float* __restrict__ part, int64_t P, int N, OT* __restrict__ out) {
-  __shared__ float s[kRedY][kRedX + 1];
+  TF_STATIC_SHARED float s[kRedY][kRedX + 1];
   const int col = blockIdx.x * kRedX + threadIdx.x;
   float acc = 0.0f;
   if (col < N) {
@@ -602,6 +617,24 @@ __global__ void __launch_bounds__(kRedX * kRedY) reduce_cols_kernel(const float*
 // Host side: configuration and dispatch
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+#ifndef TF_CUDA_EMULATE  // the emulation provides kLnDevice, DeviceScope, sm_count, blocks_per_sm, launch
+constexpr c10::DeviceType kLnDevice = c10::DeviceType::CUDA;
+
+// The inputs' device made current for the call, and its current stream.
+struct DeviceScope {
+  c10::cuda::CUDAGuard guard;
+  int device;
+  cudaStream_t stream;
+  explicit DeviceScope(const Tensor& t)
+      : guard(t.device()), device(t.get_device()), stream(c10::cuda::getCurrentCUDAStream(device).stream()) {}
+};
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+  kernel<<<grid, block, 0, stream>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 int sm_count(int device) {
   static int cache[128] = {0};
@@ -629,6 +662,7 @@ int blocks_per_sm(const void* kernel, int threads, int device) {
   cache.emplace(key, n);
   return n;
 }
+#endif  // TF_CUDA_EMULATE
 
 struct RowCfg {
   bool loop;  // long rows: fwd_loop / bwd_loop
@@ -723,8 +757,7 @@ void launch_fwd(FwdArgs a, bool vectorized, int device, cudaStream_t stream) {
       if (c.loop) {
         const void* k = reinterpret_cast<const void*>(&fwd_loop_kernel<T, VEC>);
         const int64_t grid = std::min<int64_t>(a.M, int64_t{sms} * blocks_per_sm(k, kMaxThreads, device));
-        fwd_loop_kernel<T, VEC><<<static_cast<unsigned>(grid), kMaxThreads, 0, stream>>>(a);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(fwd_loop_kernel<T, VEC>, dim3(static_cast<unsigned>(grid)), dim3(kMaxThreads), stream, a);
         return;
       }
       a.tpr = c.tpr;
@@ -734,8 +767,7 @@ void launch_fwd(FwdArgs a, bool vectorized, int device, cudaStream_t stream) {
         const void* k = reinterpret_cast<const void*>(&fwd_reg_kernel<T, VEC, NV>);
         const int64_t grid = std::min<int64_t>(ceil_div(a.M, c.teams),
                                                int64_t{sms} * blocks_per_sm(k, threads, device));
-        fwd_reg_kernel<T, VEC, NV><<<static_cast<unsigned>(grid), threads, 0, stream>>>(a);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(fwd_reg_kernel<T, VEC, NV>, dim3(static_cast<unsigned>(grid)), dim3(threads), stream, a);
       });
     }
   });
@@ -760,13 +792,11 @@ int64_t launch_bwd(BwdArgs& a, bool vectorized, int device, cudaStream_t stream,
         const int64_t rows_per_group = 256;
         P = ceil_div(a.M, rows_per_group);
         alloc_partials(P);
-        bwd_loop_kernel<T, VEC><<<static_cast<unsigned>(grid), kMaxThreads, 0, stream>>>(a);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(bwd_loop_kernel<T, VEC>, dim3(static_cast<unsigned>(grid)), dim3(kMaxThreads), stream, a);
         if (a.dw_part || a.db_part) {
           TORCH_CHECK(P <= 65535, "add_layer_norm (cuda): too many rows for the dweight reduction");
           const dim3 grid2(static_cast<unsigned>(ceil_div(a.N, kColsX)), static_cast<unsigned>(P));
-          bwd_dwdb_cols_kernel<T><<<grid2, dim3(kColsX, kColsY), 0, stream>>>(a, rows_per_group);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          launch(bwd_dwdb_cols_kernel<T>, grid2, dim3(kColsX, kColsY), stream, a, rows_per_group);
         }
         return;
       }
@@ -780,8 +810,7 @@ int64_t launch_bwd(BwdArgs& a, bool vectorized, int device, cudaStream_t stream,
                                                int64_t{sms} * blocks_per_sm(k, threads, device));
         P = grid * c.teams;
         alloc_partials(P);
-        bwd_reg_kernel<T, VEC, NV><<<static_cast<unsigned>(grid), threads, 0, stream>>>(a);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(bwd_reg_kernel<T, VEC, NV>, dim3(static_cast<unsigned>(grid)), dim3(threads), stream, a);
       });
     }
   });
@@ -792,9 +821,8 @@ void launch_reduce(const Tensor& part, int64_t P, int N, Tensor& out, cudaStream
   dispatch_dtype(out.scalar_type(), [&](auto tag) {
     using OT = decltype(tag);
     const unsigned grid = static_cast<unsigned>(ceil_div(N, kRedX));
-    reduce_cols_kernel<OT><<<grid, dim3(kRedX, kRedY), 0, stream>>>(part.const_data_ptr<float>(), P, N,
-                                                                     out.mutable_data_ptr<OT>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(reduce_cols_kernel<OT>, dim3(grid), dim3(kRedX, kRedY), stream, part.const_data_ptr<float>(), P, N,
+           out.mutable_data_ptr<OT>());
   });
 }
 
@@ -804,8 +832,8 @@ Tensor4 add_layer_norm_fwd_cuda(const Tensor& x, const Tensor& residual,
                                 const std::optional<Tensor>& weight,
                                 const std::optional<Tensor>& bias, double eps, double dropout_p,
                                 const std::optional<Tensor>& rng, bool prenorm) {
-  check_add_layer_norm_fwd_args(x, residual, weight, bias, eps, dropout_p, rng, c10::DeviceType::CUDA);
-  const c10::cuda::CUDAGuard guard(x.device());
+  check_add_layer_norm_fwd_args(x, residual, weight, bias, eps, dropout_p, rng, kLnDevice);
+  const DeviceScope scope(x);
   const int64_t M = x.size(0), N = x.size(1);
   TORCH_CHECK(N <= std::numeric_limits<int>::max() / 2, "add_layer_norm (cuda): N too large: ", N);
   Tensor y = at::empty({M, N}, x.options());
@@ -844,8 +872,8 @@ Tensor4 add_layer_norm_fwd_cuda(const Tensor& x, const Tensor& residual,
   a.w_f32 = w.defined() && w.scalar_type() == at::kFloat;
   a.b_f32 = b.defined() && b.scalar_type() == at::kFloat;
 
-  const int device = x.get_device();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const int device = scope.device;
+  const cudaStream_t stream = scope.stream;
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const bool vec = can_vectorize(N, 16 / sizeof(T), {&x, &residual, &y, &h}, {a.w, a.b});
@@ -861,8 +889,8 @@ Tensor4 add_layer_norm_bwd_cuda(const Tensor& dy, const std::optional<Tensor>& d
                                 const Tensor& rstd, double dropout_p,
                                 const std::optional<Tensor>& rng) {
   check_add_layer_norm_bwd_args(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p, rng,
-                                c10::DeviceType::CUDA);
-  const c10::cuda::CUDAGuard guard(x.device());
+                                kLnDevice);
+  const DeviceScope scope(x);
   const int64_t M = x.size(0), N = x.size(1);
   TORCH_CHECK(N <= std::numeric_limits<int>::max() / 2, "add_layer_norm (cuda): N too large: ", N);
   const bool drop = dropout_p > 0.0;
@@ -912,8 +940,8 @@ Tensor4 add_layer_norm_bwd_cuda(const Tensor& dy, const std::optional<Tensor>& d
     a.db_part = want_db ? db_part.mutable_data_ptr<float>() : nullptr;
   };
 
-  const int device = x.get_device();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const int device = scope.device;
+  const cudaStream_t stream = scope.stream;
   int64_t P = 0;
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -925,9 +953,11 @@ Tensor4 add_layer_norm_bwd_cuda(const Tensor& dy, const std::optional<Tensor>& d
   return {dx, dres, dw, db};
 }
 
+#ifndef TF_CUDA_EMULATE
 TORCH_LIBRARY_IMPL(transformer_fast_C, CUDA, m) {
   m.impl("add_layer_norm_fwd", &add_layer_norm_fwd_cuda);
   m.impl("add_layer_norm_bwd", &add_layer_norm_bwd_cuda);
 }
+#endif
 
 }  // namespace transformer_fast

@@ -2,8 +2,9 @@
 
 A .cu file is compiled as host C++ after PRELUDE, which defines the CUDA qualifiers away and
 emulates what a kernel uses of the CUDA programming model:
-  * a CTA is `threads` std::threads started together; CTAs of the grid run one after another
-    (so function-local state shared by a CTA may be a `static` variable);
+  * a CTA is its block's std::threads (1-, 2- or 3-D; warps from the linear thread id) started
+    together; CTAs of the grid run one after another (so function-local state shared by a CTA
+    may be a `static` variable: a kernel's static `__shared__` arrays are, via TF_STATIC_SHARED);
   * __syncthreads is a barrier over the CTA, __syncwarp one over the warp;
   * warp shuffles (__shfl_sync / _xor / _down / _up, any trivially copyable 4- or 8-byte type)
     exchange values through a per-warp buffer between two warp barriers;
@@ -80,8 +81,10 @@ inline float bits_to_float(uint16_t h, bool bf16) {
   return __half2float(x);
 }
 inline uint16_t half_of(uint32_t r, int which) { return which ? uint16_t(r >> 16) : uint16_t(r & 0xffff); }
-inline Warp& my_warp() { return warps[threadIdx.x / 32]; }
-inline int my_lane() { return threadIdx.x % 32; }
+// Warps are formed from the linear thread id (x fastest), as CUDA forms them.
+inline unsigned linear_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
+inline Warp& my_warp() { return warps[linear_tid() / 32]; }
+inline int my_lane() { return linear_tid() % 32; }
 
 // Every lane publishes x, then reads the value of lane src(lane) (its own when out of range).
 template <typename T, typename Src>
@@ -101,13 +104,15 @@ T exchange(T x, Src src) {
   return r;
 }
 
-// Runs body() as `threads` threads per CTA over the grid, CTA after CTA.
-inline void run_grid(EmuDim3 grid, int threads, void* smem, size_t smem_capacity, size_t smem_bytes,
+// Runs body() as block.x * block.y * block.z threads per CTA over the grid, CTA after CTA.
+inline void run_grid(EmuDim3 grid, EmuDim3 block, void* smem, size_t smem_capacity, size_t smem_bytes,
                      const std::function<void()>& body) {
+  const unsigned bx = std::max(block.x, 1u), by = std::max(block.y, 1u), bz = std::max(block.z, 1u);
+  const int threads = static_cast<int>(bx * by * bz);
   TORCH_CHECK(threads % 32 == 0 && threads > 0 && threads <= 1024, "emulated CTA: bad thread count ", threads);
   TORCH_CHECK(smem_bytes <= smem_capacity, "emulated shared memory too small: ", smem_bytes, " > ", smem_capacity);
   gridDim = grid;
-  blockDim = EmuDim3{static_cast<unsigned>(threads), 1, 1};
+  blockDim = EmuDim3{bx, by, bz};
   for (unsigned z = 0; z < std::max(grid.z, 1u); ++z)
     for (unsigned y = 0; y < std::max(grid.y, 1u); ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
@@ -119,13 +124,20 @@ inline void run_grid(EmuDim3 grid, int threads, void* smem, size_t smem_capacity
         std::vector<std::thread> pool;
         for (int tid = 0; tid < threads; ++tid) {
           pool.emplace_back([&, tid] {
-            threadIdx = EmuDim3{static_cast<unsigned>(tid), 0, 0};
+            const unsigned u = static_cast<unsigned>(tid);
+            threadIdx = EmuDim3{u % bx, (u / bx) % by, u / (bx * by)};
             blockIdx = EmuDim3{x, y, z};
             body();
           });
         }
         for (auto& th : pool) th.join();
       }
+}
+
+// Runs body() as `threads` threads per CTA (a 1-D block).
+inline void run_grid(EmuDim3 grid, int threads, void* smem, size_t smem_capacity, size_t smem_bytes,
+                     const std::function<void()>& body) {
+  run_grid(grid, EmuDim3{static_cast<unsigned>(threads), 1, 1}, smem, smem_capacity, smem_bytes, body);
 }
 }  // namespace emu
 
@@ -136,6 +148,7 @@ inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // the device one is approximate (<= 2 ulp)
 
 template <typename T> T __shfl_sync(unsigned, T x, int src, int width = 32) {
   return emu::exchange(x, [&](int lane) { return (lane / width) * width + src % width; });

@@ -1,0 +1,173 @@
+"""The CUDA add_layer_norm (csrc/add_layer_norm_cuda.cu) in CPU emulation, against the float64
+oracle (DESIGN 6).
+
+No GPU here, so the file is compiled as host C++ (tests/cuda_emulation.py: a CTA is a block of
+std::threads, warp shuffles and barriers emulated, a kernel's static shared arrays shared by its
+CTA) and its real host-side dispatch runs on CPU tensors: the register kernels at their vector
+widths and NV bucket sizes (several rows per block for short rows), the long-row loop kernels with
+the column-parallel dweight/dbias partials, and the two-stage parameter-gradient reduction.  The
+two entry points are bound under transformer_fast.ops.layer_norm as the `cuda` launchers, so the
+autograd formula of a GPU run composes them.  The emulated device has few SMs, so grids are small
+and rows are walked grid-stride, and a team's partial row sums several rows.
+
+What this cannot see: races, the memory model, occupancy and speed (gpu tests, compute-sanitizer).
+"""
+import pytest
+import torch
+
+from transformer_fast import philox, reference
+from transformer_fast.ops import layer_norm as ln_ops
+
+from cuda_emulation import build as cuda_emulation_build
+
+_HARNESS = r"""
+#include <cuda_runtime.h>
+
+namespace transformer_fast {
+namespace {
+constexpr c10::DeviceType kLnDevice = c10::DeviceType::CPU;
+
+struct DeviceScope {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  explicit DeviceScope(const at::Tensor&) {}
+};
+
+int emulated_sms = 2;  // few SMs: small grids, rows walked grid-stride, several rows per partial
+
+int sm_count(int) { return emulated_sms; }
+int blocks_per_sm(const void*, int, int) { return 1; }
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t, Args... args) {
+  emu::run_grid(EmuDim3{grid.x, grid.y, grid.z}, EmuDim3{block.x, block.y, block.z}, nullptr, 0, 0,
+                [&] { kernel(args...); });
+}
+}  // namespace
+}  // namespace transformer_fast
+
+#include "add_layer_norm_cuda.cu"
+#include "add_layer_norm_checks.cpp"  // the real argument checks (a unit of its own in _C)
+
+namespace tf = transformer_fast;
+
+void set_sms(int64_t n) { tf::emulated_sms = static_cast<int>(n); }
+
+// The host's choice for a row width: {loop path, vector width, NV, threads per row} (fwd, bwd).
+std::vector<int64_t> paths(int64_t n, int64_t vec) {
+  const auto f = tf::choose_cfg(n, static_cast<int>(vec), tf::kFwdMaxElems);
+  const auto b = tf::choose_cfg(n, static_cast<int>(vec), vec == 1 ? tf::kBwdMaxElemsScalar : tf::kBwdMaxElems);
+  return {f.loop, f.nv, f.tpr, b.loop, b.nv, b.tpr};
+}
+
+std::vector<at::Tensor> fwd(at::Tensor x, at::Tensor r, std::optional<at::Tensor> w, std::optional<at::Tensor> b,
+                            double eps, double p, std::optional<at::Tensor> rng, bool prenorm) {
+  auto [y, h, mean, rstd] = tf::add_layer_norm_fwd_cuda(x, r, w, b, eps, p, rng, prenorm);
+  return {y, h, mean, rstd};
+}
+
+std::vector<at::Tensor> bwd(at::Tensor dy, std::optional<at::Tensor> dh, at::Tensor x, at::Tensor r,
+                            std::optional<at::Tensor> w, std::optional<at::Tensor> b, at::Tensor mean,
+                            at::Tensor rstd, double p, std::optional<at::Tensor> rng) {
+  auto [dx, dres, dw, db] = tf::add_layer_norm_bwd_cuda(dy, dh, x, r, w, b, mean, rstd, p, rng);
+  return {dx, dres, dw, db};
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return cuda_emulation_build("tf_add_layer_norm_cuda_emu", _HARNESS,
+                                ("add_layer_norm_cuda.cu", "add_layer_norm_checks.cpp", "ops.h", "philox.h"),
+                                ("set_sms", "paths", "fwd", "bwd"))
+
+
+@pytest.fixture
+def as_cuda_backend(emu, monkeypatch):
+    """ops.layer_norm's `cuda` launchers answered by the emulated entry points (CPU tensors)."""
+    launchers = (lambda *a: tuple(emu.fwd(*a)), lambda *a: tuple(emu.bwd(*a)))
+    real = ln_ops._launcher
+    monkeypatch.setattr(ln_ops, "_launcher", lambda backend: launchers if backend == "cuda" else real(backend))
+    yield emu
+    emu.set_sms(2)
+
+
+def _check(m, n, dtype, *, affine="both", param_dtype=None, prenorm=False, dropout_p=0.0, layout="contiguous"):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    pd = param_dtype or dtype
+    width = n + 5 if layout == "sliced" else n
+    x = torch.randn(m, width, generator=g).to(dtype)
+    res = (torch.randn(m, width, generator=g) * 2).to(dtype)
+    view = (lambda t: t[:, 3:3 + n]) if layout == "sliced" else (lambda t: t)
+    weight = (1 + 0.5 * torch.randn(n, generator=g)).to(pd) if affine in ("both", "weight") else None
+    bias = (0.5 * torch.randn(n, generator=g)).to(pd) if affine == "both" else None
+    torch.manual_seed(5)
+    rng = philox.new_rng("cpu") if dropout_p > 0.0 else None
+    keep = philox.dropout_keep_mask(rng, (m, n), dropout_p) if rng is not None else None
+
+    def kernel(x, residual, weight=None, bias=None):
+        return ln_ops.add_layer_norm(view(x), view(residual), weight, bias, 1e-5, dropout_p, rng, prenorm, "cuda")
+
+    def ref(x, residual, weight=None, bias=None):
+        return reference.add_layer_norm(view(x), view(residual), weight, bias, 1e-5, dropout_p, prenorm, keep=keep)
+
+    inputs = {"x": x, "residual": res}
+    if weight is not None:
+        inputs["weight"] = weight
+    if bias is not None:
+        inputs["bias"] = bias
+    with reference.poisoned_outputs():  # NaN-filled allocations: an unwritten element fails
+        results = reference.run_oracle(kernel, ref, inputs, list(inputs))
+    reference.assert_oracle(results, f"emulated cuda add_layer_norm {m}x{n} {dtype} affine={affine} "
+                                     f"params={pd} prenorm={prenorm} p={dropout_p} {layout}")
+
+
+# rows, N, dtype, affine, param dtype, prenorm, dropout, layout, and the kernels the host picks:
+# "reg" / "loop" for forward / backward.  Vector width: 16 bytes (4 fp32, 8 half) when N and
+# every row allow it, else scalar (odd N, sliced rows); the register path holds up to 32 (fwd) /
+# 16 (bwd; 8 when scalar) values per thread at <= 512 threads per row, the loop kernels beyond.
+_CASES = [
+    (5, 1, torch.float32, "both", None, False, 0.0, "contiguous", "reg/reg"),           # N = 1
+    (9, 7, torch.float16, "weight", None, True, 0.2, "contiguous", "reg/reg"),          # odd N: scalar
+    (6, 64, torch.bfloat16, "both", torch.float32, False, 0.1, "contiguous", "reg/reg"),  # vectors, fp32 params
+    (4, 1000, torch.float32, "none", None, True, 0.0, "sliced", "reg/reg"),             # scalar, NV > 1
+    (3, 1024, torch.float16, "both", None, False, 0.3, "contiguous", "reg/reg"),        # vectors, NV > 1
+    (3, 4099, torch.bfloat16, "both", None, True, 0.1, "contiguous", "reg/loop"),       # bwd loop + column partials
+    (2, 9000, torch.float32, "both", None, False, 0.0, "sliced", "loop/loop"),          # both loop kernels
+]
+
+
+def _vec(n, dtype, layout):
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    return per if n % per == 0 and layout == "contiguous" else 1
+
+
+def _id(case):
+    m, n, dtype, affine, pd, prenorm, p, layout, _ = case
+    return (f"{m}x{n}-{str(dtype)[6:]}-{affine}{'-f32params' if pd else ''}{'-prenorm' if prenorm else ''}"
+            f"-p{p}-{layout}")
+
+
+@pytest.mark.parametrize("case", _CASES, ids=_id)
+def test_add_layer_norm_cuda_emulated(as_cuda_backend, case):
+    m, n, dtype, affine, pd, prenorm, p, layout, kernels = case
+    f_loop, _, _, b_loop, _, _ = as_cuda_backend.paths(n, _vec(n, dtype, layout))
+    assert "/".join("loop" if lp else "reg" for lp in (f_loop, b_loop)) == kernels
+    _check(m, n, dtype, affine=affine, param_dtype=pd, prenorm=prenorm, dropout_p=p, layout=layout)
+
+
+def test_partials_over_many_rows_and_one_sm(as_cuda_backend):
+    """One emulated SM: one block walks every row, each team's partial row of dweight/dbias sums
+    many rows; 300 rows of a long row: the column kernel's row groups (256 rows each) split."""
+    as_cuda_backend.set_sms(1)
+    _check(40, 48, torch.float32, dropout_p=0.1)
+    assert as_cuda_backend.paths(4099, 1)[3] == 1  # odd N: scalar, the backward loop kernel
+    _check(300, 4099, torch.float16, prenorm=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("n", [1, 2, 8, 31, 127, 256, 768, 2048, 4100, 8192])
+@pytest.mark.parametrize("prenorm, dropout_p, affine", [(False, 0.0, "both"), (True, 0.2, "weight"), (False, 0.1, "none")])
+def test_add_layer_norm_cuda_emulated_grid(as_cuda_backend, dtype, n, prenorm, dropout_p, affine):
+    _check(7, n, dtype, affine=affine, prenorm=prenorm, dropout_p=dropout_p)
