@@ -28,8 +28,6 @@
 #include <torch/library.h>
 #ifndef TF_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <cuda_runtime.h>
@@ -39,6 +37,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "cuda_launch.h"  // DeviceScope, launch
 #include "ops.h"
 #include "philox.h"
 
@@ -620,21 +619,6 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 #ifndef TF_CUDA_EMULATE  // the emulation provides kLnDevice, DeviceScope, sm_count, blocks_per_sm, launch
 constexpr c10::DeviceType kLnDevice = c10::DeviceType::CUDA;
-
-// The inputs' device made current for the call, and its current stream.
-struct DeviceScope {
-  c10::cuda::CUDAGuard guard;
-  int device;
-  cudaStream_t stream;
-  explicit DeviceScope(const Tensor& t)
-      : guard(t.device()), device(t.get_device()), stream(c10::cuda::getCurrentCUDAStream(device).stream()) {}
-};
-
-template <typename Kernel, typename... Args>
-void launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
-  kernel<<<grid, block, 0, stream>>>(args...);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
 
 int sm_count(int device) {
   static int cache[128] = {0};

@@ -34,8 +34,6 @@
 
 #ifndef TF_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <cublasLt.h>
 #endif
@@ -46,6 +44,7 @@
 #include <mutex>
 #include <utility>
 
+#include "cuda_launch.h"  // DeviceScope, launch
 #include "ops.h"
 #include "philox.h"
 
@@ -56,21 +55,6 @@ using at::Tensor;
 
 #ifndef TF_CUDA_EMULATE  // (the emulation provides kFfnDevice, DeviceScope, launch and run_gemm)
 constexpr c10::DeviceType kFfnDevice = c10::DeviceType::CUDA;
-
-// The inputs' device made current for the call, and its current stream.
-struct DeviceScope {
-  c10::cuda::CUDAGuard guard;
-  int device;
-  cudaStream_t stream;
-  explicit DeviceScope(const Tensor& t)
-      : guard(t.device()), device(t.get_device()), stream(c10::cuda::getCurrentCUDAStream(device).stream()) {}
-};
-
-template <typename Kernel, typename... Args>
-void launch(Kernel kernel, dim3 grid, int threads, cudaStream_t stream, Args... args) {
-  kernel<<<grid, threads, 0, stream>>>(args...);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
 
 #define TF_CUBLAS_CHECK(expr)                                                                  \
   do {                                                                                         \

@@ -78,7 +78,7 @@ std::vector<at::Tensor> bwd(at::Tensor dy, std::optional<at::Tensor> dh, at::Ten
 @pytest.fixture(scope="module")
 def emu():
     return cuda_emulation_build("tf_add_layer_norm_cuda_emu", _HARNESS,
-                                ("add_layer_norm_cuda.cu", "add_layer_norm_checks.cpp", "ops.h", "philox.h"),
+                                ("add_layer_norm_cuda.cu", "add_layer_norm_checks.cpp", "cuda_launch.h", "ops.h", "philox.h"),
                                 ("set_sms", "paths", "fwd", "bwd"))
 
 

@@ -44,8 +44,9 @@ struct DeviceScope {
 };
 
 template <typename Kernel, typename... Args>
-void launch(Kernel kernel, dim3 grid, int threads, cudaStream_t, Args... args) {
-  emu::run_grid(EmuDim3{grid.x, grid.y, grid.z}, threads, nullptr, 0, 0, [&] { kernel(args...); });
+void launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t, Args... args) {
+  emu::run_grid(EmuDim3{grid.x, grid.y, grid.z}, EmuDim3{block.x, block.y, block.z}, nullptr, 0, 0,
+                [&] { kernel(args...); });
 }
 
 bool fused_epilogues = true;  // false: every fused epilogue is "rejected", as by the heuristic
@@ -128,7 +129,7 @@ std::vector<at::Tensor> act_bwd(at::Tensor dy, std::optional<at::Tensor> aux, st
 
 @pytest.fixture(scope="module")
 def emu():
-    return cuda_emulation_build("tf_ffn_cuda_emu", _HARNESS, ("ffn_cuda.cu", "ffn_checks.cpp", "ops.h", "philox.h"),
+    return cuda_emulation_build("tf_ffn_cuda_emu", _HARNESS, ("ffn_cuda.cu", "ffn_checks.cpp", "cuda_launch.h", "ops.h", "philox.h"),
                                 ("set_fused_epilogues", "linear_fwd", "linear_dgrad", "linear_wgrad", "act_bwd"))
 
 
