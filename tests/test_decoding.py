@@ -351,6 +351,7 @@ def test_graph_stepper_matches_the_cached_stepper(variant, backend):
         gen = lambda: torch.Generator().manual_seed(seed)
         assert torch.equal(model.sample(src, 12, top_k=4, generator=gen(), cuda_graph=True),
                            model.sample(src, 12, top_k=4, generator=gen())), seed
+        assert torch.equal(model.beam_search(src, 3, 12, cuda_graph=True), model.beam_search(src, 3, 12)), seed
 
 
 def test_graph_stepper_logits_and_buffers_stay_in_place():
@@ -375,8 +376,12 @@ def test_graph_stepper_logits_and_buffers_stay_in_place():
         assert [b.data_ptr() for b in buffers] == ptrs
         with pytest.raises(ValueError, match="all are used"):
             static(tokens)
-        with pytest.raises(NotImplementedError):
-            static.reorder(torch.arange(3))
+        index = torch.tensor([2, 0, 0])
+        ref.reorder(index)
+        static.reorder(index)  # in place: the same buffers, the rows of CachedStepper's reorder
+        assert [b.data_ptr() for b in buffers] == ptrs
+        for c_ref, c_static in zip(ref.layers, static.layers):
+            assert torch.equal(c_ref["k"], c_static["k"]) and torch.equal(c_ref["v"], c_static["v"])
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -421,3 +426,5 @@ def test_cuda_graph_greedy_on_gpu():
     cached = greedy_decode(model, src, max_len=16)
     graphed = greedy_decode(model, src, max_len=16, cuda_graph=True)
     assert torch.equal(graphed, cached), (seed, graphed, cached)
+    beams = beam_search(model, src, 3, 16)
+    assert torch.equal(beam_search(model, src, 3, 16, cuda_graph=True), beams), seed

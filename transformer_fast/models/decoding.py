@@ -12,7 +12,7 @@ Every mode runs on a *stepper* that turns the last token of each row into next-t
   torch.nn's layer classes and with transformer_fast.modules alike.
 - ``UncachedStepper``: re-runs the whole decoder on the prefix every step (the baseline that
   cached decoding must reproduce token for token).
-- ``GraphStepper`` (``cuda_graph=True`` in greedy decoding and sampling): the cached step with
+- ``GraphStepper`` (``cuda_graph=True`` in every mode): the cached step with
   every per-step input and output in a fixed buffer and no host work between its kernels (the
   position comes from a device counter), recorded once as a CUDA graph and replayed every step
   after the first, so a step costs one launch instead of a few hundred.  Off a GPU the same
@@ -242,7 +242,7 @@ class GraphStepper(CachedStepper):
     The first step runs eagerly: it compiles and autotunes the kernels and creates the
     workspaces that the graph will reuse.  The second step is captured, then replayed (a
     capture records kernels without running them), and so is every later step.  ``reorder``
-    is not offered (beam search moves cache rows between steps: it uses CachedStepper).
+    (beam search, between steps) copies the chosen cache rows into the same buffers.
 
     UNVERIFIED on a GPU (never run on one yet): tests/test_decoding.py runs the static step
     eagerly on the CPU (tokens equal to CachedStepper's; no host sync inside a step).
@@ -283,7 +283,10 @@ class GraphStepper(CachedStepper):
         return self.logits.clone() if self.graph is not None else self.logits
 
     def reorder(self, index: torch.Tensor) -> None:
-        raise NotImplementedError("GraphStepper keeps its buffers in place: beam search uses CachedStepper")
+        """CachedStepper.reorder into the same cache buffers (the graph reads their addresses)."""
+        for cache in self.layers:
+            cache["k"].copy_(cache["k"].index_select(0, index))
+            cache["v"].copy_(cache["v"].index_select(0, index))
 
 
 class UncachedStepper:
@@ -406,7 +409,7 @@ def sample(model, src: torch.Tensor, max_len: int, temperature: float = 1.0, top
 
 
 def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_penalty: float = 1.0,
-                use_cache: bool = True) -> torch.Tensor:
+                use_cache: bool = True, *, cuda_graph: bool = False) -> torch.Tensor:
     """Beam search: (B, S) source ids -> (B, <= max_len) target ids, the best hypothesis per row.
 
     Hypotheses are ranked by ``sum(log p) / length ** length_penalty`` (length counts the
@@ -418,17 +421,18 @@ def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_p
     as Hugging Face's default: with length_penalty > 0 a longer continuation that might still
     overtake is not explored); at max_len the live beams compete too.  With beam_size=1 this is
     greedy decoding.  The self-attention caches are reordered to each beam's parent every step
-    (index_select along batch * beam).
+    (index_select along batch * beam).  ``cuda_graph`` as in greedy_decode.
     Output layout as greedy_decode (eos kept, pad after it).
     """
     _check_decode_args(model, src, max_len)
     _validate.positive_int("beam_size", beam_size)
     length_penalty = _validate.finite_float("length_penalty", length_penalty)
+    cuda_graph = _checks.boolean("cuda_graph", cuda_graph)
     with _inference(model, src.device):
-        return _beam_search(model, src, beam_size, max_len, length_penalty, use_cache)
+        return _beam_search(model, src, beam_size, max_len, length_penalty, use_cache, cuda_graph)
 
 
-def _beam_search(model, src, k, max_len, alpha, use_cache):
+def _beam_search(model, src, k, max_len, alpha, use_cache, cuda_graph=False):
     device = src.device
     b = src.shape[0]
     n = b * k
@@ -436,7 +440,7 @@ def _beam_search(model, src, k, max_len, alpha, use_cache):
     memory, src_padding = model.encode(src)  # (B, S, d), (B, S)
     memory = memory.repeat_interleave(k, dim=0)  # (B*K, S, d): row i*K + j is beam j of row i
     src_padding = src_padding.repeat_interleave(k, dim=0)
-    step = _stepper(model, memory, src_padding, max_len, use_cache)
+    step = _stepper(model, memory, src_padding, max_len, use_cache, cuda_graph)
 
     neg_inf = float("-inf")
     scores = torch.full((b, k), neg_inf, device=device)  # (B, K) sum of log p of live beams

@@ -142,10 +142,11 @@ class Seq2SeqTransformer(nn.Module):
         that stopped are padded with pad_id.  See decoding.greedy_decode (and its cuda_graph)."""
         return decoding.greedy_decode(self, src, max_len, use_cache=use_cache, cuda_graph=cuda_graph)
 
-    def beam_search(self, src, beam_size, max_len, length_penalty=1.0, use_cache=True):
+    def beam_search(self, src, beam_size, max_len, length_penalty=1.0, use_cache=True, *, cuda_graph=False):
         """The best hypothesis per row by sum(log p) / length**length_penalty; see
         decoding.beam_search."""
-        return decoding.beam_search(self, src, beam_size, max_len, length_penalty, use_cache=use_cache)
+        return decoding.beam_search(self, src, beam_size, max_len, length_penalty, use_cache=use_cache,
+                                    cuda_graph=cuda_graph)
 
     def sample(self, src, max_len, temperature=1.0, top_k=None, generator=None, use_cache=True, *,
                cuda_graph=False):
