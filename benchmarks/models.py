@@ -460,7 +460,9 @@ class Runner:
             def step_fn(model, cuda_graph=False, src=src):
                 if isinstance(model, TorchSeq2Seq) or getattr(model, "_orig_mod", None) is not None:
                     return lambda: prefix_greedy_decode(model, src, n)
-                return lambda: model.greedy_decode(src, n, use_cache=True, cuda_graph=cuda_graph)
+                from transformer_fast.models import greedy_decode
+
+                return lambda: greedy_decode(model, src, n, use_cache=True, cuda_graph=cuda_graph)
 
             self._model_rows("greedy_decode", "key_padding", shape, b * n, step_fn, train=False)
 

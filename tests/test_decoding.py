@@ -349,9 +349,9 @@ def test_graph_stepper_matches_the_cached_stepper(variant, backend):
         static = greedy_decode(model, src, max_len=12, cuda_graph=True)
         assert torch.equal(static, cached), (seed, static, cached)
         gen = lambda: torch.Generator().manual_seed(seed)
-        assert torch.equal(model.sample(src, 12, top_k=4, generator=gen(), cuda_graph=True),
-                           model.sample(src, 12, top_k=4, generator=gen())), seed
-        assert torch.equal(model.beam_search(src, 3, 12, cuda_graph=True), model.beam_search(src, 3, 12)), seed
+        assert torch.equal(sample(model, src, 12, top_k=4, generator=gen(), cuda_graph=True),
+                           sample(model, src, 12, top_k=4, generator=gen())), seed
+        assert torch.equal(beam_search(model, src, 3, 12, cuda_graph=True), beam_search(model, src, 3, 12)), seed
 
 
 def test_graph_stepper_logits_and_buffers_stay_in_place():

@@ -137,19 +137,17 @@ class Seq2SeqTransformer(nn.Module):
 
     # ---- decoding (decoding.py)
 
-    def greedy_decode(self, src, max_len, use_cache=True, *, cuda_graph=False):
+    def greedy_decode(self, src, max_len, use_cache=True):
         """(B, <= max_len) tokens after bos, each row stopping at (and keeping) its eos; rows
-        that stopped are padded with pad_id.  See decoding.greedy_decode (and its cuda_graph)."""
-        return decoding.greedy_decode(self, src, max_len, use_cache=use_cache, cuda_graph=cuda_graph)
+        that stopped are padded with pad_id.  See decoding.greedy_decode (which also takes
+        cuda_graph=True: each step replayed as a CUDA graph)."""
+        return decoding.greedy_decode(self, src, max_len, use_cache=use_cache)
 
-    def beam_search(self, src, beam_size, max_len, length_penalty=1.0, use_cache=True, *, cuda_graph=False):
+    def beam_search(self, src, beam_size, max_len, length_penalty=1.0, use_cache=True):
         """The best hypothesis per row by sum(log p) / length**length_penalty; see
         decoding.beam_search."""
-        return decoding.beam_search(self, src, beam_size, max_len, length_penalty, use_cache=use_cache,
-                                    cuda_graph=cuda_graph)
+        return decoding.beam_search(self, src, beam_size, max_len, length_penalty, use_cache=use_cache)
 
-    def sample(self, src, max_len, temperature=1.0, top_k=None, generator=None, use_cache=True, *,
-               cuda_graph=False):
+    def sample(self, src, max_len, temperature=1.0, top_k=None, generator=None, use_cache=True):
         """Ancestral sampling with temperature and top-k; see decoding.sample."""
-        return decoding.sample(self, src, max_len, temperature, top_k, generator, use_cache=use_cache,
-                               cuda_graph=cuda_graph)
+        return decoding.sample(self, src, max_len, temperature, top_k, generator, use_cache=use_cache)
