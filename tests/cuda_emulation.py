@@ -3,8 +3,9 @@
 A .cu file is compiled as host C++ after PRELUDE, which defines the CUDA qualifiers away and
 emulates what a kernel uses of the CUDA programming model:
   * a CTA is its block's std::threads (1-, 2- or 3-D; warps from the linear thread id) started
-    together; CTAs of the grid run one after another (so function-local state shared by a CTA
-    may be a `static` variable: a kernel's static `__shared__` arrays are, via TF_STATIC_SHARED);
+    together; CTAs of the grid run one after another, on one set of threads per launch (so
+    function-local state shared by a CTA may be a `static` variable: a kernel's static
+    `__shared__` arrays are, via TF_STATIC_SHARED);
   * __syncthreads is a barrier over the CTA, __syncwarp one over the warp;
   * warp shuffles (__shfl_sync / _xor / _down / _up, any trivially copyable 4- or 8-byte type)
     exchange values through a per-warp buffer between two warp barriers;
@@ -104,7 +105,11 @@ T exchange(T x, Src src) {
   return r;
 }
 
-// Runs body() as block.x * block.y * block.z threads per CTA over the grid, CTA after CTA.
+// Runs body() as block.x * block.y * block.z threads per CTA over the grid, CTA after CTA (x
+// fastest, then y, then z).  One set of threads serves every CTA of the launch (starting a thread
+// costs far more than a CTA's barrier): each thread runs its CTA, then waits at a barrier whose
+// completion re-poisons the shared memory, so no thread starts the next CTA before every thread
+// has left this one, as if each CTA had threads of its own.
 inline void run_grid(EmuDim3 grid, EmuDim3 block, void* smem, size_t smem_capacity, size_t smem_bytes,
                      const std::function<void()>& body) {
   const unsigned bx = std::max(block.x, 1u), by = std::max(block.y, 1u), bz = std::max(block.z, 1u);
@@ -113,25 +118,33 @@ inline void run_grid(EmuDim3 grid, EmuDim3 block, void* smem, size_t smem_capaci
   TORCH_CHECK(smem_bytes <= smem_capacity, "emulated shared memory too small: ", smem_bytes, " > ", smem_capacity);
   gridDim = grid;
   blockDim = EmuDim3{bx, by, bz};
-  for (unsigned z = 0; z < std::max(grid.z, 1u); ++z)
-    for (unsigned y = 0; y < std::max(grid.y, 1u); ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        if (smem != nullptr) std::memset(smem, 0xFF, smem_capacity);
-        std::vector<Warp> ws(threads / 32);
-        warps = ws.data();
-        std::barrier<> bar(threads);
-        block_bar = &bar;
-        std::vector<std::thread> pool;
-        for (int tid = 0; tid < threads; ++tid) {
-          pool.emplace_back([&, tid] {
-            const unsigned u = static_cast<unsigned>(tid);
-            threadIdx = EmuDim3{u % bx, (u / bx) % by, u / (bx * by)};
-            blockIdx = EmuDim3{x, y, z};
-            body();
-          });
-        }
-        for (auto& th : pool) th.join();
+  const uint64_t gx = grid.x, gy = std::max(grid.y, 1u), gz = std::max(grid.z, 1u);
+  const uint64_t ctas = gx * gy * gz;
+  if (ctas == 0) return;
+  auto poison = [smem, smem_capacity]() noexcept {
+    if (smem != nullptr) std::memset(smem, 0xFF, smem_capacity);
+  };
+  poison();
+  std::vector<Warp> ws(threads / 32);
+  warps = ws.data();
+  std::barrier<> bar(threads);
+  block_bar = &bar;
+  std::barrier cta_done(threads, poison);
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (int tid = 0; tid < threads; ++tid) {
+    pool.emplace_back([&, tid] {
+      const unsigned u = static_cast<unsigned>(tid);
+      threadIdx = EmuDim3{u % bx, (u / bx) % by, u / (bx * by)};
+      for (uint64_t c = 0; c < ctas; ++c) {
+        blockIdx = EmuDim3{static_cast<unsigned>(c % gx), static_cast<unsigned>(c / gx % gy),
+                           static_cast<unsigned>(c / (gx * gy))};
+        body();
+        cta_done.arrive_and_wait();
       }
+    });
+  }
+  for (auto& th : pool) th.join();
 }
 
 // Runs body() as `threads` threads per CTA (a 1-D block).

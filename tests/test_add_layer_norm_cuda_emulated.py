@@ -8,7 +8,10 @@ widths and NV bucket sizes (several rows per block for short rows), the long-row
 the column-parallel dweight/dbias partials, and the two-stage parameter-gradient reduction.  The
 two entry points are bound under transformer_fast.ops.layer_norm as the `cuda` launchers, so the
 autograd formula of a GPU run composes them.  The emulated device has few SMs, so grids are small
-and rows are walked grid-stride, and a team's partial row sums several rows.
+and rows are walked grid-stride, and a team's partial row sums several rows.  x, residual, dy
+and dh each get a row stride of their own somewhere (a kernel that reads one operand with
+another's stride fails); the cases also hold a float32 weight beside a half bias, and a bias
+alone.
 
 What this cannot see: races, the memory model, occupancy and speed (gpu tests, compute-sanitizer).
 """
@@ -92,24 +95,44 @@ def as_cuda_backend(emu, monkeypatch):
     emu.set_sms(2)
 
 
+# Row layouts of x and residual: "contiguous"; "sliced": both (m, n + 5)[:, 3:] (misaligned rows,
+# scalar accesses); "mixed": x (m, n + 5)[:, 3:], residual (m, n + 2)[:, 1:] (different row
+# strides, scalar); "mixed_aligned": x (m, n + 16)[:, 8:], residual (m, 2n)[:, :n] (different row
+# strides, 16-byte aligned rows: the vector path when N allows).
+_LAYOUTS = {
+    "contiguous": ((0, 0), (0, 0)),
+    "sliced": ((5, 3), (5, 3)),
+    "mixed": ((5, 3), (2, 1)),
+    "mixed_aligned": ((16, 8), (None, 0)),  # None: width 2n
+}
+
+
+def _draw_rows(g, m, n, dtype, layout, which, scale=1.0):
+    extra, start = _LAYOUTS[layout][which]
+    width = 2 * n if extra is None else n + extra
+    full = (torch.randn(m, width, generator=g) * scale).to(dtype)
+    return full, (lambda t: t[:, start:start + n])
+
+
 def _check(m, n, dtype, *, affine="both", param_dtype=None, prenorm=False, dropout_p=0.0, layout="contiguous"):
+    """param_dtype: None (x's dtype), a dtype for both, or (weight dtype, bias dtype).
+    affine: "both", "weight", "bias" or "none"."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    pd = param_dtype or dtype
-    width = n + 5 if layout == "sliced" else n
-    x = torch.randn(m, width, generator=g).to(dtype)
-    res = (torch.randn(m, width, generator=g) * 2).to(dtype)
-    view = (lambda t: t[:, 3:3 + n]) if layout == "sliced" else (lambda t: t)
-    weight = (1 + 0.5 * torch.randn(n, generator=g)).to(pd) if affine in ("both", "weight") else None
-    bias = (0.5 * torch.randn(n, generator=g)).to(pd) if affine == "both" else None
+    wd, bd = param_dtype if isinstance(param_dtype, tuple) else (param_dtype or dtype,) * 2
+    x, x_view = _draw_rows(g, m, n, dtype, layout, 0)
+    res, r_view = _draw_rows(g, m, n, dtype, layout, 1, scale=2.0)
+    weight = (1 + 0.5 * torch.randn(n, generator=g)).to(wd) if affine in ("both", "weight") else None
+    bias = (0.5 * torch.randn(n, generator=g)).to(bd) if affine in ("both", "bias") else None
     torch.manual_seed(5)
     rng = philox.new_rng("cpu") if dropout_p > 0.0 else None
     keep = philox.dropout_keep_mask(rng, (m, n), dropout_p) if rng is not None else None
 
     def kernel(x, residual, weight=None, bias=None):
-        return ln_ops.add_layer_norm(view(x), view(residual), weight, bias, 1e-5, dropout_p, rng, prenorm, "cuda")
+        return ln_ops.add_layer_norm(x_view(x), r_view(residual), weight, bias, 1e-5, dropout_p, rng, prenorm, "cuda")
 
     def ref(x, residual, weight=None, bias=None):
-        return reference.add_layer_norm(view(x), view(residual), weight, bias, 1e-5, dropout_p, prenorm, keep=keep)
+        return reference.add_layer_norm(x_view(x), r_view(residual), weight, bias, 1e-5, dropout_p, prenorm,
+                                        keep=keep)
 
     inputs = {"x": x, "residual": res}
     if weight is not None:
@@ -119,7 +142,7 @@ def _check(m, n, dtype, *, affine="both", param_dtype=None, prenorm=False, dropo
     with reference.poisoned_outputs():  # NaN-filled allocations: an unwritten element fails
         results = reference.run_oracle(kernel, ref, inputs, list(inputs))
     reference.assert_oracle(results, f"emulated cuda add_layer_norm {m}x{n} {dtype} affine={affine} "
-                                     f"params={pd} prenorm={prenorm} p={dropout_p} {layout}")
+                                     f"params={wd}/{bd} prenorm={prenorm} p={dropout_p} {layout}")
 
 
 # rows, N, dtype, affine, param dtype, prenorm, dropout, layout, and the kernels the host picks:
@@ -130,21 +153,24 @@ _CASES = [
     (5, 1, torch.float32, "both", None, False, 0.0, "contiguous", "reg/reg"),           # N = 1
     (9, 7, torch.float16, "weight", None, True, 0.2, "contiguous", "reg/reg"),          # odd N: scalar
     (6, 64, torch.bfloat16, "both", torch.float32, False, 0.1, "contiguous", "reg/reg"),  # vectors, fp32 params
+    (5, 64, torch.float16, "both", (torch.float32, torch.float16), False, 0.2, "mixed_aligned", "reg/reg"),
+    (4, 96, torch.bfloat16, "bias", torch.float32, True, 0.0, "mixed_aligned", "reg/reg"),  # bias only
     (4, 1000, torch.float32, "none", None, True, 0.0, "sliced", "reg/reg"),             # scalar, NV > 1
     (3, 1024, torch.float16, "both", None, False, 0.3, "contiguous", "reg/reg"),        # vectors, NV > 1
-    (3, 4099, torch.bfloat16, "both", None, True, 0.1, "contiguous", "reg/loop"),       # bwd loop + column partials
-    (2, 9000, torch.float32, "both", None, False, 0.0, "sliced", "loop/loop"),          # both loop kernels
+    (3, 4099, torch.bfloat16, "bias", None, True, 0.1, "mixed", "reg/loop"),            # bwd loop + column partials
+    (2, 9000, torch.float32, "both", None, False, 0.0, "mixed", "loop/loop"),           # both loop kernels
 ]
 
 
 def _vec(n, dtype, layout):
     per = 16 // torch.empty((), dtype=dtype).element_size()
-    return per if n % per == 0 and layout == "contiguous" else 1
+    return per if n % per == 0 and layout in ("contiguous", "mixed_aligned") else 1
 
 
 def _id(case):
     m, n, dtype, affine, pd, prenorm, p, layout, _ = case
-    return (f"{m}x{n}-{str(dtype)[6:]}-{affine}{'-f32params' if pd else ''}{'-prenorm' if prenorm else ''}"
+    params = "" if pd is None else "-params_" + "_".join(str(d)[6:] for d in (pd if isinstance(pd, tuple) else (pd,)))
+    return (f"{m}x{n}-{str(dtype)[6:]}-{affine}{params}{'-prenorm' if prenorm else ''}"
             f"-p{p}-{layout}")
 
 
@@ -165,9 +191,40 @@ def test_partials_over_many_rows_and_one_sm(as_cuda_backend):
     _check(300, 4099, torch.float16, prenorm=True)
 
 
+@pytest.mark.parametrize("n, dtype, affine", [(64, torch.float16, True), (4099, torch.float32, False)],
+                         ids=["reg-vectors", "loop-scalar"])
+def test_strided_dy_dh(emu, n, dtype, affine):
+    """dy and dh with row strides of their own (autograd hands the kernels contiguous ones): the
+    bits of the contiguous call.  The strides keep 16-byte rows, so both calls take one path."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    m, p = 3, 0.2
+    x, res = (torch.randn(m, n, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.5 * torch.randn(n, generator=g)).to(dtype) if affine else None
+    b = torch.randn(n, generator=g).to(dtype) if affine else None
+    torch.manual_seed(3)
+    rng = philox.new_rng("cpu")
+    _, _, mean, rstd = emu.fwd(x, res, w, b, 1e-5, p, rng, True)
+    dy = torch.randn(m, n + 8, generator=g).to(dtype)[:, 8:]
+    dh = torch.randn(m, 2 * n, generator=g).to(dtype)[:, :n]
+    with reference.poisoned_outputs():
+        got = emu.bwd(dy, dh, x, res, w, b, mean, rstd, p, rng)
+        want = emu.bwd(dy.contiguous(), dh.contiguous(), x, res, w, b, mean, rstd, p, rng)
+    for name, a, e in zip(("dx", "dresidual", "dweight", "dbias"), got, want):
+        assert torch.equal(a, e), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("n", [1, 2, 8, 31, 127, 256, 768, 2048, 4100, 8192])
 @pytest.mark.parametrize("prenorm, dropout_p, affine", [(False, 0.0, "both"), (True, 0.2, "weight"), (False, 0.1, "none")])
 def test_add_layer_norm_cuda_emulated_grid(as_cuda_backend, dtype, n, prenorm, dropout_p, affine):
     _check(7, n, dtype, affine=affine, prenorm=prenorm, dropout_p=dropout_p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [(torch.float32, torch.float16), (torch.float16, torch.float32)],
+                         ids=["f32w-f16b", "f16w-f32b"])
+def test_mixed_parameter_dtypes_loop_kernels(as_cuda_backend, params):
+    """Half x with one float32 and one half parameter on the loop kernels (N > 8192, scalar)."""
+    assert as_cuda_backend.paths(8197, 1)[0] == 1
+    _check(2, 8197, torch.float16, param_dtype=params, dropout_p=0.1, layout="mixed")
