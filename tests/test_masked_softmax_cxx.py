@@ -611,7 +611,9 @@ def test_cuda_kernels_emulated(cuda_emulation, case):
     if p > 0:  # dropped entries exactly 0; kept ones nonzero wherever their probability is
         keep = philox.dropout_keep_mask(rng, (B, H, Lq, Lk), p)
         assert (out[~keep] == 0).all() and (out[keep & (probs != 0)] != 0).all()
-        assert (probs[~keep] != 0).any()
+        # probs are saved before dropout: not all zero at the dropped entries when the C++ cpu
+        # kernel's are not (a small causal case can drop only masked entries, ~0.1% of draws).
+        assert (probs[~keep] != 0).any() or not (probs_c[~keep] != 0).any()
     if dead is not None:
         assert (out[dead] == 0).all() and (ds[dead] == 0).all() and torch.isfinite(ds).all()
     tol = reference.ATOL[dtype] * 4
