@@ -73,26 +73,23 @@ void check_ffn_aux(const std::optional<Tensor>& aux, FfnAct act, int64_t m, int6
               "), got ", aux->sizes());
 }
 
-void check_ffn_dgrad_args(const Tensor& dy, const Tensor& w, c10::DeviceType dev) {
+// dy of any backward primitive (act_bwd checks only this).
+void check_ffn_act_bwd_args(const Tensor& dy, c10::DeviceType dev) {
   TORCH_CHECK(ffn_dtype_ok(dy.scalar_type()), "ffn: dy must be float32, float16 or bfloat16, got ",
               dy.scalar_type());
   check_ffn_matrix(dy, "dy", dy, dev);
+}
+
+void check_ffn_dgrad_args(const Tensor& dy, const Tensor& w, c10::DeviceType dev) {
+  check_ffn_act_bwd_args(dy, dev);
   check_ffn_matrix(w, "w", dy, dev);
   TORCH_CHECK(w.size(0) == dy.size(1), "ffn: w must have shape (", dy.size(1), ", N), got ", w.sizes());
 }
 
 void check_ffn_wgrad_args(const Tensor& dy, const Tensor& x, c10::DeviceType dev) {
-  TORCH_CHECK(ffn_dtype_ok(dy.scalar_type()), "ffn: dy must be float32, float16 or bfloat16, got ",
-              dy.scalar_type());
-  check_ffn_matrix(dy, "dy", dy, dev);
+  check_ffn_act_bwd_args(dy, dev);
   check_ffn_matrix(x, "x", dy, dev);
   TORCH_CHECK(x.size(0) == dy.size(0), "ffn: x must have ", dy.size(0), " rows, got ", x.sizes());
-}
-
-void check_ffn_act_bwd_args(const Tensor& dy, c10::DeviceType dev) {
-  TORCH_CHECK(ffn_dtype_ok(dy.scalar_type()), "ffn: dy must be float32, float16 or bfloat16, got ",
-              dy.scalar_type());
-  check_ffn_matrix(dy, "dy", dy, dev);
 }
 
 }  // namespace transformer_fast

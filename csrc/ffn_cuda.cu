@@ -266,14 +266,19 @@ struct DropArgs {
   bool on = false;
 };
 
-// out[i, j] = dropout(act(in[i, j])) over (M, N), contiguous rows of N (out may be in).
-template <typename T>
-__global__ void act_dropout_kernel(const T* in, T* out, int64_t total, int64_t N, int act, DropArgs dr) {
-  uint64_t seed = 0, offset = 0;
+// [seed, offset] read on the device (no host sync); zeros when dropout is off.
+__device__ __forceinline__ void load_drop_key(const DropArgs& dr, uint64_t& seed, uint64_t& offset) {
   if (dr.on) {
     seed = static_cast<uint64_t>(dr.rng[0]);
     offset = static_cast<uint64_t>(dr.rng[1]);
   }
+}
+
+// out[i, j] = dropout(act(in[i, j])) over (M, N), contiguous rows of N (out may be in).
+template <typename T>
+__global__ void act_dropout_kernel(const T* in, T* out, int64_t total, int64_t N, int act, DropArgs dr) {
+  uint64_t seed = 0, offset = 0;
+  load_drop_key(dr, seed, offset);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float v = act_fwd(static_cast<float>(in[i]), act);
@@ -302,10 +307,7 @@ template <typename T>
 __global__ void dact_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t M, int64_t N,
                             int act, DropArgs dr) {
   uint64_t seed = 0, offset = 0;
-  if (dr.on) {
-    seed = static_cast<uint64_t>(dr.rng[0]);
-    offset = static_cast<uint64_t>(dr.rng[1]);
-  }
+  load_drop_key(dr, seed, offset);
   const int64_t total = M * N;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -327,10 +329,7 @@ __global__ void dact_colsum_kernel(const T* g, int64_t ldg, const T* aux, T* d, 
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x;
   if (j >= N) return;
   uint64_t seed = 0, offset = 0;
-  if (dr.on) {
-    seed = static_cast<uint64_t>(dr.rng[0]);
-    offset = static_cast<uint64_t>(dr.rng[1]);
-  }
+  load_drop_key(dr, seed, offset);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRowsPerChunk;
   const int64_t r1 = r0 + kColRowsPerChunk < M ? r0 + kColRowsPerChunk : M;
   double s = 0.0;
@@ -421,12 +420,14 @@ void launch_colsum_finish(const ColGrid& cg, Tensor& out, cudaStream_t stream) {
          cg.chunks, out.size(0), out.mutable_data_ptr<T>());
 }
 
-// d = dact(g); with want_dbias also returns db = the column sums of d, summed from its fp32
-// values (before d is rounded to its dtype).
+Tensor empty0(const Tensor& like) { return at::empty({0}, like.options()); }
+
+// d = dact(g); returns db = the column sums of d, summed from its fp32 values (before d is
+// rounded to its dtype), with want_dbias, else an empty tensor.
 Tensor launch_dact(const Tensor& g, const Tensor* aux, Tensor& d, int act, const DropArgs& dr, bool want_dbias,
                    cudaStream_t stream) {
   const int64_t M = g.size(0), N = g.size(1);
-  Tensor db = want_dbias ? at::zeros({N}, g.options()) : Tensor();
+  Tensor db = want_dbias ? at::zeros({N}, g.options()) : empty0(g);
   if (M == 0 || N == 0) return db;
   dispatch_ffn_dtype(g.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -463,8 +464,6 @@ Tensor gemm_ready(const Tensor& t) {
   const bool ok = (t.size(1) <= 1 || t.stride(1) == 1) && t.stride(0) >= std::max<int64_t>(1, t.size(1));
   return ok ? t : t.contiguous();
 }
-
-Tensor empty0(const Tensor& like) { return at::empty({0}, like.options()); }
 
 bool is_half(c10::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
@@ -568,10 +567,7 @@ Tensor2 ffn_linear_dgrad_cuda(const Tensor& dy_in, const Tensor& w_in, const std
     g.bias = bgrad ? db.mutable_data_ptr() : nullptr;
     done = run_gemm(g, dt, allow_tf32, device, stream);
     if (done) {
-      if (dr.on) {  // the mask, in place
-        Tensor db_masked = launch_dact(d, nullptr, d, 0, dr, want_dbias, stream);
-        if (want_dbias) db = db_masked;
-      }
+      if (dr.on) db = launch_dact(d, nullptr, d, 0, dr, want_dbias, stream);  // the mask, in place
       return {d, db};
     }
     db = want_dbias ? Tensor() : empty0(dy_in);
@@ -582,8 +578,7 @@ Tensor2 ffn_linear_dgrad_cuda(const Tensor& dy_in, const Tensor& w_in, const std
   g.bias = nullptr;
   run_gemm_or_fail(g, dt, allow_tf32, device, stream);
   if (code != 0 || dr.on) {
-    Tensor db_act = launch_dact(d, a.defined() ? &a : nullptr, d, code, dr, want_dbias, stream);
-    if (want_dbias) db = db_act;
+    db = launch_dact(d, a.defined() ? &a : nullptr, d, code, dr, want_dbias, stream);
   } else if (want_dbias) {
     db = launch_colsum(d, stream);
   }
@@ -632,9 +627,9 @@ Tensor2 ffn_act_bwd_cuda(const Tensor& dy, const std::optional<Tensor>& aux, c10
   const Tensor g = gemm_ready(dy);
   const Tensor a = act != FfnAct::kNone ? aux->contiguous() : Tensor();
   Tensor d = at::empty({M, N}, dy.options());
-  Tensor db = launch_dact(g, a.defined() ? &a : nullptr, d, static_cast<int>(act), make_drop(dropout_p, rng_c),
-                          want_dbias, stream);
-  return {d, want_dbias ? db : empty0(dy)};
+  const Tensor db = launch_dact(g, a.defined() ? &a : nullptr, d, static_cast<int>(act),
+                                make_drop(dropout_p, rng_c), want_dbias, stream);
+  return {d, db};
 }
 
 #ifndef TF_CUDA_EMULATE

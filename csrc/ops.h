@@ -103,7 +103,7 @@ Tensor2 ffn_act_bwd_cpu(const at::Tensor& dy, const std::optional<at::Tensor>& a
                         c10::string_view activation, double dropout_p,
                         const std::optional<at::Tensor>& rng, bool want_dbias);
 
-// Shared argument validation (add_layer_norm_cpu.cpp); `device_type` is the backend's device.
+// Shared argument validation (add_layer_norm_checks.cpp); `device_type` is the backend's device.
 void check_add_layer_norm_fwd_args(const at::Tensor& x, const at::Tensor& residual,
                                    const std::optional<at::Tensor>& weight,
                                    const std::optional<at::Tensor>& bias, double eps,
