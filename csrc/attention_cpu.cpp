@@ -158,6 +158,7 @@ constexpr int64_t kBlockM = 64;    // forward / dQ: query rows per tile
 constexpr int64_t kBlockN = 64;    // forward / dK dV: keys per tile
 constexpr int64_t kKvBlockM = 32;  // dK/dV pass: queries per tile
 constexpr int64_t kDqBlockN = 32;  // dQ pass: keys per tile
+constexpr int64_t kExactDeltaMaxLk = 128;  // backward: 16-bit delta from p * dp up to this Lk
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Everything a tile needs to know besides the data: sizes, masks (read through their strides,
@@ -434,14 +435,17 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
   });
 }
 
-// dQ: one task per (b, h, query block), looping over the key blocks it sees.
+// dQ: one task per (b, h, query block), looping over the key blocks it sees.  With exact_delta,
+// a first pass over the same keys sets delta_i = sum_j p_ij * dp_ij (written to delta for the dK/dV
+// kernel, which then runs after this one).
 void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
-                   const float* do32, const float* lse, const float* delta, const OutView& dq_out) {
+                   const float* do32, const float* lse, float* delta, bool exact_delta,
+                   const OutView& dq_out) {
   const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(kBlockM * kBlockN);
-    std::vector<double> dq(kBlockM * D);
+    std::vector<double> dq(kBlockM * D), rowsum(kBlockM);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % nmb, bh = task / nmb, h = bh % p.H, b = bh / p.H;
       const int64_t hk = h / group;
@@ -450,28 +454,41 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
       const float* k = k32 + (b * p.Hkv + hk) * p.Lk * D;
       const float* v = v32 + (b * p.Hkv + hk) * p.Lk * D;
       const int64_t m0 = mb * kBlockM, bm = std::min(kBlockM, p.Lq - m0);
-      std::fill(dq.begin(), dq.end(), 0.0);
       const int64_t n_end = key_end(p, m0, bm);
-      for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
-        const int64_t bn = std::min(kDqBlockN, n_end - n0);
-        tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
-        for (int64_t r = 0; r < bm; ++r) {
-          const int64_t i = m0 + r;
-          const float l = lse[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
-          const float* doi = dO + i * D;
-          double* dqi = dq.data() + r * D;
-          for (int64_t c = 0; c < bn; ++c) {
-            const float pij = recompute_p(s[r * kBlockN + c], l);
-            if (pij == 0.0f) continue;
-            const int64_t j = n0 + c;
-            const float z = drop_factor(p, b, h, i, j);
-            const float dp = static_cast<float>(dot_d(doi, v + j * D, D));
-            const double ds = static_cast<double>(pij * (dp * z - dl));
-            const float* kj = k + j * D;
-            for (int64_t d = 0; d < D; ++d) dqi[d] += ds * kj[d];
+      // fn(r, j, p_ij, dp_ij) for every visible key j of every row r of the block, where dp_ij
+      // = dO_i . v_j with the dropout factor applied.
+      auto for_each_visible = [&](auto&& fn) {
+        for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
+          const int64_t bn = std::min(kDqBlockN, n_end - n0);
+          tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
+          for (int64_t r = 0; r < bm; ++r) {
+            const int64_t i = m0 + r;
+            const float l = lse[bh * p.Lq + i];
+            const float* doi = dO + i * D;
+            for (int64_t c = 0; c < bn; ++c) {
+              const float pij = recompute_p(s[r * kBlockN + c], l);
+              if (pij == 0.0f) continue;
+              const int64_t j = n0 + c;
+              const float z = drop_factor(p, b, h, i, j);
+              fn(r, j, pij, static_cast<float>(dot_d(doi, v + j * D, D)) * z);
+            }
           }
         }
+      };
+      if (exact_delta) {
+        std::fill(rowsum.begin(), rowsum.end(), 0.0);
+        for_each_visible([&](int64_t r, int64_t, float pij, float dp) {
+          rowsum[r] += static_cast<double>(pij) * dp;
+        });
+        for (int64_t r = 0; r < bm; ++r) delta[bh * p.Lq + m0 + r] = static_cast<float>(rowsum[r]);
       }
+      std::fill(dq.begin(), dq.end(), 0.0);
+      for_each_visible([&](int64_t r, int64_t j, float pij, float dp) {
+        const double ds = static_cast<double>(pij * (dp - delta[bh * p.Lq + m0 + r]));
+        const float* kj = k + j * D;
+        double* dqi = dq.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) dqi[d] += ds * kj[d];
+      });
       for (int64_t r = 0; r < bm; ++r) {
         for (int64_t d = 0; d < D; ++d) {
           dq_out.store(b, h, m0 + r, d, static_cast<float>(dq[r * D + d] * p.scale));
@@ -515,19 +532,25 @@ Tensor3 attention_bwd_cpu(const Tensor& dout, const Tensor& q, const Tensor& k, 
   const Problem p = make_problem(q, k, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
   const Tensor q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v), do32 = as_f32(dout);
   const Tensor lse_c = lse.contiguous();
-  // delta_i = rowsum(dO_i * O_i) with O as the forward stored it (rounded to the input dtype),
-  // summed in double.
-  const Tensor delta = do32.to(at::kDouble).mul(out.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();
+  // delta_i = rowsum(dO_i * O_i) = sum_j p_ij * dp_ij.  From O as the forward stored it (summed in
+  // double) unless O was rounded to 16 bits and the rows are short: that rounding then errs by
+  // about as much as the low-precision reference's whole gradient (10-50% of fresh draws failed
+  // the oracle at Lk <= 8), so the dQ kernel sums p * dp itself (same cut as kernels/attention.py).
+  const bool exact_delta = q.scalar_type() != at::kFloat && p.Lk <= kExactDeltaMaxLk;
+  Tensor delta = exact_delta
+      ? at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat))
+      : do32.to(at::kDouble).mul(out.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();
   // Gradients laid out like their inputs (empty_like: the fake's rule), written in place.
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   if (q32.numel() > 0) {
+    bwd_dq_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
+                  v32.const_data_ptr<float>(), do32.const_data_ptr<float>(),
+                  lse_c.const_data_ptr<float>(), delta.mutable_data_ptr<float>(), exact_delta,
+                  OutView(dq));
     bwd_dkdv_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
                     v32.const_data_ptr<float>(), do32.const_data_ptr<float>(),
                     lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(), OutView(dk),
                     OutView(dv));
-    bwd_dq_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
-                  v32.const_data_ptr<float>(), do32.const_data_ptr<float>(),
-                  lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(), OutView(dq));
   } else {  // no queries: keys and values get no gradient
     dk.zero_();
     dv.zero_();

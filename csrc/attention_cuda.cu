@@ -83,6 +83,7 @@ constexpr int kKvBM = 32;      // dk/dv: queries per tile
 constexpr int kDqBM = 64;      // dq: query rows per CTA
 constexpr int kDqBN = 32;      // dq: keys per tile
 constexpr int kPad = 8;        // shared-memory row padding (halves) against bank conflicts
+constexpr int64_t kExactDeltaMaxLk = 128;  // backward: 16-bit delta from an unrounded O up to this Lk
 
 using Params = AttentionParams<uint16_t>;  // fp16/bf16 bit patterns
 
@@ -889,8 +890,22 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     attention_bwd_fp32_cuda(do_, q_, k_, v_, lse_c, delta, attn_mask, key_padding_mask, is_causal,
                             scale, dropout_p, rng, dq_, dk_, dv_);
   } else {
-    // delta_i = rowsum(dO_i * O_i) in fp32 (ATen, on the current stream).
-    const Tensor delta = dout.to(at::kFloat).mul(out.to(at::kFloat)).sum(-1).contiguous();
+    // delta_i = rowsum(dO_i * O_i) in fp32 (ATen, on the current stream).  O rounded to 16 bits
+    // errs in delta by about as much as the low-precision reference's whole gradient when rows have
+    // few keys (10-50% of fresh draws failed the oracle at Lk <= 8 on the cpu and triton backends,
+    // which share this decomposition); there O is recomputed unrounded by the exact-fp32 forward,
+    // cheap at these lengths (same masks, same dropout stream: the keep mask depends on indices only).
+    Tensor delta;
+    if (k.size(2) <= kExactDeltaMaxLk) {
+      const Tensor q32 = q_.to(at::kFloat), k32 = k_.to(at::kFloat), v32 = v_.to(at::kFloat);
+      Tensor out32 = at::empty(q32.sizes(), q32.options());
+      Tensor lse32 = at::empty_like(lse_c);
+      attention_fwd_fp32_cuda(q32, k32, v32, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                              rng, out32, lse32);
+      delta = dout.to(at::kDouble).mul(out32.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();
+    } else {
+      delta = dout.to(at::kFloat).mul(out.to(at::kFloat)).sum(-1).contiguous();
+    }
     Params p = make_params(q_, k_, v_, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
     p.dout = static_cast<const uint16_t*>(do_.const_data_ptr());
     p.do_sb = do_.stride(0), p.do_sh = do_.stride(1), p.do_sm = do_.stride(2);

@@ -15,7 +15,8 @@ def dt_id(dtype: torch.dtype) -> str:
 
 def generator() -> torch.Generator:
     """A generator with a fresh seed each call (DESIGN section 6: fresh random inputs every
-    run, drawn from torch's global generator)."""
+    run), drawn from torch's global generator, which tests/conftest.py seeds per test from the
+    run's session seed (so a failure replays)."""
     return torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
 
 

@@ -2,8 +2,18 @@
 
 Without a GPU, Triton kernels run through the interpreter on CPU tensors: TRITON_INTERPRET must
 be set before any @triton.jit decorator runs, so it is set here, before tests import kernels.
+
+Random inputs.  Every run draws fresh inputs from one session seed: TF_TEST_SEED when set, else a
+new random one, printed in the report header.  Each test seeds torch's, Python's and numpy's
+global generators from (session seed, test id), and the oracle's upstream gradients come from
+torch's generator, so `TF_TEST_SEED=<seed> pytest <test id>` replays a failure exactly, alone or
+in the whole run, with or without xdist.  Hypothesis uses the session seed unless
+--hypothesis-seed is given.
 """
 import os
+import random
+import secrets
+import zlib
 
 import pytest
 import torch
@@ -54,6 +64,48 @@ def require_backend(backend: str) -> str:
             pytest.fail(f"backend {backend} must be available in CI: {why}")
         pytest.skip(why)
     return device
+
+
+def _session_seed() -> int:
+    # Set once by the controller process so that xdist workers (which inherit the environment)
+    # draw from the same seed.
+    if not os.environ.get("TF_TEST_SEED"):
+        os.environ["TF_TEST_SEED"] = str(secrets.randbits(31))
+    return int(os.environ["TF_TEST_SEED"])
+
+
+SESSION_SEED = _session_seed()
+
+
+def pytest_configure(config):
+    try:
+        from hypothesis import core
+    except ImportError:
+        return
+    if config.getoption("--hypothesis-seed", default=None) is None:
+        core.global_force_seed = SESSION_SEED
+
+
+def pytest_report_header(config):
+    return f"transformer_fast test seed: {SESSION_SEED} (TF_TEST_SEED={SESSION_SEED} replays this run's draws)"
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    seed = zlib.crc32(f"{SESSION_SEED}:{request.node.nodeid}".encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def pytest_runtest_makereport(item, call):
+    if call.excinfo is not None and call.when == "call":
+        item.add_report_section("call", "seed", f"TF_TEST_SEED={SESSION_SEED} pytest '{item.nodeid}' replays it")
 
 
 def pytest_collection_modifyitems(config, items):

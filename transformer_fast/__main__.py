@@ -47,7 +47,10 @@ def cmd_verify(args) -> int:
         print("verify: --device cuda: no CUDA device visible to torch here", file=sys.stderr)
         return 2
     dtypes = [getattr(torch, d) for d in args.dtype] if args.dtype else verify.DTYPES
-    print(f"verify on {device}: {_device_name(device)}")
+    # Fresh draws every run unless --seed replays one (torch's own start-up seed is fixed).
+    seed = args.seed if args.seed is not None else torch.seed() % 2**31
+    torch.manual_seed(seed)
+    print(f"verify on {device}: {_device_name(device)} (--seed {seed} replays these draws)")
     rows = verify.verify(device, ops=args.op, dtypes=dtypes, backend_names=args.backend)
     table = verify.markdown_table(rows)
     print()
@@ -56,7 +59,7 @@ def cmd_verify(args) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
             f.write(f"# verify on {_device_name(device)}\n\n")
-            f.write(f"torch {torch.__version__}, CUDA {torch.version.cuda}\n\n{table}\n")
+            f.write(f"torch {torch.__version__}, CUDA {torch.version.cuda}, --seed {seed}\n\n{table}\n")
     failed = [r for r in rows if r.status == "FAIL"]
     ran = [r for r in rows if r.status == "PASS"]
     peer = [r for r in rows if r.status == "PEER-OUTSIDE"]
@@ -91,6 +94,7 @@ def main(argv=None) -> int:
                    help="only this backend (repeatable)")
     p.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--output", help="also write the table as markdown to this file")
+    p.add_argument("--seed", type=int, help="seed of the random inputs (default: a fresh one, printed)")
     from .models import demo
 
     p = sub.add_parser("train-demo", help="train a small Seq2SeqTransformer on copy/reverse/sort "

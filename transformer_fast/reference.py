@@ -305,14 +305,14 @@ def run_oracle(
             grads = {k: (g if g is not None else torch.zeros_like(leaves[k])) for k, g in zip(leaves, computed)}
         return outs, grads
 
-    # Upstream gradients: fresh random draws shaped like the differentiable outputs.
+    # Upstream gradients: random draws shaped like the differentiable outputs, from ``seed`` or
+    # else from torch's global generator (so torch.manual_seed replays a check, as it does the
+    # inputs drawn with it).
     with torch.no_grad():
         probe = _as_tuple(reference_fn(**prepared(lambda t: t.to(torch.float64))[0]))
-    generator = torch.Generator(device="cpu")
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()))
+    generator = torch.Generator(device="cpu").manual_seed(seed)
     grads_out = [
         torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.device)
         for o in probe
