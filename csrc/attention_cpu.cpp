@@ -372,16 +372,18 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
   });
 }
 
-// p = exp(s - lse) of one recomputed score (0 for masked scores and for dead rows, lse = -inf).
-inline float recompute_p(float s, float lse) {
-  return (s == kNegInf || lse == kNegInf) ? 0.0f : std::exp(s - lse);
+// p = exp(s - lse) of one recomputed score (0 for masked scores and for dead rows, lse = -inf),
+// lse given as lse + lse_lo: s - lse is exact near the row's maximum, so lse_lo keeps the bits of
+// the normaliser that the fp32 lse rounded away.
+inline float recompute_p(float s, float lse, float lse_lo) {
+  return (s == kNegInf || lse == kNegInf) ? 0.0f : std::exp((s - lse) - lse_lo);
 }
 
 // dK, dV: one task per (b, kv head, key block), looping over the query heads of its group and
 // over the query blocks that can see the key block (causal: rows i >= n0 only).
 void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
-                     const float* do32, const float* lse, const float* delta, const OutView& dk_out,
-                     const OutView& dv_out) {
+                     const float* do32, const float* lse, const float* lse_lo, const float* delta,
+                     const OutView& dk_out, const OutView& dv_out) {
   const int64_t nnb = (p.Lk + kBlockN - 1) / kBlockN;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.Hkv * nnb, 1, [&](int64_t begin, int64_t end) {
@@ -404,11 +406,11 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
           tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
           for (int64_t r = 0; r < bm; ++r) {
             const int64_t i = m0 + r;
-            const float l = lse[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
+            const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
             const float* qi = q + i * D;
             const float* doi = dO + i * D;
             for (int64_t c = 0; c < bn; ++c) {
-              const float pij = recompute_p(s[r * kBlockN + c], l);
+              const float pij = recompute_p(s[r * kBlockN + c], l, l_lo);
               if (pij == 0.0f) continue;
               const int64_t j = n0 + c;
               const float z = drop_factor(p, b, h, i, j);
@@ -435,12 +437,13 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
   });
 }
 
-// dQ: one task per (b, h, query block), looping over the key blocks it sees.  With exact_delta,
-// a first pass over the same keys sets delta_i = sum_j p_ij * dp_ij (written to delta for the dK/dV
-// kernel, which then runs after this one).
+// dQ: one task per (b, h, query block), looping over the key blocks it sees.  Before it, and
+// written for the dK/dV kernel, which runs after this one: with refine_lse, lse_lo_i =
+// log(sum_j exp(s_ij - lse_i)) in double (the part of the normaliser the fp32 lse rounded away);
+// with exact_delta, delta_i = sum_j p_ij * dp_ij.
 void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
-                   const float* do32, const float* lse, float* delta, bool exact_delta,
-                   const OutView& dq_out) {
+                   const float* do32, const float* lse, float* lse_lo, bool refine_lse, float* delta,
+                   bool exact_delta, const OutView& dq_out) {
   const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
@@ -455,6 +458,23 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
       const float* v = v32 + (b * p.Hkv + hk) * p.Lk * D;
       const int64_t m0 = mb * kBlockM, bm = std::min(kBlockM, p.Lq - m0);
       const int64_t n_end = key_end(p, m0, bm);
+      if (refine_lse) {
+        std::fill(rowsum.begin(), rowsum.end(), 0.0);
+        for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
+          const int64_t bn = std::min(kDqBlockN, n_end - n0);
+          tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
+          for (int64_t r = 0; r < bm; ++r) {
+            const double l = lse[bh * p.Lq + m0 + r];
+            for (int64_t c = 0; c < bn; ++c) {
+              const float sc = s[r * kBlockN + c];
+              if (sc != kNegInf && l != kNegInf) rowsum[r] += std::exp(static_cast<double>(sc) - l);
+            }
+          }
+        }
+        for (int64_t r = 0; r < bm; ++r) {
+          lse_lo[bh * p.Lq + m0 + r] = rowsum[r] > 0.0 ? static_cast<float>(std::log(rowsum[r])) : 0.0f;
+        }
+      }
       // fn(r, j, p_ij, dp_ij) for every visible key j of every row r of the block, where dp_ij
       // = dO_i . v_j with the dropout factor applied.
       auto for_each_visible = [&](auto&& fn) {
@@ -463,10 +483,10 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
           tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
           for (int64_t r = 0; r < bm; ++r) {
             const int64_t i = m0 + r;
-            const float l = lse[bh * p.Lq + i];
+            const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i];
             const float* doi = dO + i * D;
             for (int64_t c = 0; c < bn; ++c) {
-              const float pij = recompute_p(s[r * kBlockN + c], l);
+              const float pij = recompute_p(s[r * kBlockN + c], l, l_lo);
               if (pij == 0.0f) continue;
               const int64_t j = n0 + c;
               const float z = drop_factor(p, b, h, i, j);
@@ -533,24 +553,32 @@ Tensor3 attention_bwd_cpu(const Tensor& dout, const Tensor& q, const Tensor& k, 
   const Tensor q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v), do32 = as_f32(dout);
   const Tensor lse_c = lse.contiguous();
   // delta_i = rowsum(dO_i * O_i) = sum_j p_ij * dp_ij.  From O as the forward stored it (summed in
-  // double) unless O was rounded to 16 bits and the rows are short: that rounding then errs by
-  // about as much as the low-precision reference's whole gradient (10-50% of fresh draws failed
-  // the oracle at Lk <= 8), so the dQ kernel sums p * dp itself (same cut as kernels/attention.py).
-  const bool exact_delta = q.scalar_type() != at::kFloat && p.Lk <= kExactDeltaMaxLk;
+  // double) unless the rows are short: O rounded to 16 bits then errs by about as much as the
+  // low-precision reference's whole gradient (10-50% of fresh draws failed the oracle at Lk <= 8),
+  // and in fp32 with large logits O's rounding still showed (1 in 30 draws at scale 2, Lk <= 40),
+  // so the dQ kernel sums p * dp itself (kernels/attention.py: the same cut, 16-bit only).
+  const bool exact_delta = p.Lk <= kExactDeltaMaxLk;
   Tensor delta = exact_delta
       ? at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat))
       : do32.to(at::kDouble).mul(out.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();
+  // fp32: the fp32 lse carries |lse| x 2^-24 of error into every recomputed p, where the fp32
+  // reference's softmax (exp(s - max) / sum) is exact to a few ulps; with large logits (scale 2,
+  // D 64: |lse| ~ 50) 10-50% of fresh draws failed the oracle on grad value.  The dQ kernel first
+  // recovers the rounded-away part (one more q.k pass; 16-bit inputs do not need it).
+  const bool refine_lse = q.scalar_type() == at::kFloat;
+  Tensor lse_lo = at::empty_like(lse_c);
+  if (!refine_lse) lse_lo.zero_();
   // Gradients laid out like their inputs (empty_like: the fake's rule), written in place.
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   if (q32.numel() > 0) {
     bwd_dq_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
                   v32.const_data_ptr<float>(), do32.const_data_ptr<float>(),
-                  lse_c.const_data_ptr<float>(), delta.mutable_data_ptr<float>(), exact_delta,
-                  OutView(dq));
+                  lse_c.const_data_ptr<float>(), lse_lo.mutable_data_ptr<float>(), refine_lse,
+                  delta.mutable_data_ptr<float>(), exact_delta, OutView(dq));
     bwd_dkdv_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
                     v32.const_data_ptr<float>(), do32.const_data_ptr<float>(),
-                    lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(), OutView(dk),
-                    OutView(dv));
+                    lse_c.const_data_ptr<float>(), lse_lo.const_data_ptr<float>(),
+                    delta.const_data_ptr<float>(), OutView(dk), OutView(dv));
   } else {  // no queries: keys and values get no gradient
     dk.zero_();
     dv.zero_();

@@ -376,14 +376,14 @@ def _load_lse(LSEh, offs, ok, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n, lo, hi, Lq, Lk, qk_scale,
+def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, offs_n, lo, hi, Lq, Lk, qk_scale,
                 AMh, s_amm, s_amn, KPMb, s_kpn,
                 seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, REFINE_LSE: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_mb = tl.arange(0, BLOCK_M)
     d_ok = offs_d < HEAD_DIM
@@ -410,6 +410,8 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n, lo, hi, 
             sT = _mask_scores(sT, offs_m[None, :], offs_n[:, None], Lq, Lk, AMh, s_amm, s_amn,
                               KPMb, s_kpn, False, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64, PRECISE)
         pT = _exp_sub(sT, lse[None, :], PRECISE)
+        if REFINE_LSE:
+            pT = pT * tl.load(RINVh + offs_m, mask=m_ok, other=1.0)[None, :]
         if HAS_DROPOUT:
             idx = (row_base + offs_m[None, :].to(tl.int64)) * Lk + offs_n[:, None]
             keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
@@ -429,7 +431,7 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n, lo, hi, 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, AM, KPM, KCNT, RNG,
+    Q, K, V, DO, LSE, RINV, DELTA, DK, DV, AM, KPM, KCNT, RNG,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
     sdks, sdkb, sdkh, sdkn, sdvs, sdvb, sdvh, sdvn,
     s_amb, s_amh, s_amm, s_amn, s_kpb, s_kpn,
@@ -438,7 +440,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, REFINE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -492,21 +494,22 @@ def _attn_bwd_dkdv_kernel(
         DOh = DO + b64 * sdob + h64 * sdoh
         row_base = (b64 * H + h64) * Lq
         LSEh = LSE + row_base
+        RINVh = RINV + row_base
         DELTAh = DELTA + row_base
         AMh = AM
         if MASK_KIND != 0:
             AMh = AM + b64 * s_amb + h64 * s_amh
         if IS_CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n,
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, offs_n,
                                  diag_lo, full_lo, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                  seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                                  HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                 HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, sqm, sdom, offs_n,
+                                 HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, offs_n,
                              full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
 
     split64 = split.to(tl.int64)
     dk_ptrs = DK + split64 * sdks + b64 * sdkb + hk64 * sdkh + rows_n * sdkn + offs_d[None, :]
@@ -516,16 +519,18 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _p_dp_tile(q, do, lse, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
+def _p_dp_tile(q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
                AMh, s_amm, s_amn, KPMb, s_kpn,
                seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-               PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
+               PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
+               REFINE_LSE: tl.constexpr):
     """One key block seen from a query block: k^T (BLOCK_D, BLOCK_N), the recomputed
-    probabilities p and dp = dO.v^T (dropout applied), both (BLOCK_M, BLOCK_N) fp32."""
+    probabilities p (times the row factor rinv when REFINE_LSE) and dp = dO.v^T (dropout
+    applied), both (BLOCK_M, BLOCK_N) fp32."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_nb = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -554,6 +559,8 @@ def _p_dp_tile(q, do, lse, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
                          KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64, PRECISE)
     p = _exp_sub(s, lse[:, None], PRECISE)
+    if REFINE_LSE:
+        p = p * rinv[:, None]
     dp = _dot_hd(do, vT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
     if HAS_DROPOUT:
         idx = (row_base + offs_m[:, None].to(tl.int64)) * Lk + offs_n[None, :]
@@ -563,48 +570,56 @@ def _p_dp_tile(q, do, lse, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
+def _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
               AMh, s_amm, s_amn, KPMb, s_kpn,
               seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
               MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-              PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
+              PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
+              REFINE_LSE: tl.constexpr):
     for nb in range(lo, hi):
-        kT, p, dp = _p_dp_tile(q, do, lse, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
+        kT, p, dp = _p_dp_tile(q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
                                AMh, s_amm, s_amn, KPMb, s_kpn,
                                seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DIAG, IS_CAUSAL, MASK_KIND,
-                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                               REFINE_LSE)
         ds = tl.where(p == 1.0, 0.0, p * (dp - Di[:, None]))  # saturated row: see _dkdv_inner
         dq = _dot_acc(_cast(ds, kT.dtype, INTERPRET), tl.trans(kT), dq, PRECISE, DOT_FP32, IEEE)
     return dq
 
 
 @triton.jit
-def _delta_inner(delta, q, do, lse, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
+def _delta_inner(delta, q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
                  AMh, s_amm, s_amn, KPMb, s_kpn,
                  seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                  MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-                 PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
-    """delta = rowsum(p * dp) over key blocks [lo, hi): the exact value of rowsum(dO * O)."""
+                 PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
+                 REFINE_LSE: tl.constexpr, WITH_DP: tl.constexpr):
+    """WITH_DP: delta = rowsum(p * dp) over key blocks [lo, hi), the exact value of
+    rowsum(dO * O); else rowsum(p)."""
     for nb in range(lo, hi):
-        _, p, dp = _p_dp_tile(q, do, lse, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
+        _, p, dp = _p_dp_tile(q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
                               AMh, s_amm, s_amn, KPMb, s_kpn,
                               seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DIAG, IS_CAUSAL, MASK_KIND,
-                              HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
-        delta += tl.sum(p * dp, 1)
+                              HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                              REFINE_LSE)
+        if WITH_DP:
+            delta += tl.sum(p * dp, 1)
+        else:
+            delta += tl.sum(p, 1)
     return delta
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, AM, KPM, KVR, RNG,
+    Q, K, V, DO, LSE, RINV, DELTA, DQ, AM, KPM, KVR, RNG,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
     s_amb, s_amh, s_amm, s_amn, s_kpb, s_kpn,
     H, GROUP, Lq, Lk, qk_scale, scale, drop_thr, drop_scale,
@@ -613,7 +628,7 @@ def _attn_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
     PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, EXACT_DELTA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    REFINE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_mb = tl.cdiv(Lq, BLOCK_M)
@@ -660,32 +675,46 @@ def _attn_bwd_dq_kernel(
         lo = kv_lo // BLOCK_N
         hi = imin(hi, tl.cdiv(kv_hi, BLOCK_N))
         full = lo
+    # The passes below write, for the dk/dv kernel that runs after this one, rinv (REFINE_LSE) and
+    # delta (EXACT_DELTA) of these rows.
+    rinv = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if REFINE_LSE:
+        # exact fp32: the stored fp32 lse is off by up to |lse| x 2^-24, which every recomputed p
+        # of the row inherits (with large logits several times the fp32 reference's error); the
+        # row's p = exp(s - lse) summed over its keys gives the factor that renormalises them.
+        psum = _delta_inner(tl.zeros([BLOCK_M], dtype=tl.float32), q, do, lse, rinv, Kh, Vh, skn, svn,
+                            offs_m, lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                            seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
+                            HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, False, False)
+        rinv = tl.where(psum > 0.0, 1.0 / psum, 1.0)
+        tl.store(RINV + row_base + offs_m, rinv, mask=m_ok)
     if EXACT_DELTA:
-        # Short rows: delta = rowsum(p * dp) from a first pass over the (few) key blocks, stored
-        # for the dk/dv kernel that runs after this one.  rowsum(dO * O) with O rounded to 16 bits
-        # errs by about as much as the reference's whole gradient when a row has few keys.
+        # Short rows: delta = rowsum(p * dp) from a first pass over the (few) key blocks.
+        # rowsum(dO * O) with O rounded to 16 bits errs by about as much as the reference's whole
+        # gradient when a row has few keys.
         full = lo
-        Di = _delta_inner(tl.zeros([BLOCK_M], dtype=tl.float32), q, do, lse, Kh, Vh, skn, svn, offs_m,
+        Di = _delta_inner(tl.zeros([BLOCK_M], dtype=tl.float32), q, do, lse, rinv, Kh, Vh, skn, svn, offs_m,
                           lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                           seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                          HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+                          HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE, True)
         tl.store(DELTA + row_base + offs_m, Di, mask=m_ok)
     else:
         Di = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if not HAS_KPM:  # full blocks: no mask code
-        dq = _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, lo, full, Lq, Lk, qk_scale,
+        dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, lo, full, Lq, Lk, qk_scale,
                        AMh, s_amm, s_amn, KPMb, s_kpn,
                        seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
-    dq = _dq_inner(dq, q, do, lse, Di, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk, qk_scale,
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+    dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk, qk_scale,
                    AMh, s_amm, s_amn, KPMb, s_kpn,
                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                   HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+                   HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
 
     dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + rows * sdqm + offs_d[None, :]
     tl.store(dq_ptrs, _cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=md_mask)
@@ -988,7 +1017,7 @@ def _gqa_split(c: _Common, device: torch.device) -> int:
     return best
 
 
-# Key count up to which 16-bit backward computes delta = rowsum(p * dp) instead of rowsum(dO * O):
+# Key count up to which backward computes delta = rowsum(p * dp) instead of rowsum(dO * O):
 # one extra pass over at most two key blocks.  Measured (interpreter, 100 fresh draws per shape,
 # oracle ratio): rowsum(dO * O) failed 10-26% of draws at Lk <= 7 and 4% at Lq = 1, Lk = 32.
 EXACT_DELTA_MAX_LK = 128
@@ -1014,12 +1043,14 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
         return dq.zero_(), dk.zero_(), dv.zero_()
     flags = c.flags()
 
-    # 16-bit rows with few keys take delta from p and dp (the dq kernel, run first); the rest
-    # from rowsum(dO * O) in a small kernel.  (fp32 stores O unrounded: dO * O is exact enough.)
-    exact_delta = q.dtype != torch.float32 and Lk <= EXACT_DELTA_MAX_LK
+    # Rows with few keys take delta from p and dp (the dq kernel, run first); the rest from
+    # rowsum(dO * O) in a small kernel.
+    exact_delta = Lk <= EXACT_DELTA_MAX_LK
 
     with _device_guard(q):
         delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+        # exact fp32: per-row factors that renormalise p recomputed from the fp32 lse (dq kernel)
+        rinv = torch.empty_like(delta) if c.precise else delta
         if not exact_delta:
             bm_delta = 64 if c.block_d <= 128 else 32
             _attn_bwd_delta_kernel[(triton.cdiv(Lq, bm_delta) * B * H,)](
@@ -1033,12 +1064,12 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
             return (triton.cdiv(Lq, m["BLOCK_M"]) * B * H,)
 
         _dq[grid_q](
-            q, k, v, do, lse, delta, dq, c.am, c.kpm, c.kvr, c.rng,
+            q, k, v, do, lse, rinv, delta, dq, c.am, c.kpm, c.kvr, c.rng,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
             *c.am_strides, *c.kpm_strides,
             H, c.group, Lq, Lk, c.qk_scale, c.scale, c.drop_thr, c.drop_scale,
             c.lq_key, c.lk_key,
-            **flags, EXACT_DELTA=exact_delta, **meta,
+            **flags, EXACT_DELTA=exact_delta, REFINE_LSE=c.precise, **meta,
         )
 
         nsplit = _gqa_split(c, q.device)
@@ -1057,13 +1088,13 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
             return (triton.cdiv(Lk, m["BLOCK_N"]) * B * Hkv * nsplit,)
 
         _dkdv[grid_kv](
-            q, k, v, do, lse, delta, dk_buf, dv_buf, c.am, c.kpm, c.kcnt if c.has_kpm else q, c.rng,
+            q, k, v, do, lse, rinv, delta, dk_buf, dv_buf, c.am, c.kpm, c.kcnt if c.has_kpm else q, c.rng,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk_strides, *dv_strides,
             *c.am_strides, *c.kpm_strides,
             H, Hkv, c.group, c.group // nsplit, nsplit, Lq, Lk, c.qk_scale, c.scale,
             c.drop_thr, c.drop_scale, c.lq_key, c.lk_key,
-            **flags, **meta,
+            **flags, REFINE_LSE=c.precise, **meta,
         )
         if nsplit > 1:
             dk.copy_(dk_buf.sum(0))

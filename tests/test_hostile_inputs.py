@@ -212,6 +212,9 @@ CASES = [
 # PyTorch's own kernels (the "torch" backend, the peer we measure against) where they differ.
 PEER_EXCEPTIONS = {
     ("sdpa-nan-in-query", "torch"): "PyTorch's fp32 CPU SDPA returns finite rows for a NaN query",
+    # Exact gradient 0 for x and residual; torch's gives up to ~6e-5 on some draws (the fuzz skips
+    # torch at width 1 for the same reason).
+    ("ln-width-one", "torch"): "PyTorch's CPU layer_norm backward for a hidden size of 1 is outside the bound",
 }
 
 
