@@ -437,10 +437,10 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
   });
 }
 
-// dQ: one task per (b, h, query block), looping over the key blocks it sees.  Before it, and
-// written for the dK/dV kernel, which runs after this one: with refine_lse, lse_lo_i =
-// log(sum_j exp(s_ij - lse_i)) in double (the part of the normaliser the fp32 lse rounded away);
-// with exact_delta, delta_i = sum_j p_ij * dp_ij.
+// dQ: one task per (b, h, query block), looping over the key blocks it sees.  Before it, one pass
+// over the same keys writes, for the dK/dV kernel (which runs after this one): with refine_lse,
+// lse_lo_i = log(sum_j exp(s_ij - lse_i)) in double (the part of the normaliser the fp32 lse
+// rounded away); with exact_delta, delta_i = sum_j p_ij * dp_ij.
 void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
                    const float* do32, const float* lse, float* lse_lo, bool refine_lse, float* delta,
                    bool exact_delta, const OutView& dq_out) {
@@ -448,7 +448,7 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(kBlockM * kBlockN);
-    std::vector<double> dq(kBlockM * D), rowsum(kBlockM);
+    std::vector<double> dq(kBlockM * D), psum(kBlockM), pdp(kBlockM);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % nmb, bh = task / nmb, h = bh % p.H, b = bh / p.H;
       const int64_t hk = h / group;
@@ -458,57 +458,59 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
       const float* v = v32 + (b * p.Hkv + hk) * p.Lk * D;
       const int64_t m0 = mb * kBlockM, bm = std::min(kBlockM, p.Lq - m0);
       const int64_t n_end = key_end(p, m0, bm);
-      if (refine_lse) {
-        std::fill(rowsum.begin(), rowsum.end(), 0.0);
-        for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
-          const int64_t bn = std::min(kDqBlockN, n_end - n0);
-          tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
-          for (int64_t r = 0; r < bm; ++r) {
-            const double l = lse[bh * p.Lq + m0 + r];
-            for (int64_t c = 0; c < bn; ++c) {
-              const float sc = s[r * kBlockN + c];
-              if (sc != kNegInf && l != kNegInf) rowsum[r] += std::exp(static_cast<double>(sc) - l);
-            }
-          }
-        }
-        for (int64_t r = 0; r < bm; ++r) {
-          lse_lo[bh * p.Lq + m0 + r] = rowsum[r] > 0.0 ? static_cast<float>(std::log(rowsum[r])) : 0.0f;
-        }
-      }
-      // fn(r, j, p_ij, dp_ij) for every visible key j of every row r of the block, where dp_ij
-      // = dO_i . v_j with the dropout factor applied.
-      auto for_each_visible = [&](auto&& fn) {
+      if (refine_lse || exact_delta) {
+        // One pass for both: e_ij = exp(s_ij - lse_i) in double, psum_i = sum_j e_ij (1 up to the
+        // rounding of the fp32 lse) and pdp_i = sum_j e_ij * dp_ij.
+        std::fill(psum.begin(), psum.end(), 0.0);
+        std::fill(pdp.begin(), pdp.end(), 0.0);
         for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
           const int64_t bn = std::min(kDqBlockN, n_end - n0);
           tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
           for (int64_t r = 0; r < bm; ++r) {
             const int64_t i = m0 + r;
-            const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i];
+            const double l = lse[bh * p.Lq + i];
             const float* doi = dO + i * D;
             for (int64_t c = 0; c < bn; ++c) {
-              const float pij = recompute_p(s[r * kBlockN + c], l, l_lo);
-              if (pij == 0.0f) continue;
-              const int64_t j = n0 + c;
-              const float z = drop_factor(p, b, h, i, j);
-              fn(r, j, pij, static_cast<float>(dot_d(doi, v + j * D, D)) * z);
+              const float sc = s[r * kBlockN + c];
+              if (sc == kNegInf || l == kNegInf) continue;
+              const double e = std::exp(static_cast<double>(sc) - l);
+              psum[r] += e;
+              if (exact_delta) {  // with the float p and dp the gradients use (below, bwd_dkdv_kernel)
+                const int64_t j = n0 + c;
+                const float dp = static_cast<float>(dot_d(doi, v + j * D, D)) * drop_factor(p, b, h, i, j);
+                pdp[r] += (refine_lse ? e : static_cast<double>(recompute_p(sc, lse[bh * p.Lq + i], 0.0f))) * dp;
+              }
             }
           }
         }
-      };
-      if (exact_delta) {
-        std::fill(rowsum.begin(), rowsum.end(), 0.0);
-        for_each_visible([&](int64_t r, int64_t, float pij, float dp) {
-          rowsum[r] += static_cast<double>(pij) * dp;
-        });
-        for (int64_t r = 0; r < bm; ++r) delta[bh * p.Lq + m0 + r] = static_cast<float>(rowsum[r]);
+        for (int64_t r = 0; r < bm; ++r) {
+          const int64_t row = bh * p.Lq + m0 + r;
+          if (refine_lse) lse_lo[row] = psum[r] > 0.0 ? static_cast<float>(std::log(psum[r])) : 0.0f;
+          // delta of the p the gradients use (renormalised by psum when refine_lse)
+          if (exact_delta) delta[row] = static_cast<float>(refine_lse && psum[r] > 0.0 ? pdp[r] / psum[r] : pdp[r]);
+        }
       }
       std::fill(dq.begin(), dq.end(), 0.0);
-      for_each_visible([&](int64_t r, int64_t j, float pij, float dp) {
-        const double ds = static_cast<double>(pij * (dp - delta[bh * p.Lq + m0 + r]));
-        const float* kj = k + j * D;
-        double* dqi = dq.data() + r * D;
-        for (int64_t d = 0; d < D; ++d) dqi[d] += ds * kj[d];
-      });
+      for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
+        const int64_t bn = std::min(kDqBlockN, n_end - n0);
+        tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
+        for (int64_t r = 0; r < bm; ++r) {
+          const int64_t i = m0 + r;
+          const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
+          const float* doi = dO + i * D;
+          double* dqi = dq.data() + r * D;
+          for (int64_t c = 0; c < bn; ++c) {
+            const float pij = recompute_p(s[r * kBlockN + c], l, l_lo);
+            if (pij == 0.0f) continue;
+            const int64_t j = n0 + c;
+            const float z = drop_factor(p, b, h, i, j);
+            const float dp = static_cast<float>(dot_d(doi, v + j * D, D));
+            const double ds = static_cast<double>(pij * (dp * z - dl));
+            const float* kj = k + j * D;
+            for (int64_t d = 0; d < D; ++d) dqi[d] += ds * kj[d];
+          }
+        }
+      }
       for (int64_t r = 0; r < bm; ++r) {
         for (int64_t d = 0; d < D; ++d) {
           dq_out.store(b, h, m0 + r, d, static_cast<float>(dq[r * D + d] * p.scale));

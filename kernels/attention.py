@@ -592,29 +592,29 @@ def _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk
 
 
 @triton.jit
-def _delta_inner(delta, q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
-                 AMh, s_amm, s_amn, KPMb, s_kpn,
-                 seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                 DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-                 PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
-                 REFINE_LSE: tl.constexpr, WITH_DP: tl.constexpr):
-    """WITH_DP: delta = rowsum(p * dp) over key blocks [lo, hi), the exact value of
-    rowsum(dO * O); else rowsum(p)."""
-    for nb in range(lo, hi):
-        _, p, dp = _p_dp_tile(q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
+def _row_sums(q, do, lse, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
+              AMh, s_amm, s_amn, KPMb, s_kpn,
+              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
+              PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
+    """rowsum(p) and rowsum(p * dp) over key blocks [lo, hi) (masked loop), p = exp(s - lse)
+    from the stored lse: the row's normalisation (1 up to the fp32 lse's rounding) and delta
+    for those p."""
+    psum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for nb in range(lo, hi):  # (REFINE_LSE False: _p_dp_tile ignores its rinv, passed as lse)
+        _, p, dp = _p_dp_tile(q, do, lse, lse, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
                               AMh, s_amm, s_amn, KPMb, s_kpn,
                               seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
-                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DIAG, IS_CAUSAL, MASK_KIND,
+                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
-                              REFINE_LSE)
-        if WITH_DP:
-            delta += tl.sum(p * dp, 1)
-        else:
-            delta += tl.sum(p, 1)
-    return delta
+                              False)
+        psum += tl.sum(p, 1)
+        pdp += tl.sum(p * dp, 1)
+    return psum, pdp
 
 
 @triton.jit
@@ -675,30 +675,25 @@ def _attn_bwd_dq_kernel(
         lo = kv_lo // BLOCK_N
         hi = imin(hi, tl.cdiv(kv_hi, BLOCK_N))
         full = lo
-    # The passes below write, for the dk/dv kernel that runs after this one, rinv (REFINE_LSE) and
-    # delta (EXACT_DELTA) of these rows.
+    # One pass over the row's key blocks writes, for the dk/dv kernel that runs after this one:
+    # REFINE_LSE (exact fp32): rinv = 1 / rowsum(exp(s - lse)).  The stored fp32 lse is off by up
+    # to |lse| x 2^-24, which every recomputed p of the row inherits (with large logits several
+    # times the fp32 reference's error); rinv renormalises them.
+    # EXACT_DELTA (short rows): delta = rowsum(p * dp).  rowsum(dO * O) with O rounded to 16 bits
+    # errs by about as much as the reference's whole gradient when a row has few keys.
     rinv = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    if REFINE_LSE:
-        # exact fp32: the stored fp32 lse is off by up to |lse| x 2^-24, which every recomputed p
-        # of the row inherits (with large logits several times the fp32 reference's error); the
-        # row's p = exp(s - lse) summed over its keys gives the factor that renormalises them.
-        psum = _delta_inner(tl.zeros([BLOCK_M], dtype=tl.float32), q, do, lse, rinv, Kh, Vh, skn, svn,
-                            offs_m, lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
-                            seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
-                            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                            HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, False, False)
-        rinv = tl.where(psum > 0.0, 1.0 / psum, 1.0)
-        tl.store(RINV + row_base + offs_m, rinv, mask=m_ok)
+    if REFINE_LSE or EXACT_DELTA:
+        psum, pdp = _row_sums(q, do, lse, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
+                              AMh, s_amm, s_amn, KPMb, s_kpn,
+                              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND, HAS_KPM,
+                              HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+        if REFINE_LSE:
+            rinv = tl.where(psum > 0.0, 1.0 / psum, 1.0)
+            tl.store(RINV + row_base + offs_m, rinv, mask=m_ok)
     if EXACT_DELTA:
-        # Short rows: delta = rowsum(p * dp) from a first pass over the (few) key blocks.
-        # rowsum(dO * O) with O rounded to 16 bits errs by about as much as the reference's whole
-        # gradient when a row has few keys.
         full = lo
-        Di = _delta_inner(tl.zeros([BLOCK_M], dtype=tl.float32), q, do, lse, rinv, Kh, Vh, skn, svn, offs_m,
-                          lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
-                          seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
-                          HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                          HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE, True)
+        Di = pdp * rinv  # rowsum(p * dp) of the p the gradients use
         tl.store(DELTA + row_base + offs_m, Di, mask=m_ok)
     else:
         Di = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
