@@ -676,9 +676,9 @@ def _attn_bwd_dq_kernel(
         hi = imin(hi, tl.cdiv(kv_hi, BLOCK_N))
         full = lo
     # One pass over the row's key blocks writes, for the dk/dv kernel that runs after this one:
-    # REFINE_LSE (exact fp32): rinv = 1 / rowsum(exp(s - lse)).  The stored fp32 lse is off by up
-    # to |lse| x 2^-24, which every recomputed p of the row inherits (with large logits several
-    # times the fp32 reference's error); rinv renormalises them.
+    # REFINE_LSE: rinv = 1 / rowsum(exp(s - lse)).  The stored fp32 lse is off by up to
+    # |lse| x 2^-24, which every recomputed p of the row inherits (with large logits several
+    # times the fp32 reference's error; uncancelled in an EXACT_DELTA delta); rinv renormalises.
     # EXACT_DELTA (short rows): delta = rowsum(p * dp).  rowsum(dO * O) with O rounded to 16 bits
     # errs by about as much as the reference's whole gradient when a row has few keys.
     rinv = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
@@ -1041,11 +1041,15 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
     # Rows with few keys take delta from p and dp (the dq kernel, run first); the rest from
     # rowsum(dO * O) in a small kernel.
     exact_delta = Lk <= EXACT_DELTA_MAX_LK
+    # Renormalise the recomputed p (rinv, from the dq kernel's first pass) for exact fp32, and
+    # wherever that pass runs anyway: delta = rowsum(p * dp) inherits the fp32 lse's rounding
+    # (|lse| x 2^-24, 1e-3 relative at a float mask of -1e4) uncancelled, so a row with one key
+    # got dq, dk of 1e-2 where the exact gradient is 0.
+    refine = c.precise or exact_delta
 
     with _device_guard(q):
         delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-        # exact fp32: per-row factors that renormalise p recomputed from the fp32 lse (dq kernel)
-        rinv = torch.empty_like(delta) if c.precise else delta
+        rinv = torch.empty_like(delta) if refine else delta
         if not exact_delta:
             bm_delta = 64 if c.block_d <= 128 else 32
             _attn_bwd_delta_kernel[(triton.cdiv(Lq, bm_delta) * B * H,)](
@@ -1064,7 +1068,7 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
             *c.am_strides, *c.kpm_strides,
             H, c.group, Lq, Lk, c.qk_scale, c.scale, c.drop_thr, c.drop_scale,
             c.lq_key, c.lk_key,
-            **flags, EXACT_DELTA=exact_delta, REFINE_LSE=c.precise, **meta,
+            **flags, EXACT_DELTA=exact_delta, REFINE_LSE=refine, **meta,
         )
 
         nsplit = _gqa_split(c, q.device)
@@ -1089,7 +1093,7 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
             *c.am_strides, *c.kpm_strides,
             H, Hkv, c.group, c.group // nsplit, nsplit, Lq, Lk, c.qk_scale, c.scale,
             c.drop_thr, c.drop_scale, c.lq_key, c.lk_key,
-            **flags, REFINE_LSE=c.precise, **meta,
+            **flags, REFINE_LSE=refine, **meta,
         )
         if nsplit > 1:
             dk.copy_(dk_buf.sum(0))

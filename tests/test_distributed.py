@@ -7,7 +7,6 @@ and has not run yet (README, Guarantees and limits).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -49,10 +48,13 @@ def _single_process_grads():
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _worker(rank, port, wrapper, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, store_path, wrapper, out_path):
+    # Rendezvous through a file and gloo on the loopback device: no port picked in advance that
+    # another process could take first, and no dependence on what the host name resolves to
+    # (gloo raises those errors on its own threads, where they abort the worker).
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     try:
         model = _model(0)
         x, pad, target = _batch()
@@ -81,12 +83,6 @@ def _worker(rank, port, wrapper, out_path):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 def test_gradients_match_single_process(wrapper):
     if not dist.is_available() or not dist.is_gloo_available():
@@ -94,7 +90,8 @@ def test_gradients_match_single_process(wrapper):
     expected = _single_process_grads()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "grads.pt")
-        mp.start_processes(_worker, args=(_free_port(), wrapper, out_path), nprocs=WORLD, join=True,
+        store_path = os.path.join(tmp, "rendezvous")
+        mp.start_processes(_worker, args=(store_path, wrapper, out_path), nprocs=WORLD, join=True,
                            start_method="spawn")
         got = torch.load(out_path)
     assert set(got) == set(expected)
