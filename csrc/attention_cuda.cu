@@ -884,10 +884,8 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
   Tensor dq_ = writable(dq), dk_ = writable(dk), dv_ = writable(dv);
   const Tensor lse_c = lse.contiguous();
   if (q.scalar_type() == at::kFloat) {
-    // delta_i = rowsum(dO_i * O_i), summed in double (ATen, on the current stream): the exact
-    // fp32 path is where the oracle's bound is tightest.
-    const Tensor delta = dout.to(at::kDouble).mul(out.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();
-    attention_bwd_fp32_cuda(do_, q_, k_, v_, lse_c, delta, attn_mask, key_padding_mask, is_causal,
+    // (delta comes from the kernels' own first pass: attention_fp32_cuda.cu)
+    attention_bwd_fp32_cuda(do_, q_, k_, v_, lse_c, attn_mask, key_padding_mask, is_causal,
                             scale, dropout_p, rng, dq_, dk_, dv_);
   } else {
     // delta_i = rowsum(dO_i * O_i) in fp32 (ATen, on the current stream).  O rounded to 16 bits

@@ -54,9 +54,11 @@ struct AttentionParams {
   const E* dout;        // backward only
   const float* lse;     // backward: (B, H, Lq) contiguous
   const float* delta;   // backward: (B, H, Lq) contiguous
+  const float* lse_lo;  // exact-fp32 backward: log(rowsum(exp(s - lse))), (B, H, Lq) contiguous
   E* out;               // forward: out; backward: dq (dq_kernel) / dk (dkdv_kernel)
   E* out2;              // dkdv_kernel: dv
-  float* lse_out;       // forward: (B, H, Lq) contiguous
+  float* lse_out;       // forward: (B, H, Lq) contiguous; exact-fp32 backward's first pass: lse_lo
+  float* delta_out;     // exact-fp32 backward's first pass: delta
   int64_t q_sb, q_sh, q_sm;
   int64_t k_sb, k_sh, k_sm;
   int64_t v_sb, v_sh, v_sm;
@@ -121,7 +123,7 @@ P fill_attention_params(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // Exact-fp32 attention kernels (attention_fp32_cuda.cu), called by attention_fwd_cuda /
 // attention_bwd_cuda for fp32 inputs after the argument checks.  Every tensor is 4-D with unit
 // stride along D (other strides read as given); attn_mask is (B, H, Lq, Lk) (stride-0 dims
-// allowed), key_padding_mask (B, Lk) bool; lse and delta (B, H, Lq) contiguous fp32.
+// allowed), key_padding_mask (B, Lk) bool; lse (B, H, Lq) contiguous fp32.
 void attention_fwd_fp32_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::optional<at::Tensor>& attn_mask,
                              const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
@@ -129,7 +131,7 @@ void attention_fwd_fp32_cuda(const at::Tensor& q, const at::Tensor& k, const at:
                              at::Tensor& out, at::Tensor& lse);
 
 void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                             const at::Tensor& v, const at::Tensor& lse, const at::Tensor& delta,
+                             const at::Tensor& v, const at::Tensor& lse,
                              const std::optional<at::Tensor>& attn_mask,
                              const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                              double scale, double dropout_p, const std::optional<at::Tensor>& rng,

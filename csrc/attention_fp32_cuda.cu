@@ -7,14 +7,20 @@
 // Numerics: exact fp32 always (no tensor cores, so no tf32 even where torch's allow_tf32 would
 // permit it; exact fp32 is always within the DESIGN 6 contract, only slower).  The oracle bound is
 // tightest for fp32, so the arithmetic follows kernels/attention.py's PRECISE mode:
-//   * every contraction over the head dim (q.k, do.v) is summed in three levels (8-wide chunks,
+//   * the scores' dots q.k are summed in double and rounded once, the same way in every pass,
+//     so the forward and all backward passes compute bit-identical scores (p = exp(s - lse) of a
+//     row's only key is then exactly 1); do.v is summed in three fp32 levels (8-wide chunks,
 //     32-wide groups, the groups; a plain sequential FMA dot over D = 256 errs ~2x more than
-//     torch's CPU matmul), with explicit fmaf so that the forward and both backward passes
-//     compute bit-identical scores (p = exp(s - lse) of a row's only key is then exactly 1);
+//     torch's CPU matmul);
 //   * every tile's contribution to an accumulator over the sequence (O += P V, dQ += dS K,
 //     dK += dS^T Q, dV += (P Z)^T dO) and to the row sum l is summed on its own, then added
 //     (two-level summation);
-//   * exponentials are expf of the difference (s - m), taken first.
+//   * exponentials are expf of the difference (s - m), taken first;
+//   * backward renormalises every row: the fp32 lse = m + log(l) errs by up to |lse| x 2^-24,
+//     which each recomputed p of the row inherits (with large logits, scale 2 and D 64, 12 of 30
+//     fresh draws failed the oracle in emulation, mostly on dV).  A first pass (row_stats_kernel)
+//     sums exp(s - lse) per row in double; p = exp((s - lse) - lse_lo) (the cpu backend's rule),
+//     and delta = rowsum(p * dp) for those p.
 // NaN / Inf propagate like the reference's (a NaN score makes its row NaN; masked probabilities
 // are 0 and still multiply V, as the reference's p @ v does).
 //
@@ -27,7 +33,7 @@
 //                of the GQA group and over 32-query tiles (lane = query): S^T, dP^T, then
 //                dV += (P Z)^T dO and dK += dS^T Q with lane = column.  No atomics.
 //   dq_kernel    one CTA per (b, h, BM query rows), loops over 32-key tiles: dQ += dS K.
-//   delta = rowsum(dO * O) is computed with ATen (in double) before the two backward kernels.
+//   row_stats_kernel  the dq kernel's layout, run before the other two: per row lse_lo and delta.
 // Q / K / V / dO tiles live in shared memory with an odd row pitch (DP + 1 floats), so a warp
 // reading one column of 32 rows hits 32 banks; the head dim is padded (zero-filled) to a bucket
 // DP of 64, 128 or 256 (accumulator sizes are compile-time), and query tiles shrink as D grows
@@ -38,6 +44,7 @@
 // Contract (transformer_fast/ops/attention.py): attention_cuda.h.  Dropout keeps (b, h, i, j) iff
 // philox_word(seed, offset, ((b*H + h)*Lq + i)*Lk + j) >= threshold (philox.h), as every backend.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #ifndef TF_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -92,9 +99,7 @@ __device__ __forceinline__ void load_rows(float* s, const float* src, int64_t ld
 // shared memory), summed in three levels: 8-wide chunks (sequential FMAs), their sums within
 // 32-wide groups, then the groups.  Sequential fp32 FMA dots err ~2x torch's CPU matmul at
 // D = 256 (and a single 32-wide level still ~1.1x the oracle's bound at D = 32 in 1 of 200
-// draws); three levels keep every sequential run at <= 8 terms.  The sum order depends on d
-// only (and fmaf is commutative), so q_i . k_j is bit-identical whichever side is `x`: the
-// forward and both backward kernels recompute the same scores.
+// draws); three levels keep every sequential run at <= 8 terms.  Used for dp = dO . v.
 template <int NR>
 __device__ __forceinline__ void chunked_dots(float dots[NR], const float* x, const float* ys,
                                              int pitch, int D) {
@@ -123,6 +128,31 @@ __device__ __forceinline__ void chunked_dots(float dots[NR], const float* x, con
   }
 }
 
+// The scores' dots q . k: as chunked_dots, but summed in double (the fp32 products are exact
+// there) and rounded once.  An error in s is a relative error in p = exp(s - lse), which dS =
+// p (dp - delta) and dV = p dO carry: with fp32 scores as accurate as the fp32 reference's, the
+// oracle's 2x margin failed 2 of 30 fresh draws at scale 2 (D 64, Lk 7) on dQ / dK; 0 of 60 in
+// double.  The kernels are bound by shared-memory loads (one per FMA), not by the FMA unit, on
+// GPUs with half-rate fp64 (A100, H100); where fp64 runs at 1/32-1/64 (GeForce, L4) this path
+// is slower (it is the opt-in `cuda` backend's fp32 path; auto takes triton).  The sum order
+// depends on d only (and fma is commutative), so q_i . k_j is bit-identical whichever side is
+// `x`: the forward and all backward kernels recompute the same scores.
+template <int NR>
+__device__ __forceinline__ void score_dots(float dots[NR], const float* x, const float* ys,
+                                           int pitch, int D) {
+  double acc[NR];
+#pragma unroll
+  for (int a = 0; a < NR; ++a) acc[a] = 0.0;
+  for (int d = 0; d < D; ++d) {
+    const double xd = x[d];
+#pragma unroll
+    for (int a = 0; a < NR; ++a) acc[a] = fma(xd, static_cast<double>(ys[a * pitch + d]), acc[a]);
+  }
+#pragma unroll
+  for (int a = 0; a < NR; ++a) dots[a] = static_cast<float>(acc[a]);
+}
+
+
 // t[c] = sum_jj row[jj] * tile[jj][lane + 32 c] over the kTile rows of a shared-memory tile
 // (row pitch `pitch`): one row of a (kTile-wide) probability / dS tile times V / K, summed on
 // its own before the caller adds it to its accumulator.
@@ -138,9 +168,11 @@ __device__ __forceinline__ void row_times_tile(float t[NC], const float* row, co
   }
 }
 
-// p = exp(s - lse) of a recomputed score: 0 for a masked score and for a dead row (lse -inf).
-__device__ __forceinline__ float recompute_p(float s, float lse) {
-  return (s == -INFINITY || lse == -INFINITY) ? 0.0f : expf(s - lse);
+// p = exp((s - lse) - lse_lo) of a recomputed score: 0 for a masked score and for a dead row (lse
+// -inf).  s - lse is exact near the row's maximum; lse_lo is the part of the normaliser the fp32
+// lse rounded away (0 in the pass that computes it).
+__device__ __forceinline__ float recompute_p(float s, float lse, float lse_lo) {
+  return (s == -INFINITY || lse == -INFINITY) ? 0.0f : expf((s - lse) - lse_lo);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -191,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 
     // Scores: lane = key n0 + lane against the warp's RW rows.
     float s[RW];
-    chunked_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
+    score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
     const int j = n0 + lane;
 #pragma unroll
     for (int a = 0; a < RW; ++a) Ps[(r0 + a) * kTile + lane] = masked_score(p, b, h, m0 + r0 + a, j, s[a]);
@@ -273,6 +305,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   float* Ss = Zs + BN * kTile;                  // [BN][kTile] dS^T
   float* Ls = Ss + BN * kTile;                  // [kTile] lse of the query tile
   float* Ds = Ls + kTile;                       // [kTile] delta of the query tile
+  float* Rs = Ds + kTile;                       // [kTile] lse_lo of the query tile
 
   const int nnb = (p.Lk + BN - 1) / BN;
   const int nb = blockIdx.x % nnb, bhk = blockIdx.x / nnb;
@@ -307,19 +340,20 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
         const bool in = m0 + r < p.Lq;
         Ls[r] = in ? p.lse[bh * p.Lq + m0 + r] : -INFINITY;
         Ds[r] = in ? p.delta[bh * p.Lq + m0 + r] : 0.0f;
+        Rs[r] = in ? p.lse_lo[bh * p.Lq + m0 + r] : 0.0f;
       }
       __syncthreads();  // the tile (and at the start the K / V rows) is visible to every warp
 
       // lane = query m0 + lane against the warp's RW keys.
       float s[RW], dp[RW];
-      chunked_dots<RW>(s, Qs + lane * pitch, Ks + r0 * pitch, pitch, p.D);
+      score_dots<RW>(s, Qs + lane * pitch, Ks + r0 * pitch, pitch, p.D);
       chunked_dots<RW>(dp, Os + lane * pitch, Vs + r0 * pitch, pitch, p.D);
       const int i = m0 + lane;
-      const float l = Ls[lane], dl = Ds[lane];
+      const float l = Ls[lane], dl = Ds[lane], l_lo = Rs[lane];
 #pragma unroll
       for (int a = 0; a < RW; ++a) {
         const int j = n0 + r0 + a;
-        const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), l);
+        const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), l, l_lo);
         const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
         Zs[(r0 + a) * kTile + lane] = pe * z;
         Ss[(r0 + a) * kTile + lane] = pe * (dp[a] * z - dl);
@@ -379,6 +413,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   float* Ss = Vs + kTile * pitch;               // [BM][kTile] dS
   float* Ls = Ss + BM * kTile;                  // [BM] lse
   float* Ds = Ls + BM;                          // [BM] delta
+  float* Rs = Ds + BM;                          // [BM] lse_lo
 
   const int nmb = (p.Lq + BM - 1) / BM;
   const int mb = blockIdx.x % nmb, bh = blockIdx.x / nmb;
@@ -399,6 +434,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     const bool in = m0 + r < p.Lq;
     Ls[r] = in ? p.lse[static_cast<int64_t>(bh) * p.Lq + m0 + r] : -INFINITY;
     Ds[r] = in ? p.delta[static_cast<int64_t>(bh) * p.Lq + m0 + r] : 0.0f;
+    Rs[r] = in ? p.lse_lo[static_cast<int64_t>(bh) * p.Lq + m0 + r] : 0.0f;
   }
 
   float dq[RW][NC];
@@ -415,13 +451,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     __syncthreads();  // the tile (and at n0 = 0 the Q / dO rows and stats) is visible
 
     float s[RW], dp[RW];  // lane = key n0 + lane
-    chunked_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
+    score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
     chunked_dots<RW>(dp, Vs + lane * pitch, Os + r0 * pitch, pitch, p.D);
     const int j = n0 + lane;
 #pragma unroll
     for (int a = 0; a < RW; ++a) {
       const int r = r0 + a, i = m0 + r;
-      const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r]);
+      const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r], Rs[r]);
       const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
       Ss[r * kTile + lane] = pe * (dp[a] * z - Ds[r]);
     }
@@ -448,6 +484,82 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Backward, first pass: the row statistics both other passes read
+
+// Per query row i, with p_ij = exp(s_ij - lse_i) (before dropout, as the softmax's denominator):
+// lse_lo_i = log(sum_j p_ij) (dead rows: 0) into p.lse_out, and delta_i = sum_j p'_ij z_ij dp_ij
+// for the renormalised p' = p / sum_j p into p.delta_out, both summed in double.  (delta =
+// rowsum(dO * O) from the fp32 O failed 3 of 30 fresh draws at scale 2 on dQ / dK.)  The dq
+// kernel's layout, without its accumulators.
+template <int DP>
+__global__ void __launch_bounds__(kThreads) row_stats_kernel(const Params p) {
+  constexpr int RW = rows_q<DP>(), BM = kWarps * RW, pitch = DP + 1;
+  extern __shared__ __align__(16) uint16_t smem[];
+  float* Qs = reinterpret_cast<float*>(smem);  // [BM][pitch]
+  float* Os = Qs + BM * pitch;                  // [BM][pitch] dO rows
+  float* Ks = Os + BM * pitch;                  // [kTile][pitch]
+  float* Vs = Ks + kTile * pitch;               // [kTile][pitch]
+  float* Us = Vs + kTile * pitch;               // [BM][kTile] p
+  float* Ws = Us + BM * kTile;                  // [BM][kTile] p z dp
+  float* Ls = Ws + BM * kTile;                  // [BM] lse
+
+  const int nmb = (p.Lq + BM - 1) / BM;
+  const int mb = blockIdx.x % nmb, bh = blockIdx.x / nmb;
+  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int m0 = mb * BM, r0 = warp * RW;
+
+  uint64_t seed = 0, offset = 0;
+  if (p.rng != nullptr) {
+    seed = static_cast<uint64_t>(p.rng[0]);
+    offset = static_cast<uint64_t>(p.rng[1]);
+  }
+  const float* kh = p.k + b * p.k_sb + hk * p.k_sh;
+  const float* vh = p.v + b * p.v_sb + hk * p.v_sh;
+  load_rows<DP>(Qs, p.q + b * p.q_sb + h * p.q_sh + m0 * p.q_sm, p.q_sm, BM, p.Lq - m0, p.D);
+  load_rows<DP>(Os, p.dout + b * p.do_sb + h * p.do_sh + m0 * p.do_sm, p.do_sm, BM, p.Lq - m0, p.D);
+  for (int r = threadIdx.x; r < BM; r += kThreads) {
+    Ls[r] = m0 + r < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + m0 + r] : -INFINITY;
+  }
+
+  double psum = 0.0, pdp = 0.0;  // of row r0 + lane, kept by lanes < RW
+  const int n_end = p.causal ? min(p.Lk, m0 + BM) : p.Lk;
+  for (int n0 = 0; n0 < n_end; n0 += kTile) {
+    __syncthreads();  // every warp is done with the previous K / V tile
+    load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
+    load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
+    __syncthreads();  // the tile (and at n0 = 0 the Q / dO rows and lse) is visible
+
+    float s[RW], dp[RW];  // lane = key n0 + lane; the same scores as the other passes
+    score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
+    chunked_dots<RW>(dp, Vs + lane * pitch, Os + r0 * pitch, pitch, p.D);
+    const int j = n0 + lane;
+#pragma unroll
+    for (int a = 0; a < RW; ++a) {
+      const int r = r0 + a, i = m0 + r;
+      const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r], 0.0f);
+      const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
+      Us[r * kTile + lane] = pe;
+      Ws[r * kTile + lane] = pe * (dp[a] * z);
+    }
+    __syncwarp();
+    if (lane < RW) {
+      const int r = r0 + lane;
+      for (int c = 0; c < kTile; ++c) {
+        psum += Us[r * kTile + c];
+        pdp += Ws[r * kTile + c];
+      }
+    }
+    __syncwarp();  // the row sums have read Us / Ws before the next tile overwrites them
+  }
+  const int64_t row = static_cast<int64_t>(bh) * p.Lq + m0 + r0 + lane;
+  if (lane < RW && m0 + r0 + lane < p.Lq) {
+    p.lse_out[row] = psum > 0.0 ? static_cast<float>(log(psum)) : 0.0f;
+    p.delta_out[row] = psum > 0.0 ? static_cast<float>(pdp / psum) : 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side
 
 // Shared-memory bytes of each kernel (float counts as laid out at the top of the kernels).
@@ -459,12 +571,17 @@ size_t fwd_smem() {
 template <int DP>
 size_t dkdv_smem() {
   constexpr int BN = kWarps * rows_kv<DP>();
-  return sizeof(float) * ((2 * BN + 2 * kTile) * (DP + 1) + 2 * BN * kTile + 2 * kTile);
+  return sizeof(float) * ((2 * BN + 2 * kTile) * (DP + 1) + 2 * BN * kTile + 3 * kTile);
 }
 template <int DP>
 size_t dq_smem() {
   constexpr int BM = kWarps * rows_q<DP>();
-  return sizeof(float) * ((2 * BM + 2 * kTile) * (DP + 1) + BM * kTile + 2 * BM);
+  return sizeof(float) * ((2 * BM + 2 * kTile) * (DP + 1) + BM * kTile + 3 * BM);
+}
+template <int DP>
+size_t row_stats_smem() {
+  constexpr int BM = kWarps * rows_q<DP>();
+  return sizeof(float) * ((2 * BM + 2 * kTile) * (DP + 1) + 2 * BM * kTile + BM);
 }
 
 #ifndef TF_CUDA_EMULATE
@@ -486,8 +603,9 @@ void run_fwd(const Params& p) {
 }
 
 template <int DP>
-void run_bwd(const Params& pkv, const Params& pq) {
+void run_bwd(const Params& pst, const Params& pkv, const Params& pq) {
   constexpr int BN = kWarps * rows_kv<DP>(), BM = kWarps * rows_q<DP>();
+  launch(row_stats_kernel<DP>, int64_t{pst.B} * pst.H * ((pst.Lq + BM - 1) / BM), row_stats_smem<DP>(), pst);
   launch(dkdv_kernel<DP>, int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + BN - 1) / BN), dkdv_smem<DP>(), pkv);
   launch(dq_kernel<DP>, int64_t{pq.B} * pq.H * ((pq.Lq + BM - 1) / BM), dq_smem<DP>(), pq);
 }
@@ -513,8 +631,7 @@ void attention_fwd_fp32_cuda(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& lse, const at::Tensor& delta,
-                             const std::optional<at::Tensor>& attn_mask,
+                             const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
                              const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                              double scale, double dropout_p, const std::optional<at::Tensor>& rng,
                              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
@@ -523,8 +640,13 @@ void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const 
   p.dout = dout.const_data_ptr<float>();
   p.do_sb = dout.stride(0), p.do_sh = dout.stride(1), p.do_sm = dout.stride(2);
   p.lse = lse.const_data_ptr<float>();
+  // Written by the first pass, read by the other two.
+  at::Tensor lse_lo = at::empty_like(lse), delta = at::empty_like(lse);
+  p.lse_lo = lse_lo.const_data_ptr<float>();
   p.delta = delta.const_data_ptr<float>();
-  attn_fp32::Params pkv = p, pq = p;
+  attn_fp32::Params pst = p, pkv = p, pq = p;
+  pst.lse_out = lse_lo.mutable_data_ptr<float>();
+  pst.delta_out = delta.mutable_data_ptr<float>();
   pkv.out = dk.mutable_data_ptr<float>();
   pkv.o_sb = dk.stride(0), pkv.o_sh = dk.stride(1), pkv.o_sm = dk.stride(2);
   pkv.out2 = dv.mutable_data_ptr<float>();
@@ -532,9 +654,9 @@ void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const 
   pq.out = dq.mutable_data_ptr<float>();
   pq.o_sb = dq.stride(0), pq.o_sh = dq.stride(1), pq.o_sm = dq.stride(2);
   switch (attn_device::head_dim_bucket(p.D)) {
-    case 64: attn_fp32::run_bwd<64>(pkv, pq); break;
-    case 128: attn_fp32::run_bwd<128>(pkv, pq); break;
-    default: attn_fp32::run_bwd<256>(pkv, pq); break;
+    case 64: attn_fp32::run_bwd<64>(pst, pkv, pq); break;
+    case 128: attn_fp32::run_bwd<128>(pst, pkv, pq); break;
+    default: attn_fp32::run_bwd<256>(pst, pkv, pq); break;
   }
 }
 
