@@ -72,10 +72,26 @@ void keep_factors(const Drop& dr, uint64_t first, int64_t n, float* out) {
   dropout_factors(dr.seed, dr.offset, first, n, dr.threshold, dr.scale, out);
 }
 
+// The standard normal cdf Phi(x) = 1 - erfc(x / sqrt2) / 2 (x >= 0), erfc(-x / sqrt2) / 2 (x < 0):
+// no cancellation in 1 + erf(x / sqrt2) for negative x, and erfc within 1.5 ulp.  gelu = x Phi(x)
+// errs ~3x less than torch's fp32 0.5 x (1 + erf(x / sqrt2)) (rms 4e-8 against 1.2e-7 over
+// x ~ N(0, 4)), so the oracle's margin does not rest on matching torch's roundings: the median
+// ratio of our error to torch's fell from 0.95 to 0.79 on the output and from 1.0 to 0.86 on
+// grad x (100 draws, 100 rows, d_model 4, d_ff 34; fwd+bwd time within noise at 4096 x 512 x 2048).
+inline Vec normal_cdf_vec(Vec x) {
+  const Vec half_tail = Vec(0.5f) * (x.abs() * Vec(kSqrt1_2)).erfc();
+  return Vec::blendv(Vec(1.0f) - half_tail, half_tail, x < Vec(0.0f));
+}
+
+inline float normal_cdf_scalar(float x) {
+  const float half_tail = 0.5f * std::erfc(std::fabs(x) * kSqrt1_2);
+  return x < 0.0f ? half_tail : 1.0f - half_tail;
+}
+
 inline Vec act_vec(Vec v, FfnAct act) {
   switch (act) {
     case FfnAct::kRelu: return at::vec::maximum(v, Vec(0.0f));
-    case FfnAct::kGelu: return Vec(0.5f) * v * (Vec(1.0f) + (v * Vec(kSqrt1_2)).erf());
+    case FfnAct::kGelu: return v * normal_cdf_vec(v);
     case FfnAct::kGeluTanh: {
       const Vec u = Vec(kSqrt2OverPi) * (v + Vec(kGeluC) * v * v * v);
       return Vec(0.5f) * v * (Vec(1.0f) + u.tanh());
@@ -87,7 +103,7 @@ inline Vec act_vec(Vec v, FfnAct act) {
 inline float act_scalar(float v, FfnAct act) {
   switch (act) {
     case FfnAct::kRelu: return v < 0.0f ? 0.0f : v;  // NaN stays NaN, as torch.relu
-    case FfnAct::kGelu: return 0.5f * v * (1.0f + std::erf(v * kSqrt1_2));
+    case FfnAct::kGelu: return v * normal_cdf_scalar(v);
     case FfnAct::kGeluTanh:
       return 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + kGeluC * v * v * v)));
     default: return v;
@@ -99,8 +115,7 @@ inline float act_scalar(float v, FfnAct act) {
 // of ~1e-7 times x * du/dx ~ 30 at |x| ~ 8; measured 2e-6 in fp32, past the oracle's bound).
 inline Vec act_grad_vec(Vec x, FfnAct act) {
   if (act == FfnAct::kGelu) {
-    const Vec cdf = Vec(0.5f) * (Vec(1.0f) + (x * Vec(kSqrt1_2)).erf());
-    return cdf + x * (Vec(-0.5f) * x * x).exp() * Vec(kInvSqrt2Pi);
+    return normal_cdf_vec(x) + x * (Vec(-0.5f) * x * x).exp() * Vec(kInvSqrt2Pi);
   }
   const Vec x2 = x * x;
   const Vec u = Vec(kSqrt2OverPi) * (x + Vec(kGeluC) * x2 * x);
@@ -115,7 +130,7 @@ inline Vec act_grad_vec(Vec x, FfnAct act) {
 
 inline float act_grad_scalar(float x, FfnAct act) {
   if (act == FfnAct::kGelu) {
-    return 0.5f * (1.0f + std::erf(x * kSqrt1_2)) + x * std::exp(-0.5f * x * x) * kInvSqrt2Pi;
+    return normal_cdf_scalar(x) + x * std::exp(-0.5f * x * x) * kInvSqrt2Pi;
   }
   const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
   const float e = std::exp(-2.0f * std::fabs(u));
