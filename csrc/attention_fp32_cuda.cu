@@ -152,7 +152,6 @@ __device__ __forceinline__ void score_dots(float dots[NR], const float* x, const
   for (int a = 0; a < NR; ++a) dots[a] = static_cast<float>(acc[a]);
 }
 
-
 // t[c] = sum_jj row[jj] * tile[jj][lane + 32 c] over the kTile rows of a shared-memory tile
 // (row pitch `pitch`): one row of a (kTile-wide) probability / dS tile times V / K, summed on
 // its own before the caller adds it to its accumulator.
@@ -554,8 +553,9 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const Params p) {
   }
   const int64_t row = static_cast<int64_t>(bh) * p.Lq + m0 + r0 + lane;
   if (lane < RW && m0 + r0 + lane < p.Lq) {
-    p.lse_out[row] = psum > 0.0 ? static_cast<float>(log(psum)) : 0.0f;
-    p.delta_out[row] = psum > 0.0 ? static_cast<float>(pdp / psum) : 0.0f;
+    // A dead row (every p 0) gets 0 and 0; a NaN stays NaN, as in the other passes.
+    p.lse_out[row] = psum == 0.0 ? 0.0f : static_cast<float>(log(psum));
+    p.delta_out[row] = psum == 0.0 ? 0.0f : static_cast<float>(pdp / psum);
   }
 }
 
