@@ -852,6 +852,71 @@ def test_float_mask_of_another_dtype_rejected_like_torch(which, mask_dtype, need
             ns.MultiheadAttention(16, 2)(x, x, x, need_weights=need_weights, **{which: mask})
 
 
+def _outcome(fn):
+    """("ok", output) or the exception's family: which of torch's classes a caller catches."""
+    try:
+        return "ok", fn()
+    except (RuntimeError, AssertionError, TypeError, ValueError) as e:
+        return tuple(c.__name__ for c in (RuntimeError, AssertionError, TypeError, ValueError)
+                     if isinstance(e, c)), None
+
+
+_X5 = (5, 2, 16)
+_MASK_CASES = {
+    # torch adds the two masks (a bool one becomes the query's dtype), so the sum is fp32 here
+    "f16-attn_mask+bool-padding": lambda ns, x: ns.MultiheadAttention(16, 2)(
+        x, x, x, attn_mask=torch.randn(5, 5).half(), key_padding_mask=torch.rand(2, 5) < 0.3,
+        need_weights=False),
+    "f16-attn_mask+bool-padding-weights": lambda ns, x: ns.MultiheadAttention(16, 2)(
+        x, x, x, attn_mask=torch.randn(5, 5).half(), key_padding_mask=torch.rand(2, 5) < 0.3),
+    "f16-padding+f32-attn_mask": lambda ns, x: ns.MultiheadAttention(16, 2)(
+        x, x, x, attn_mask=torch.randn(5, 5), key_padding_mask=torch.randn(2, 5).half(),
+        need_weights=False),
+    "f64-model-f32-attn_mask+bool-padding-weights": lambda ns, x: ns.MultiheadAttention(16, 2, dtype=torch.float64)(
+        x.double(), x.double(), x.double(), attn_mask=torch.randn(5, 5),
+        key_padding_mask=torch.rand(2, 5) < 0.3),
+    "f64-model-f32-attn_mask-weights": lambda ns, x: ns.MultiheadAttention(16, 2, dtype=torch.float64)(
+        x.double(), x.double(), x.double(), attn_mask=torch.randn(5, 5)),
+    # is_causal without padding or weights: torch drops attn_mask after checking only its rank
+    "causal-drops-f64-src_mask": lambda ns, x: ns.TransformerEncoderLayer(16, 2, 32, dropout=0.0)(
+        x, src_mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64), is_causal=True),
+    "causal-4d-attn_mask": lambda ns, x: ns.MultiheadAttention(16, 2)(
+        x, x, x, attn_mask=torch.ones(5, 5, dtype=torch.bool).triu(1).expand(1, 4, 5, 5),
+        is_causal=True, need_weights=False),
+    "causal-unbatched-3d-attn_mask-of-1-head": lambda ns, x: ns.MultiheadAttention(16, 2)(
+        x[:, 0], x[:, 0], x[:, 0], attn_mask=torch.ones(1, 5, 5, dtype=torch.bool).triu(1),
+        is_causal=True, need_weights=False),
+    # torch checks attn_mask's size before key_padding_mask's (a RuntimeError, not an assertion)
+    "length-disagrees-with-both-masks": lambda ns, x: ns.TransformerEncoderLayer(16, 2, 32, dropout=0.0)(
+        torch.randn(6, 2, 16), src_mask=torch.zeros(5, 5),
+        src_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)),
+    "integer-3d-tgt_mask-in-decoder": lambda ns, x: ns.TransformerDecoder(ns.TransformerDecoderLayer(16, 2, 32), 1)(
+        x, torch.randn(7, 2, 16), tgt_mask=torch.zeros(4, 5, 5, dtype=torch.int64)),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("case", list(_MASK_CASES))
+def test_mask_checks_follow_torch(case):
+    """Mask dtype / shape rules where torch's order of operations decides (found by a
+    differential fuzz against torch.nn): the same inputs run on both, or raise a class a
+    caller of torch's module catches, and where both run the outputs agree."""
+    x = torch.randn(*_X5)
+    results = []
+    for ns in (nn, M):
+        torch.manual_seed(0)
+        results.append(_outcome(lambda: _MASK_CASES[case](ns, x)))
+    (theirs, t_out), (ours, o_out) = results
+    if theirs == "ok":
+        assert ours == "ok", f"torch runs {case}; ours raised {ours}"
+        t_out = t_out[0] if isinstance(t_out, tuple) else t_out
+        o_out = o_out[0] if isinstance(o_out, tuple) else o_out
+        torch.testing.assert_close(o_out, t_out, rtol=1e-4, atol=1e-5)
+    else:
+        assert ours != "ok", f"torch raises {theirs} for {case}; ours ran"
+        assert set(theirs) <= set(ours), f"torch raises {theirs}; ours {ours}"
+
+
 def test_unswapped_encoder_keeps_torch_nested_tensor_flag():
     def build(ns):
         return ns.TransformerEncoder(ns.TransformerEncoderLayer(E, H, FF, batch_first=True), 2,

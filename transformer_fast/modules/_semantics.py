@@ -52,8 +52,10 @@ def check_layer_inputs(d_model: int, **tensors) -> None:
             )
 
 
-class MaskTypeError(TypeError, AssertionError):
-    """A mask of a dtype torch rejects (neither bool nor floating point)."""
+class MaskTypeError(TypeError, AssertionError, RuntimeError):
+    """A mask of a dtype torch rejects (neither bool nor floating point): AssertionError from
+    its mask checks, or RuntimeError where a stack's causal-mask detection meets it first (an
+    integer 3-D tgt_mask in TransformerDecoder)."""
 
 
 def check_mask_kind(mask, name: str, other=None, other_name: str = "") -> None:

@@ -23,6 +23,7 @@ Documented differences from torch (results are otherwise the same up to rounding
   open to every query there, which a causal mask over them would not be).
 * The output of a batch_first module is contiguous (torch returns a transposed view).
 """
+import functools
 import math
 
 import torch
@@ -40,20 +41,30 @@ from ._semantics import InputError, InputRuntimeError, backend_for, check_mask_k
 __all__ = ["MultiheadAttention"]
 
 
-def _check_float_mask_dtype(name, mask, query, need_weights) -> None:
-    """torch's rule for a float mask's dtype (outside autocast, which casts): the query's, or
-    float32 where torch's SDPA path takes the mask (need_weights=False); its need_weights=True
-    path adds the mask to the scores and needs the query's dtype exactly."""
-    if mask is None or not mask.is_floating_point() or mask.dtype == query.dtype:
+def _check_float_mask_dtype(attn_mask, key_padding_mask, query, need_weights) -> None:
+    """torch's rule for the float masks' dtype (outside autocast, which casts).  torch turns a
+    bool mask into a float one of the query's dtype, adds attn_mask and key_padding_mask when
+    both are given (type promotion), and hands the sum to SDPA (need_weights=False: the query's
+    dtype or float32) or adds it to the scores (need_weights=True: the query's dtype exactly).
+    ``attn_mask`` is None here where torch drops it unread."""
+    masks = [m for m in (attn_mask, key_padding_mask) if m is not None]
+    if not any(m.is_floating_point() for m in masks):
         return
     if torch.is_autocast_enabled(query.device.type):
         return
-    if mask.dtype == torch.float32 and not need_weights:
+    merged = functools.reduce(
+        torch.promote_types, (query.dtype if m.dtype == torch.bool else m.dtype for m in masks))
+    if merged == query.dtype or (merged == torch.float32 and not need_weights):
         return
-    allowed = f"{query.dtype}" if need_weights else f"{query.dtype} or torch.float32"
+    allowed = str(query.dtype)
+    if not need_weights and query.dtype != torch.float32:
+        allowed += " or torch.float32"
+    names = " + ".join(n for n, m in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask))
+                       if m is not None)
     raise InputRuntimeError(
-        f"a float {name} must have the query's dtype ({allowed}, as torch.nn.MultiheadAttention "
-        f"requires with need_weights={need_weights}); got {mask.dtype}"
+        f"the float mask ({names}, as torch adds them: {merged}) must have the query's dtype "
+        f"({allowed}, as torch.nn.MultiheadAttention requires with need_weights={need_weights}); "
+        f"got {', '.join(str(m.dtype) for m in masks)}"
     )
 
 
@@ -182,18 +193,26 @@ class MultiheadAttention(Module):
                 "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
                 "module method `generate_square_subsequent_mask` to create this mask."
             )
-        is_batched = self._check_shapes(query, key, value, key_padding_mask)
-        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
-            _check_float_mask_dtype(name, m, query, need_weights)
+        is_batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
         seq_dim = (1 if self.batch_first else 0) if is_batched else 0
         tgt_len, src_len = query.shape[seq_dim], key.shape[seq_dim]
         bsz = query.shape[1 - seq_dim] if is_batched else 1
         num_heads, head_dim = self.num_heads, self.head_dim
 
-        # torch drops attn_mask (and checks nothing about it) exactly in this case.
+        # torch drops attn_mask exactly in this case, after checking only its rank (above).
         use_attn_mask = not (is_causal and key_padding_mask is None and not need_weights)
+        _check_float_mask_dtype(attn_mask if use_attn_mask else None, key_padding_mask, query,
+                                need_weights)
+        # torch's order: attn_mask's size, then key_padding_mask's.
         if attn_mask is not None and use_attn_mask:
             self._check_attn_mask(attn_mask, is_batched, bsz, tgt_len, src_len)
+        if key_padding_mask is not None:
+            expected = (bsz, src_len) if is_batched else (src_len,)
+            if tuple(key_padding_mask.shape) != expected:
+                raise InputError(
+                    f"key_padding_mask must have shape {expected} (batch, key length); got "
+                    f"{tuple(key_padding_mask.shape)}"
+                )
 
         q, k, v = self._in_projection(query, key, value)  # each (.., H, D) in the input layout
         q, k, v = (self._heads(t, is_batched) for t in (q, k, v))  # (N, H, L|S, D) views
@@ -279,8 +298,10 @@ class MultiheadAttention(Module):
 
     # ---- helpers
 
-    def _check_shapes(self, query, key, value, key_padding_mask) -> bool:
-        """torch's _mha_shape_check plus the embedding checks; returns is_batched."""
+    def _check_shapes(self, query, key, value, key_padding_mask, attn_mask) -> bool:
+        """torch's _mha_shape_check (the masks' ranks, and an unbatched 3-D attn_mask's shape,
+        checked even where the is_causal hint then drops attn_mask) plus the embedding checks;
+        returns is_batched."""
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -335,14 +356,16 @@ class MultiheadAttention(Module):
                     f"key must have query's batch size {query.shape[bdim]} (dim {bdim}); got "
                     f"key {tuple(key.shape)}, query {tuple(query.shape)}"
                 )
-        if key_padding_mask is not None:
-            seq_dim = (1 if self.batch_first else 0) if is_batched else 0
-            expected = (key.shape[1 - seq_dim], key.shape[seq_dim]) if is_batched else (key.shape[0],)
-            if tuple(key_padding_mask.shape) != expected:
+        if attn_mask is not None:
+            kind = "batched (3-D)" if is_batched else "unbatched (2-D)"
+            if attn_mask.dim() not in (2, 3):
                 raise InputError(
-                    f"key_padding_mask must have shape {expected} (batch, key length); got "
-                    f"{tuple(key_padding_mask.shape)}"
+                    f"For {kind} `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                    f"{attn_mask.dim()}-D tensor instead"
                 )
+            expected = (self.num_heads, query.shape[0], key.shape[0])
+            if not is_batched and attn_mask.dim() == 3 and tuple(attn_mask.shape) != expected:
+                raise InputError(f"Expected `attn_mask` shape to be {expected} but got {attn_mask.shape}")
         return is_batched
 
     def _check_attn_mask(self, attn_mask, is_batched, bsz, tgt_len, src_len) -> None:
@@ -352,16 +375,11 @@ class MultiheadAttention(Module):
                     f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be "
                     f"{(tgt_len, src_len)}."
                 )
-        elif attn_mask.dim() == 3:
+        else:  # 3-D (_check_shapes checked the rank)
             expected = (bsz * self.num_heads, tgt_len, src_len)
             if tuple(attn_mask.shape) != expected:
                 cls = InputRuntimeError if is_batched else InputError
                 raise cls(f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {expected}.")
-        else:
-            raise InputError(
-                "expected `attn_mask` to be `None`, 2-D or 3-D but found "
-                f"{attn_mask.dim()}-D tensor instead"
-            )
 
     def _in_projection(self, query, key, value):
         """q, k, v projections, each (.., num_heads, head_dim) in the input's own layout."""
