@@ -338,11 +338,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   const int m0 = mb * kFwdBM;
   const int row0 = m0 + warp * 16;  // this warp's first query row
 
-  uint64_t seed = 0, offset = 0;
-  if (p.rng != nullptr) {
-    seed = static_cast<uint64_t>(p.rng[0]);
-    offset = static_cast<uint64_t>(p.rng[1]);
-  }
+  const auto [seed, offset] = dropout_key(p);
 
   const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
@@ -499,11 +495,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   const int n0 = nb * kKvBN;
   const int key0 = warp * 16;  // this warp's first key within the tile
 
-  uint64_t seed = 0, offset = 0;
-  if (p.rng != nullptr) {
-    seed = static_cast<uint64_t>(p.rng[0]);
-    offset = static_cast<uint64_t>(p.rng[1]);
-  }
+  const auto [seed, offset] = dropout_key(p);
   load_tile<DP>(Ks, p.k + b * p.k_sb + hk * p.k_sh + n0 * p.k_sm, p.k_sm, kKvBN, p.Lk - n0, p.D, p.vec16);
   load_tile<DP>(Vs, p.v + b * p.v_sb + hk * p.v_sh + n0 * p.v_sm, p.v_sm, kKvBN, p.Lk - n0, p.D, p.vec16);
 
@@ -650,11 +642,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   const int m0 = mb * kDqBM;
   const int row0 = m0 + warp * 16;
 
-  uint64_t seed = 0, offset = 0;
-  if (p.rng != nullptr) {
-    seed = static_cast<uint64_t>(p.rng[0]);
-    offset = static_cast<uint64_t>(p.rng[1]);
-  }
+  const auto [seed, offset] = dropout_key(p);
   const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* doh = p.dout + b * p.do_sb + h * p.do_sh;
   const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;

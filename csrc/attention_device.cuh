@@ -42,6 +42,17 @@ __device__ __forceinline__ float masked_score(const P& p, int b, int h, int i, i
   return s;
 }
 
+// The dropout stream's (seed, offset), read from the device [seed, offset] pair; (0, 0) without
+// dropout, where drop_factor does not use them.
+struct DropoutKey {
+  uint64_t seed, offset;
+};
+template <typename P>
+__device__ __forceinline__ DropoutKey dropout_key(const P& p) {
+  if (p.rng == nullptr) return {0, 0};
+  return {static_cast<uint64_t>(p.rng[0]), static_cast<uint64_t>(p.rng[1])};
+}
+
 // 1/(1-p) if element (b, h, i, j) is kept by the dropout stream, else 0 (1 without dropout).
 template <typename P>
 __device__ __forceinline__ float drop_factor(const P& p, uint64_t seed, uint64_t offset, int b,

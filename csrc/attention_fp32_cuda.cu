@@ -195,11 +195,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int m0 = mb * BM, r0 = warp * RW;  // r0: this warp's first row within the CTA
 
-  uint64_t seed = 0, offset = 0;
-  if (p.rng != nullptr) {
-    seed = static_cast<uint64_t>(p.rng[0]);
-    offset = static_cast<uint64_t>(p.rng[1]);
-  }
+  const auto [seed, offset] = dropout_key(p);
   const float* kh = p.k + b * p.k_sb + hk * p.k_sh;
   const float* vh = p.v + b * p.v_sb + hk * p.v_sh;
   load_rows<DP>(Qs, p.q + b * p.q_sb + h * p.q_sh + m0 * p.q_sm, p.q_sm, BM, p.Lq - m0, p.D);
@@ -312,11 +308,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = nb * BN, r0 = warp * RW;
 
-  uint64_t seed = 0, offset = 0;
-  if (p.rng != nullptr) {
-    seed = static_cast<uint64_t>(p.rng[0]);
-    offset = static_cast<uint64_t>(p.rng[1]);
-  }
+  const auto [seed, offset] = dropout_key(p);
   load_rows<DP>(Ks, p.k + b * p.k_sb + hk * p.k_sh + n0 * p.k_sm, p.k_sm, BN, p.Lk - n0, p.D);
   load_rows<DP>(Vs, p.v + b * p.v_sb + hk * p.v_sh + n0 * p.v_sm, p.v_sm, BN, p.Lk - n0, p.D);
 
@@ -420,11 +412,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int m0 = mb * BM, r0 = warp * RW;
 
-  uint64_t seed = 0, offset = 0;
-  if (p.rng != nullptr) {
-    seed = static_cast<uint64_t>(p.rng[0]);
-    offset = static_cast<uint64_t>(p.rng[1]);
-  }
+  const auto [seed, offset] = dropout_key(p);
   const float* kh = p.k + b * p.k_sb + hk * p.k_sh;
   const float* vh = p.v + b * p.v_sb + hk * p.v_sh;
   load_rows<DP>(Qs, p.q + b * p.q_sb + h * p.q_sh + m0 * p.q_sm, p.q_sm, BM, p.Lq - m0, p.D);
@@ -508,11 +496,7 @@ __global__ void __launch_bounds__(kThreads) row_stats_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int m0 = mb * BM, r0 = warp * RW;
 
-  uint64_t seed = 0, offset = 0;
-  if (p.rng != nullptr) {
-    seed = static_cast<uint64_t>(p.rng[0]);
-    offset = static_cast<uint64_t>(p.rng[1]);
-  }
+  const auto [seed, offset] = dropout_key(p);
   const float* kh = p.k + b * p.k_sb + hk * p.k_sh;
   const float* vh = p.v + b * p.v_sb + hk * p.v_sh;
   load_rows<DP>(Qs, p.q + b * p.q_sb + h * p.q_sh + m0 * p.q_sm, p.q_sm, BM, p.Lq - m0, p.D);
