@@ -264,6 +264,18 @@ def test_sdpa_empty_shapes_match_torch(backend, shape_q, shape_k):
     _close(got.cpu(), expected)
 
 
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("shape", [(0, 2, 3, 5), (1, 2, 2, 0, 5), (1, 2, 2, 5, 0), (2, 1, 0, 3, 4, 5)],
+                         ids=["B0", "5d-Lq0", "5d-Lk0", "6d-H0"])
+def test_masked_softmax_empty_shapes_match_torch(backend, shape):
+    """Zero-size scores of any rank (5-D with a 0 among the last three dims crashed the fused
+    path's reshape to 4-D, found by a differential fuzz against torch)."""
+    device = _ready(backend)
+    scores = torch.randn(shape)
+    got = F.masked_softmax(scores.to(device), backend=backend)
+    _close(got.cpu(), torch.softmax(scores, dim=-1))
+
+
 def test_sdpa_no_keys_with_value_head_dim_gives_zeros():
     q, k, v = torch.randn(2, 2, 3, D), torch.randn(2, 2, 0, D), torch.randn(2, 2, 0, 24)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -386,18 +398,43 @@ def test_sdpa_half_precision_keeps_dtype_and_meets_oracle(backend, dtype):
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    # torch broadcasts a size-1 key/value batch and a lower-rank key; DESIGN 9 calls these a
-    # mismatched batch / wrong rank: a ValueError naming the argument.
-    (dict(key=torch.randn(1, H, S, D), value=torch.randn(1, H, S, D)), "key must have query's batch"),
-    (dict(key=torch.randn(H, S, D), value=torch.randn(H, S, D)), "key must have as many dimensions"),
+    # a batch that does not broadcast (torch raises too); DESIGN 9: a ValueError naming it
+    (dict(key=torch.randn(B + 1, H, S, D), value=torch.randn(B + 1, H, S, D)), "key must have query's batch"),
     (dict(value=torch.randn(B, H, S - 1, D)), "value must have key's sequence length"),
-    (dict(value=torch.randn(B, 1, S, D)), "value must have key's number of heads"),
-], ids=["key-batch-1", "key-rank-3", "value-length", "value-heads"])
+    (dict(value=torch.randn(B, 1, S, D), key=torch.randn(B, 2, S, D), enable_gqa=True),
+     "value must have key's number of heads"),
+], ids=["key-batch", "value-length", "value-heads"])
 def test_sdpa_shape_errors_name_the_argument(overrides, needle):
     kwargs = dict(query=torch.randn(B, H, L, D), key=torch.randn(B, H, S, D), value=torch.randn(B, H, S, D))
     kwargs.update(overrides)
     with pytest.raises(ValueError, match=needle):
         F.scaled_dot_product_attention(**kwargs)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", *backend_params("cpu", "triton", "cuda")])
+@pytest.mark.parametrize("q_shape,kv_shape,gqa", [
+    ((2, 3, 5, 16), (1, 3, 6, 16), False),   # a size-1 batch: k, v shared across it
+    ((2, 3, 5, 16), (2, 1, 6, 16), False),   # one head broadcast (no enable_gqa)
+    ((2, 3, 5, 16), (3, 6, 16), False),      # a lower-rank key / value
+    ((4, 5, 16), (1, 6, 16), False),         # 3-D inputs
+    ((1, 4, 5, 16), (2, 2, 6, 16), True),    # query's batch broadcast, heads grouped
+], ids=["batch-1", "heads-1", "rank-3", "3d", "gqa-query-batch-1"])
+def test_sdpa_broadcasts_batch_dims_like_torch(backend, q_shape, kv_shape, gqa):
+    """torch's SDPA broadcasts every dim but (L, D) (the heads group instead under enable_gqa);
+    ours expands the views to one shape, and autograd sums the gradients back."""
+    device = require_backend(backend)
+    q = torch.randn(q_shape, device=device, requires_grad=True)
+    k, v = (torch.randn(kv_shape, device=device, requires_grad=True) for _ in range(2))
+    upstream = None
+    results = []
+    for fn in (lambda *a: torch.nn.functional.scaled_dot_product_attention(*a, enable_gqa=gqa),
+               lambda *a: F.scaled_dot_product_attention(*a, enable_gqa=gqa, backend=backend)):
+        out = fn(q, k, v)
+        upstream = torch.randn_like(out) if upstream is None else upstream
+        results.append((out, *torch.autograd.grad(out, (q, k, v), upstream)))
+    for theirs, ours in zip(*results):
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
 _RUNTIME_CASES = {

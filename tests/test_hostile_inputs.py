@@ -147,7 +147,9 @@ CASES = [
     raises("sdpa-devices-differ", SDPA, sdpa_with(lambda q, k, v: ((q, k.to("meta"), v), {})), ValueError, "device"),
     raises("sdpa-dtypes-differ", SDPA, sdpa_with(lambda q, k, v: ((q, k.half(), v), {})), TypeError, "dtype"),
     raises("sdpa-head-dims-differ", SDPA, sdpa_with(lambda q, k, v: ((q, k[..., :8], v), {})), ValueError, "key"),
-    raises("sdpa-batches-differ", SDPA, sdpa_with(lambda q, k, v: ((q, k[:1], v[:1]), {})), ValueError, "batch"),
+    # batches that do not broadcast (a size-1 batch broadcasts, as in torch)
+    raises("sdpa-batches-differ", SDPA, sdpa_with(lambda q, k, v: ((q, torch.cat([k, k[:1]]), torch.cat([v, v[:1]])), {})),
+           ValueError, "batch"),
     raises("sdpa-gqa-not-dividing", SDPA, sdpa(lambda: qkv(h=3, hkv=2), enable_gqa=True), ValueError, "head"),
     raises("sdpa-gqa-without-flag", SDPA, sdpa(lambda: qkv(h=4, hkv=2)), ValueError, "enable_gqa"),
     raises("sdpa-rank-2-query", SDPA, sdpa_with(lambda q, k, v: ((q[0, 0], k[0, 0], v[0, 0]), {})), ValueError, "query"),

@@ -137,6 +137,25 @@ def _zero_dead_rows_softmax(x):
 # ---- scaled_dot_product_attention
 
 
+def _broadcast_batch_dims(query, key, value, enable_gqa):
+    """torch's SDPA broadcasts query, key and value over every dim but (L, D) (and the heads,
+    which group instead, under enable_gqa): q (2, 3, L, D) with k, v (1, 3, S, D) or
+    (2, 1, S, D) is attention with k, v shared across that dim.  Expanded views (no copy;
+    autograd sums the gradients back); shapes that do not broadcast are left for the checks."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in tensors):
+        return tensors
+    kept = 3 if enable_gqa is True else 2  # trailing dims that do not broadcast
+    leads = [t.shape[:-kept] for t in tensors]
+    if leads[0] == leads[1] == leads[2] and query.dim() == key.dim() == value.dim():
+        return tensors
+    try:
+        batch = torch.broadcast_shapes(*leads)
+    except RuntimeError:
+        return tensors
+    return tuple(t.expand(*batch, *t.shape[-kept:]) for t in tensors)
+
+
 def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      key_padding_mask):
     _checks.tensor("query", query, min_ndim=3)
@@ -421,7 +440,8 @@ def scaled_dot_product_attention(
     Args:
         query: (..., Hq, Lq, D) (or (N, Lq, D) without a head dimension), float16/bfloat16/
             float32/float64.  Any strides.
-        key: (..., Hkv, Lk, D), query's dtype, device and leading dimensions.  Hkv == Hq, or with
+        key: (..., Hkv, Lk, D), query's dtype and device; leading dimensions that broadcast with
+            query's (as torch's: k, v shared across a size-1 dim, no copy).  Hkv == Hq, or with
             ``enable_gqa`` any divisor of Hq (key/value head h serves query heads
             h * Hq/Hkv .. (h+1) * Hq/Hkv - 1, as torch).
         value: (..., Hkv, Lk, Dv); Dv may differ from D.
@@ -448,6 +468,7 @@ def scaled_dot_product_attention(
     Raises:
         TypeError / ValueError naming the argument for any malformed input, before computing.
     """
+    query, key, value = _broadcast_batch_dims(query, key, value, enable_gqa)
     dropout_p, is_causal, scale, enable_gqa = _check_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
@@ -680,7 +701,7 @@ def masked_softmax(scores, mask=None, *, scale=1.0, is_causal=False, dropout_p=0
 def _fused_masked_softmax(name, scores, mask, scale, is_causal, dropout_p):
     """Run a fused backend on a 4-D (B, H, Lq, Lk) view of the scores."""
     shape = scores.shape
-    four_d = (1,) * (4 - scores.dim()) + tuple(shape) if scores.dim() <= 4 else (-1, *shape[-3:])
+    four_d = (1,) * (4 - scores.dim()) + tuple(shape) if scores.dim() <= 4 else (math.prod(shape[:-3]), *shape[-3:])
     scores4 = scores.reshape(four_d)
     mask4 = None
     if mask is not None:
