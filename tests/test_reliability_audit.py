@@ -20,7 +20,6 @@ fullgraph region, and masked keys never read by the fused attention kernels.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -383,10 +382,11 @@ def _sum_loss(model, src, tgt, tokens):
     return loss / tokens
 
 
-def _dist_worker(rank, port, wrapper, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _dist_worker(rank, store_path, wrapper, out_path):
+    # As tests/test_distributed.py's worker: file rendezvous, gloo on loopback, and a plain exit.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     try:
         model = _seq2seq(dropout=0.0, layers=1)
         src, tgt = _tokens()
@@ -408,6 +408,7 @@ def _dist_worker(rank, port, wrapper, out_path):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
@@ -420,12 +421,10 @@ def test_seq2seq_tied_embeddings_distributed_gradients(wrapper):
     src, tgt = _tokens()
     _sum_loss(model, src, tgt, (tgt != 0).sum()).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "grads.pt")
-        mp.start_processes(_dist_worker, args=(port, wrapper, out_path), nprocs=WORLD, join=True,
+        store_path = os.path.join(tmp, "rendezvous")
+        mp.start_processes(_dist_worker, args=(store_path, wrapper, out_path), nprocs=WORLD, join=True,
                            start_method="spawn")
         got = torch.load(out_path)
     assert set(got) == set(expected)
