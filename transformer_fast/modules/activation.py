@@ -201,9 +201,7 @@ class MultiheadAttention(Module):
 
         # torch drops attn_mask exactly in this case, after checking only its rank (above).
         use_attn_mask = not (is_causal and key_padding_mask is None and not need_weights)
-        _check_float_mask_dtype(attn_mask if use_attn_mask else None, key_padding_mask, query,
-                                need_weights)
-        # torch's order: attn_mask's size, then key_padding_mask's.
+        # torch's order: attn_mask's size, key_padding_mask's, then the dtype of their sum.
         if attn_mask is not None and use_attn_mask:
             self._check_attn_mask(attn_mask, is_batched, bsz, tgt_len, src_len)
         if key_padding_mask is not None:
@@ -213,6 +211,8 @@ class MultiheadAttention(Module):
                     f"key_padding_mask must have shape {expected} (batch, key length); got "
                     f"{tuple(key_padding_mask.shape)}"
                 )
+        _check_float_mask_dtype(attn_mask if use_attn_mask else None, key_padding_mask, query,
+                                need_weights)
 
         q, k, v = self._in_projection(query, key, value)  # each (.., H, D) in the input layout
         q, k, v = (self._heads(t, is_batched) for t in (q, k, v))  # (N, H, L|S, D) views
