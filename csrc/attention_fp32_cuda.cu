@@ -18,7 +18,7 @@
 //   * exponentials are expf of the difference (s - m), taken first;
 //   * backward renormalises every row: the fp32 lse = m + log(l) errs by up to |lse| x 2^-24,
 //     which each recomputed p of the row inherits (with large logits, scale 2 and D 64, 12 of 30
-//     fresh draws failed the oracle in emulation, mostly on dV).  A first pass (row_stats_kernel)
+//     fresh draws failed the oracle in emulation, mostly on dV).  A first pass of the dq kernel
 //     sums exp(s - lse) per row in double; p = exp((s - lse) - lse_lo) (the cpu backend's rule),
 //     and delta = rowsum(p * dp) for those p.
 // NaN / Inf propagate like the reference's (a NaN score makes its row NaN; masked probabilities
@@ -32,8 +32,8 @@
 //   dkdv_kernel  one CTA per (b, kv head, BN keys, BN = 4 * 512 / DP): loops over the query heads
 //                of the GQA group and over 32-query tiles (lane = query): S^T, dP^T, then
 //                dV += (P Z)^T dO and dK += dS^T Q with lane = column.  No atomics.
-//   dq_kernel    one CTA per (b, h, BM query rows), loops over 32-key tiles: dQ += dS K.
-//   row_stats_kernel  the dq kernel's layout, run before the other two: per row lse_lo and delta.
+//   dq_kernel    one CTA per (b, h, BM query rows), runs first; loops over 32-key tiles twice:
+//                the rows' lse_lo and delta (kept, and stored for dkdv_kernel), then dQ += dS K.
 // Q / K / V / dO tiles live in shared memory with an odd row pitch (DP + 1 floats), so a warp
 // reading one column of 32 rows hits 32 banks; the head dim is padded (zero-filled) to a bucket
 // DP of 64, 128 or 256 (accumulator sizes are compile-time), and query tiles shrink as D grows
@@ -401,8 +401,9 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   float* Os = Qs + BM * pitch;                  // [BM][pitch] dO rows
   float* Ks = Os + BM * pitch;                  // [kTile][pitch]
   float* Vs = Ks + kTile * pitch;               // [kTile][pitch]
-  float* Ss = Vs + kTile * pitch;               // [BM][kTile] dS
-  float* Ls = Ss + BM * kTile;                  // [BM] lse
+  float* Ss = Vs + kTile * pitch;               // [BM][kTile] dS (first pass: p)
+  float* Ws = Ss + BM * kTile;                  // [BM][kTile] first pass: p z dp
+  float* Ls = Ws + BM * kTile;                  // [BM] lse
   float* Ds = Ls + BM;                          // [BM] delta
   float* Rs = Ds + BM;                          // [BM] lse_lo
 
@@ -418,10 +419,52 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   load_rows<DP>(Qs, p.q + b * p.q_sb + h * p.q_sh + m0 * p.q_sm, p.q_sm, BM, p.Lq - m0, p.D);
   load_rows<DP>(Os, p.dout + b * p.do_sb + h * p.do_sh + m0 * p.do_sm, p.do_sm, BM, p.Lq - m0, p.D);
   for (int r = threadIdx.x; r < BM; r += kThreads) {  // rows >= Lq: lse -inf, so p = 0
-    const bool in = m0 + r < p.Lq;
-    Ls[r] = in ? p.lse[static_cast<int64_t>(bh) * p.Lq + m0 + r] : -INFINITY;
-    Ds[r] = in ? p.delta[static_cast<int64_t>(bh) * p.Lq + m0 + r] : 0.0f;
-    Rs[r] = in ? p.lse_lo[static_cast<int64_t>(bh) * p.Lq + m0 + r] : 0.0f;
+    Ls[r] = m0 + r < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + m0 + r] : -INFINITY;
+  }
+  const int n_end = p.causal ? min(p.Lk, m0 + BM) : p.Lk;
+
+  // First pass: per row, with p = exp(s - lse) (before dropout, the softmax's denominator),
+  // lse_lo = log(sum p) (dead rows: 0) and delta = sum p' z dp for the renormalised p' = p /
+  // sum p, both summed in double, into Rs / Ds and, for the dK / dV kernel that runs after this
+  // one, p.lse_out / p.delta_out.  (delta = rowsum(dO * O) from the fp32 O failed 3 of 30 fresh
+  // draws at scale 2 on dQ / dK.)
+  double psum = 0.0, pdp = 0.0;  // of row r0 + lane, kept by lanes < RW
+  for (int n0 = 0; n0 < n_end; n0 += kTile) {
+    __syncthreads();  // every warp is done with the previous K / V tile
+    load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
+    load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
+    __syncthreads();  // the tile (and at n0 = 0 the Q / dO rows and lse) is visible
+
+    float s[RW], dp[RW];  // lane = key n0 + lane
+    score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
+    chunked_dots<RW>(dp, Vs + lane * pitch, Os + r0 * pitch, pitch, p.D);
+    const int j = n0 + lane;
+#pragma unroll
+    for (int a = 0; a < RW; ++a) {
+      const int r = r0 + a, i = m0 + r;
+      const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r], 0.0f);
+      const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
+      Ss[r * kTile + lane] = pe;
+      Ws[r * kTile + lane] = pe * (dp[a] * z);
+    }
+    __syncwarp();
+    if (lane < RW) {
+      const int r = r0 + lane;
+      for (int c = 0; c < kTile; ++c) {
+        psum += Ss[r * kTile + c];
+        pdp += Ws[r * kTile + c];
+      }
+    }
+    __syncwarp();  // the row sums have read Ss / Ws before the next tile overwrites them
+  }
+  if (lane < RW) {  // a dead row (every p 0) gets 0 and 0; a NaN stays NaN
+    const int r = r0 + lane;
+    Rs[r] = psum == 0.0 ? 0.0f : static_cast<float>(log(psum));
+    Ds[r] = psum == 0.0 ? 0.0f : static_cast<float>(pdp / psum);
+    if (m0 + r < p.Lq) {
+      p.lse_out[static_cast<int64_t>(bh) * p.Lq + m0 + r] = Rs[r];
+      p.delta_out[static_cast<int64_t>(bh) * p.Lq + m0 + r] = Ds[r];
+    }
   }
 
   float dq[RW][NC];
@@ -430,12 +473,11 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 #pragma unroll
     for (int c = 0; c < NC; ++c) dq[a][c] = 0.0f;
   }
-  const int n_end = p.causal ? min(p.Lk, m0 + BM) : p.Lk;
   for (int n0 = 0; n0 < n_end; n0 += kTile) {
-    __syncthreads();  // every warp is done with the previous K / V tile
+    __syncthreads();  // every warp is done with the previous K / V tile (and Rs / Ds are set)
     load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
     load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
-    __syncthreads();  // the tile (and at n0 = 0 the Q / dO rows and stats) is visible
+    __syncthreads();  // the tile is visible
 
     float s[RW], dp[RW];  // lane = key n0 + lane
     score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
@@ -471,79 +513,6 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward, first pass: the row statistics both other passes read
-
-// Per query row i, with p_ij = exp(s_ij - lse_i) (before dropout, as the softmax's denominator):
-// lse_lo_i = log(sum_j p_ij) (dead rows: 0) into p.lse_out, and delta_i = sum_j p'_ij z_ij dp_ij
-// for the renormalised p' = p / sum_j p into p.delta_out, both summed in double.  (delta =
-// rowsum(dO * O) from the fp32 O failed 3 of 30 fresh draws at scale 2 on dQ / dK.)  The dq
-// kernel's layout, without its accumulators.
-template <int DP>
-__global__ void __launch_bounds__(kThreads) row_stats_kernel(const Params p) {
-  constexpr int RW = rows_q<DP>(), BM = kWarps * RW, pitch = DP + 1;
-  extern __shared__ __align__(16) uint16_t smem[];
-  float* Qs = reinterpret_cast<float*>(smem);  // [BM][pitch]
-  float* Os = Qs + BM * pitch;                  // [BM][pitch] dO rows
-  float* Ks = Os + BM * pitch;                  // [kTile][pitch]
-  float* Vs = Ks + kTile * pitch;               // [kTile][pitch]
-  float* Us = Vs + kTile * pitch;               // [BM][kTile] p
-  float* Ws = Us + BM * kTile;                  // [BM][kTile] p z dp
-  float* Ls = Ws + BM * kTile;                  // [BM] lse
-
-  const int nmb = (p.Lq + BM - 1) / BM;
-  const int mb = blockIdx.x % nmb, bh = blockIdx.x / nmb;
-  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int m0 = mb * BM, r0 = warp * RW;
-
-  const auto [seed, offset] = dropout_key(p);
-  const float* kh = p.k + b * p.k_sb + hk * p.k_sh;
-  const float* vh = p.v + b * p.v_sb + hk * p.v_sh;
-  load_rows<DP>(Qs, p.q + b * p.q_sb + h * p.q_sh + m0 * p.q_sm, p.q_sm, BM, p.Lq - m0, p.D);
-  load_rows<DP>(Os, p.dout + b * p.do_sb + h * p.do_sh + m0 * p.do_sm, p.do_sm, BM, p.Lq - m0, p.D);
-  for (int r = threadIdx.x; r < BM; r += kThreads) {
-    Ls[r] = m0 + r < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + m0 + r] : -INFINITY;
-  }
-
-  double psum = 0.0, pdp = 0.0;  // of row r0 + lane, kept by lanes < RW
-  const int n_end = p.causal ? min(p.Lk, m0 + BM) : p.Lk;
-  for (int n0 = 0; n0 < n_end; n0 += kTile) {
-    __syncthreads();  // every warp is done with the previous K / V tile
-    load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
-    load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
-    __syncthreads();  // the tile (and at n0 = 0 the Q / dO rows and lse) is visible
-
-    float s[RW], dp[RW];  // lane = key n0 + lane; the same scores as the other passes
-    score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
-    chunked_dots<RW>(dp, Vs + lane * pitch, Os + r0 * pitch, pitch, p.D);
-    const int j = n0 + lane;
-#pragma unroll
-    for (int a = 0; a < RW; ++a) {
-      const int r = r0 + a, i = m0 + r;
-      const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r], 0.0f);
-      const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
-      Us[r * kTile + lane] = pe;
-      Ws[r * kTile + lane] = pe * (dp[a] * z);
-    }
-    __syncwarp();
-    if (lane < RW) {
-      const int r = r0 + lane;
-      for (int c = 0; c < kTile; ++c) {
-        psum += Us[r * kTile + c];
-        pdp += Ws[r * kTile + c];
-      }
-    }
-    __syncwarp();  // the row sums have read Us / Ws before the next tile overwrites them
-  }
-  const int64_t row = static_cast<int64_t>(bh) * p.Lq + m0 + r0 + lane;
-  if (lane < RW && m0 + r0 + lane < p.Lq) {
-    // A dead row (every p 0) gets 0 and 0; a NaN stays NaN, as in the other passes.
-    p.lse_out[row] = psum == 0.0 ? 0.0f : static_cast<float>(log(psum));
-    p.delta_out[row] = psum == 0.0 ? 0.0f : static_cast<float>(pdp / psum);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
 // Host side
 
 // Shared-memory bytes of each kernel (float counts as laid out at the top of the kernels).
@@ -560,12 +529,7 @@ size_t dkdv_smem() {
 template <int DP>
 size_t dq_smem() {
   constexpr int BM = kWarps * rows_q<DP>();
-  return sizeof(float) * ((2 * BM + 2 * kTile) * (DP + 1) + BM * kTile + 3 * BM);
-}
-template <int DP>
-size_t row_stats_smem() {
-  constexpr int BM = kWarps * rows_q<DP>();
-  return sizeof(float) * ((2 * BM + 2 * kTile) * (DP + 1) + 2 * BM * kTile + BM);
+  return sizeof(float) * ((2 * BM + 2 * kTile) * (DP + 1) + 2 * BM * kTile + 3 * BM);
 }
 
 #ifndef TF_CUDA_EMULATE
@@ -587,11 +551,11 @@ void run_fwd(const Params& p) {
 }
 
 template <int DP>
-void run_bwd(const Params& pst, const Params& pkv, const Params& pq) {
+void run_bwd(const Params& pkv, const Params& pq) {
   constexpr int BN = kWarps * rows_kv<DP>(), BM = kWarps * rows_q<DP>();
-  launch(row_stats_kernel<DP>, int64_t{pst.B} * pst.H * ((pst.Lq + BM - 1) / BM), row_stats_smem<DP>(), pst);
-  launch(dkdv_kernel<DP>, int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + BN - 1) / BN), dkdv_smem<DP>(), pkv);
+  // dQ first: its first pass writes the row statistics the dK / dV kernel reads.
   launch(dq_kernel<DP>, int64_t{pq.B} * pq.H * ((pq.Lq + BM - 1) / BM), dq_smem<DP>(), pq);
+  launch(dkdv_kernel<DP>, int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + BN - 1) / BN), dkdv_smem<DP>(), pkv);
 }
 
 }  // namespace
@@ -624,13 +588,13 @@ void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const 
   p.dout = dout.const_data_ptr<float>();
   p.do_sb = dout.stride(0), p.do_sh = dout.stride(1), p.do_sm = dout.stride(2);
   p.lse = lse.const_data_ptr<float>();
-  // Written by the first pass, read by the other two.
+  // Written by the dq kernel's first pass, read by the dK / dV kernel.
   at::Tensor lse_lo = at::empty_like(lse), delta = at::empty_like(lse);
   p.lse_lo = lse_lo.const_data_ptr<float>();
   p.delta = delta.const_data_ptr<float>();
-  attn_fp32::Params pst = p, pkv = p, pq = p;
-  pst.lse_out = lse_lo.mutable_data_ptr<float>();
-  pst.delta_out = delta.mutable_data_ptr<float>();
+  attn_fp32::Params pkv = p, pq = p;
+  pq.lse_out = lse_lo.mutable_data_ptr<float>();
+  pq.delta_out = delta.mutable_data_ptr<float>();
   pkv.out = dk.mutable_data_ptr<float>();
   pkv.o_sb = dk.stride(0), pkv.o_sh = dk.stride(1), pkv.o_sm = dk.stride(2);
   pkv.out2 = dv.mutable_data_ptr<float>();
@@ -638,9 +602,9 @@ void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const 
   pq.out = dq.mutable_data_ptr<float>();
   pq.o_sb = dq.stride(0), pq.o_sh = dq.stride(1), pq.o_sm = dq.stride(2);
   switch (attn_device::head_dim_bucket(p.D)) {
-    case 64: attn_fp32::run_bwd<64>(pst, pkv, pq); break;
-    case 128: attn_fp32::run_bwd<128>(pst, pkv, pq); break;
-    default: attn_fp32::run_bwd<256>(pst, pkv, pq); break;
+    case 64: attn_fp32::run_bwd<64>(pkv, pq); break;
+    case 128: attn_fp32::run_bwd<128>(pkv, pq); break;
+    default: attn_fp32::run_bwd<256>(pkv, pq); break;
   }
 }
 
