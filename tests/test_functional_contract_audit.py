@@ -774,6 +774,28 @@ def test_use_backend_restores_after_exception_and_works_as_decorator():
         assert backends.requested_backend() == "auto"
 
 
+def test_use_backend_is_per_thread():
+    """Like torch.no_grad: a use_backend block in one thread does not steer another thread."""
+    import threading
+
+    entered, release, seen = threading.Event(), threading.Event(), {}
+
+    def holder():
+        with tf.use_backend("reference"):
+            seen["holder"] = backends.requested_backend()
+            entered.set()
+            release.wait(10)
+
+    with _env(None):
+        thread = threading.Thread(target=holder)
+        thread.start()
+        assert entered.wait(10)
+        seen["main"] = backends.requested_backend()
+        release.set()
+        thread.join(10)
+    assert seen == {"holder": "reference", "main": "auto"}
+
+
 @pytest.mark.parametrize("bad", [None, 1, "Torch", "auto ", ""])
 def test_invalid_backend_names(bad):
     with pytest.raises((ValueError, TypeError), match="backend"):

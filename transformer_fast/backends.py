@@ -12,11 +12,11 @@ them; it never lands on ``reference`` on a GPU.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
 import importlib.metadata
 import importlib.util
 import os
+import threading
 from typing import Callable, Mapping
 
 import torch
@@ -51,9 +51,20 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
 }
 _DEFAULT_ORDER = ("torch",)
 
-_current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "transformer_fast_backend", default=None
-)
+
+class _Selection(threading.local):
+    """The stack of enclosing use_backend(...) names, per thread (as torch.no_grad is).
+
+    A thread-local object rather than a contextvars.ContextVar because torch.compile can both
+    guard on it and mutate it (torch 2.11 and 2.14): a compiled function re-traces when the
+    selection it was traced under changes, and ``with use_backend(...)`` works inside a
+    compiled region. Dynamo cannot set a ContextVar, and torch 2.11's cannot read one."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+
+
+_selection = _Selection()
 
 
 class BackendError(ValueError, RuntimeError):
@@ -203,11 +214,11 @@ def implemented_backends(op: str) -> tuple[str, ...]:
 def use_backend(name: str):
     """Run the enclosed functional ops on ``name`` (or "auto") unless a call names its own."""
     _validate_name(name, "use_backend")
-    token = _current.set(name)
+    _selection.stack.append(name)
     try:
         yield
     finally:
-        _current.reset(token)
+        _selection.stack.pop()
 
 
 def _validate_name(name: object, where: str) -> None:
@@ -224,16 +235,28 @@ def requested_backend(backend: str | None = None) -> str:
     return _ambient_backend()
 
 
-# torch.compile reads the selection once, while tracing, as a constant (as it reads any other
-# setting): torch 2.11's dynamo cannot trace ContextVar.get (a graph break, so fullgraph=True
-# failed), torch 2.14's can.
-@torch.compiler.assume_constant_result
+# The environment as a dict of bytes that torch.compile guards on (os.environ's own mapping
+# methods it reads without a guard, so a compiled function would keep the backend it was traced
+# with after TRANSFORMER_FAST_BACKEND changed). While the variable is unset the guard is on the
+# number of variables, so setting any variable re-traces once; CPython keeps os.environ._data
+# on every platform, and without it the variable is read unguarded.
+_ENVIRON_BYTES = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV_VAR) if _ENVIRON_BYTES is not None else None
+
+
+def _env_backend() -> str | None:
+    if _ENVIRON_BYTES is None:
+        return os.environ.get(ENV_VAR)
+    if _ENV_KEY not in _ENVIRON_BYTES:
+        return None
+    return os.environ.decodevalue(_ENVIRON_BYTES[_ENV_KEY])
+
+
 def _ambient_backend() -> str:
     """The innermost use_backend(...), else TRANSFORMER_FAST_BACKEND, else "auto"."""
-    ctx = _current.get()
-    if ctx is not None:
-        return ctx
-    env = os.environ.get(ENV_VAR)
+    if _selection.stack:
+        return _selection.stack[-1]
+    env = _env_backend()
     if env:
         _validate_name(env, ENV_VAR)
         return env
