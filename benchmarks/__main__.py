@@ -19,7 +19,7 @@ from pathlib import Path
 ALL_OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
            "add_layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "train_step",
            "greedy_decode")
-PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cpu")
+PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cuda.wgmma", "cpu")
 
 
 def parse_args(argv=None):
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     if args.providers:
-        known = PROVIDERS + ("torch.nn", "torch.nn+compile") + tuple(f"ours:{b}" for b in PROVIDERS if b != "torch.compile")
+        known = PROVIDERS + ("torch.nn", "torch.nn+compile") + tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.wgmma"))
         unknown = [n for n in args.providers.split(",") if n.strip() and n.strip() not in known]
         if unknown:
             p.error(f"--providers: unknown {', '.join(unknown)}; expected names from {', '.join(known)}")

@@ -114,6 +114,12 @@ for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer_$tool" $NO_TUNE compute-sanitizer --tool "$tool" --error-exitcode 1 \
         --target-processes all $PY benchmarks/sanitize_kernels.py --backend cuda
 done
+# The sm_90a wgmma forward (csrc/attention_wgmma.cuh, opt-in while unverified) where the GPU is
+# a Hopper: its sdpa cases again with TRANSFORMER_FAST_CUDA_WGMMA=1 (elsewhere they run fwd_kernel).
+for tool in memcheck racecheck initcheck; do
+    step "sanitizer_wgmma_$tool" $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=1 compute-sanitizer \
+        --tool "$tool" --error-exitcode 1 $PY benchmarks/sanitize_kernels.py --backend cuda --only sdpa
+done
 step sanitizer_memcheck_triton $NO_TUNE compute-sanitizer --tool memcheck --error-exitcode 1 \
     $PY benchmarks/sanitize_kernels.py --backend triton
 # Writes results.json, results.md, ops.png and end_to_end.png into OUT.

@@ -17,6 +17,7 @@ Mask kinds (DESIGN section 8):
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +30,10 @@ from . import common
 
 OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
        "add_layer_norm", "feed_forward")
-PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cpu")
+PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cuda.wgmma", "cpu")
+# The cuda backend with its sm_90a wgmma forward switched on (csrc/attention_wgmma.cuh; opt-in
+# while unverified): scaled_dot_product_attention on a compute capability 9.x GPU only.
+WGMMA_ENV = "TRANSFORMER_FAST_CUDA_WGMMA"
 X_KEYS = {"scaled_dot_product_attention": "L", "attention_with_kv_cache": "L",
           "masked_softmax": "L", "add_layer_norm": "N", "feed_forward": "M"}
 ATTENTION_MASKS = ("none", "causal", "key_padding", "bool")
@@ -463,6 +467,12 @@ def provider_reasons(provider: str, case: Case, inputs: dict, device: torch.devi
             return ["timed only on the cases whose targets name it (feed_forward's GELU + dropout "
                     "layer); end to end: torch.nn+compile"]
         return backends.not_supported_reasons("torch", case.op, inputs)
+    if provider == "cuda.wgmma":
+        if case.op != "scaled_dot_product_attention":
+            return ["the wgmma forward exists for scaled_dot_product_attention only"]
+        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+            return ["the wgmma forward needs a compute capability 9.x (Hopper) GPU"]
+        return backends.not_supported_reasons("cuda", case.op, inputs)
     if provider == "triton" and device.type == "cpu":
         return ["on a CPU Triton runs only through its interpreter (TRITON_INTERPRET=1), which "
                 "checks kernels but is not a benchmark"]
@@ -481,6 +491,16 @@ _COMPILED: dict = {}
 
 
 def _call(case: Case, inputs: dict, provider: str):
+    if provider == "cuda.wgmma":  # the C++ side reads the switch at every call
+        previous = os.environ.get(WGMMA_ENV)
+        os.environ[WGMMA_ENV] = "1"
+        try:
+            return case.call(inputs, "cuda")
+        finally:
+            if previous is None:
+                del os.environ[WGMMA_ENV]
+            else:
+                os.environ[WGMMA_ENV] = previous
     if provider != "torch.compile":
         return case.call(inputs, provider)
     # torch.compile of the torch backend: the peer issue 6's "under torch.compile" target names.

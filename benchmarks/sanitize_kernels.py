@@ -137,6 +137,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="cuda")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run (triton under TRITON_INTERPRET=1)")
+    parser.add_argument("--only", default=None, choices=["sdpa"],
+                        help="sdpa: the scaled_dot_product_attention cases alone (cuda / cpu)")
     args = parser.parse_args()
     bad = 0
     cases = [layer_norm_cases(args.backend, args.device), ffn_cases(args.backend, args.device)]
@@ -147,6 +149,8 @@ def main():
     if args.backend in ("triton", "cuda", "cpu"):
         cases.append(kv_cache_cases(args.backend, args.device))
         cases.append(masked_softmax_cases(args.backend, args.device))
+    if args.only == "sdpa":
+        cases = [sdpa_cases(args.backend, args.device)] if args.backend in ("cuda", "cpu") else []
     for name, tensors in (case for group in cases for case in group):
         if args.device == "cuda":
             torch.cuda.synchronize()

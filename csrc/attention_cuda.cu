@@ -36,8 +36,10 @@
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
 // row start is aligned (2-byte loads otherwise), and then every kernel double-buffers its
 // streamed tiles with cp.async (fwd / dq: K and V; dkdv: Q and dO); tiles that need no masking
-// (no masks, in bounds, below the causal diagonal) skip the mask code.  Out of scope for this
-// version (benchmarks/NOTES.md): deeper pipelines, wgmma / TMA (sm_90a), padding-tile skipping.
+// (no masks, in bounds, below the causal diagonal) skip the mask code.  On sm_90a the forward
+// may instead run fwd_wgmma_kernel (attention_wgmma.cuh: warpgroup MMA; opt-in through
+// TRANSFORMER_FAST_CUDA_WGMMA=1, head dims <= 128).  Out of scope for this version
+// (benchmarks/NOTES.md): deeper pipelines, TMA, a wgmma backward, padding-tile skipping.
 // It exists to be correct first; its speed has not been measured.
 //
 // TF_CUDA_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
@@ -46,6 +48,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #ifndef TF_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -63,6 +66,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <type_traits>
 
 #include "attention_cuda.h"
 #include "attention_device.cuh"
@@ -323,6 +331,38 @@ __device__ __forceinline__ float quad_sum(float x) {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
+// The end of both forward kernels (fwd_kernel, fwd_wgmma_kernel): O / l and lse = m + log(l) for
+// this thread's rows row0 + g and row0 + g + 8 (m_i, l_i: their running max and this thread's part
+// of their sums; o[4 * dt + e]: the m16n8 accumulator element e of head-dim tile dt); a row with
+// nothing visible gets 0 and lse -inf.
+template <typename T, int DP>
+__device__ __forceinline__ void finish_forward_rows(const Params& p, int bh, int row0, int g, int t,
+                                                    const float m_i[2], const float l_i[2],
+                                                    const float* o) {
+  const int b = bh / p.H, h = bh % p.H;
+  float inv[2];
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const float l = quad_sum(l_i[rh]);
+    const int i = row0 + g + 8 * rh;
+    const bool dead = l == 0.0f;  // NaN (a NaN / +Inf score) propagates as in the reference
+    inv[rh] = dead ? 0.0f : 1.0f / l;
+    if (t == 0 && i < p.Lq) {
+      p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] + __logf(l);
+    }
+  }
+  uint16_t* oh = p.out + b * p.o_sb + h * p.o_sh;
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; ++dt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = row0 + g + 8 * (e >> 1), d = dt * 8 + 2 * t + (e & 1);
+      if (i < p.Lq && d < p.D) oh[i * p.o_sm + d] = Traits<T>::bits(o[4 * dt + e] * inv[e >> 1]);
+    }
+  }
+}
+
+
 template <typename T, int DP>
 __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   extern __shared__ __align__(16) uint16_t smem[];
@@ -450,28 +490,10 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
 
-  // Finalise: O / l, lse = m + log(l); a row with nothing visible gets 0 and -inf.
-  float inv[2];
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const float l = quad_sum(l_i[rh]);
-    const int i = row0 + g + 8 * rh;
-    const bool dead = l == 0.0f;  // NaN (a NaN / +Inf score) propagates as in the reference
-    inv[rh] = dead ? 0.0f : 1.0f / l;
-    if (t == 0 && i < p.Lq) {
-      p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] + __logf(l);
-    }
-  }
-  uint16_t* oh = p.out + b * p.o_sb + h * p.o_sh;
-#pragma unroll
-  for (int dt = 0; dt < DP / 8; ++dt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = row0 + g + 8 * (e >> 1), d = dt * 8 + 2 * t + (e & 1);
-      if (i < p.Lq && d < p.D) oh[i * p.o_sm + d] = Traits<T>::bits(o[dt][e] * inv[e >> 1]);
-    }
-  }
+  finish_forward_rows<T, DP>(p, bh, row0, g, t, m_i, l_i, &o[0][0]);
 }
+
+#include "attention_wgmma.cuh"  // fwd_wgmma_kernel: the sm_90a forward (opt-in, unverified)
 
 // ---------------------------------------------------------------------------------------------
 // Backward: dK, dV
@@ -801,6 +823,40 @@ void run_fwd(const Params& p) {
 }
 
 template <typename T, int DP>
+void run_fwd_wgmma(const Params& p) {
+  const int64_t blocks = int64_t{p.B} * p.H * ((p.Lq + kWgBM - 1) / kWgBM);
+  launch(fwd_wgmma_kernel<T, DP>, blocks, size_t{kWgBM + 4 * kWgBN} * DP * sizeof(uint16_t), p);
+}
+
+#ifndef TF_CUDA_EMULATE
+// Whether the forward runs fwd_wgmma_kernel: only on request (TRANSFORMER_FAST_CUDA_WGMMA=1)
+// until it has run on a Hopper GPU, on compute capability 9.x, and where this build holds sm_90a
+// code (probed once per device: one tiny kernel and one host sync, the first time only).
+bool wgmma_forward(const Tensor& q) {
+  const char* env = std::getenv("TRANSFORMER_FAST_CUDA_WGMMA");
+  if (env == nullptr || std::strcmp(env, "1") != 0) return false;
+  const int dev = q.get_device();
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major != 9) return false;
+  static std::mutex mutex;
+  static std::map<int, bool> built;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = built.find(dev);
+  if (it == built.end()) {
+    Tensor flag = at::zeros({1}, q.options().dtype(at::kInt));
+    sm90a_probe_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(flag.mutable_data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    it = built.emplace(dev, flag.item<int>() == 1).first;
+  }
+  return it->second;
+}
+#else
+bool emulate_wgmma_forward = false;  // the emulation harness chooses the kernel
+bool wgmma_forward(const Tensor&) { return emulate_wgmma_forward; }
+#endif
+
+template <typename T, int DP>
 void run_bwd(const Params& pkv, const Params& pq) {
   const int64_t kv_blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kKvBN - 1) / kKvBN);
   const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (DP + kPad) * sizeof(uint16_t) +
@@ -849,6 +905,14 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
   set_out(p, out);
   p.lse_out = lse.mutable_data_ptr<float>();
   const bool half = q.scalar_type() == at::kHalf;
+  if (head_dim_bucket(p.D) <= 128 && wgmma_forward(q)) {
+    if (head_dim_bucket(p.D) == 64) {
+      half ? run_fwd_wgmma<__half, 64>(p) : run_fwd_wgmma<__nv_bfloat16, 64>(p);
+    } else {
+      half ? run_fwd_wgmma<__half, 128>(p) : run_fwd_wgmma<__nv_bfloat16, 128>(p);
+    }
+    return {out, lse};
+  }
   switch (head_dim_bucket(p.D)) {
     case 64: half ? run_fwd<__half, 64>(p) : run_fwd<__nv_bfloat16, 64>(p); break;
     case 128: half ? run_fwd<__half, 128>(p) : run_fwd<__nv_bfloat16, 128>(p); break;

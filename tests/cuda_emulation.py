@@ -11,6 +11,9 @@ emulates what a kernel uses of the CUDA programming model:
     exchange values through a per-warp buffer between two warp barriers;
   * mma.sync m16n8k16 (fp16 / bf16 -> fp32) and ldmatrix.m8n8 (.x2 / .x4, .trans) are computed
     from the PTX ISA fragment layouts, an independent statement of the layouts a kernel assumes;
+  * wgmma m64nNk16 (fp16 / bf16 -> fp32; A from shared memory or registers, B from shared
+    memory, K-major or MN-major, no-swizzle descriptors only) likewise, over the warpgroup's 128
+    threads, decoding its matrix descriptors against the CTA's shared memory;
   * dynamic shared memory is a buffer of the harness's choosing, filled with 0xFF (NaN bit
     patterns) before every CTA so that reads of unwritten shared memory show up.
 A kernel file guards what the emulation provides itself (its launch function, its device checks)
@@ -68,6 +71,13 @@ struct Warp {
   const uint16_t* ptr[32];
 };
 Warp* warps = nullptr;
+struct WarpGroup {
+  std::barrier<> bar{128};
+  const uint32_t* a[128];
+};
+WarpGroup* warpgroups = nullptr;
+char* smem_base = nullptr;  // the launch's dynamic shared memory: address 0 of the shared window
+size_t smem_size = 0;
 std::barrier<>* block_bar = nullptr;
 
 inline float bits_to_float(uint16_t h, bool bf16) {
@@ -127,6 +137,10 @@ inline void run_grid(EmuDim3 grid, EmuDim3 block, void* smem, size_t smem_capaci
   poison();
   std::vector<Warp> ws(threads / 32);
   warps = ws.data();
+  std::vector<WarpGroup> wgs((threads + 127) / 128);
+  warpgroups = wgs.data();
+  smem_base = static_cast<char*>(smem);
+  smem_size = smem_capacity;
   std::barrier<> bar(threads);
   block_bar = &bar;
   std::barrier cta_done(threads, poison);
@@ -202,6 +216,60 @@ inline void emulated_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t 
   }
   w.bar.arrive_and_wait();
   for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+
+// The shared-window address of ptr (what __cvta_generic_to_shared gives on a GPU).
+inline uint32_t emulated_smem_address(const void* ptr) {
+  const char* c = static_cast<const char*>(ptr);
+  if (emu::smem_base == nullptr || c < emu::smem_base || c >= emu::smem_base + emu::smem_size) std::abort();
+  return static_cast<uint32_t>(c - emu::smem_base);
+}
+
+// wgmma.mma_async m64nNk16 .f32 (fp16 / bf16 inputs), issued by the calling thread's warpgroup:
+// d = A B (+ d when scale_d).  Accumulators: warp w of the group owns rows 16w..16w+15, d[4i + e]
+// is (row 16w + g + 8 (e >> 1), col 8i + 2t + (e & 1)).  A from registers (a_regs, descriptor
+// unused): warp w holds rows 16w.. as mma.m16n8k16's A fragment; else A from shared memory, K-major.
+// Descriptors (no swizzle): element (mn, k) of a 16-deep slab is at start + (mn / 8) * SBO +
+// (k / 8) * LBO + within the 8 x 16-byte core matrix (mn % 8) * 16 + (k % 8) * 2 (K-major) or
+// (k % 8) * 16 + (mn % 8) * 2 (MN-major).
+inline void emulated_wgmma(float* d, int n, uint64_t desc_a, const uint32_t* a_regs, uint64_t desc_b,
+                           bool b_mn_major, bool scale_d, bool bf16) {
+  const unsigned tid = emu::linear_tid();
+  emu::WarpGroup& wg = emu::warpgroups[tid / 128];
+  const int r = static_cast<int>(tid % 128);
+  wg.a[r] = a_regs;
+  wg.bar.arrive_and_wait();
+  auto check = [](uint64_t desc) {  // base offset and swizzle mode: not used by our kernels
+    if (((desc >> 49) & 7) != 0 || (desc >> 62) != 0 || ((desc >> 14) & 3) != 0) std::abort();
+  };
+  auto field = [](uint64_t desc, int lo) { return static_cast<size_t>((desc >> lo) & 0x3FFF) << 4; };
+  auto element = [&](uint64_t desc, int mn, int k, bool mn_major) {
+    const size_t at = field(desc, 0) + (mn / 8) * field(desc, 32) + (k / 8) * field(desc, 16) +
+                      (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
+    if (at + 2 > emu::smem_size) std::abort();
+    uint16_t bits;
+    std::memcpy(&bits, emu::smem_base + at, 2);
+    return emu::bits_to_float(bits, bf16);
+  };
+  auto A = [&](int row, int k) {
+    if (a_regs == nullptr) return element(desc_a, row, k, false);
+    const int w = row / 16, rr = row % 16, ln = 4 * (rr % 8) + (k % 8) / 2, reg = (rr / 8) + 2 * (k / 8);
+    return emu::bits_to_float(emu::half_of(wg.a[32 * w + ln][reg], k % 2), bf16);
+  };
+  if (a_regs == nullptr) check(desc_a);
+  check(desc_b);
+  const int warp = r / 32, lane = r % 32, g = lane / 4, t = lane % 4;
+  std::vector<float> out(n / 2);
+  for (int i = 0; i < n / 8; ++i) {
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e >> 1), col = 8 * i + 2 * t + (e & 1);
+      float acc = scale_d ? d[4 * i + e] : 0.0f;
+      for (int k = 0; k < 16; ++k) acc += A(row, k) * element(desc_b, col, k, b_mn_major);
+      out[4 * i + e] = acc;
+    }
+  }
+  wg.bar.arrive_and_wait();
+  for (int i = 0; i < n / 2; ++i) d[i] = out[i];
 }
 
 // ldmatrix.m8n8 (.x2 / .x4, .trans): row addresses from lanes 8m..8m+7 for matrix m.

@@ -6,6 +6,7 @@ C++ launcher directly (lse, dead rows, dropout keep mask bit for bit).
 tests/test_gpu_attention_cuda.py runs the same checks for backend="cuda" (BACKEND below).
 The kernels tile by 64 x 64, so lengths 1, 7, 63..65, 127, 130 cross every block edge case.
 """
+import contextlib
 import math
 
 import pytest
@@ -292,6 +293,9 @@ std::vector<at::Tensor> fwd(at::Tensor q, at::Tensor k, at::Tensor v, std::optio
   return {out, lse};
 }
 
+// Whether the fp16 / bf16 forward runs fwd_wgmma_kernel (attention_wgmma.cuh) or fwd_kernel.
+void set_wgmma(bool on) { transformer_fast::emulate_wgmma_forward = on; }
+
 std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
                             at::Tensor lse, std::optional<at::Tensor> mask, std::optional<at::Tensor> kpm,
                             bool causal, double scale, double p, std::optional<at::Tensor> rng) {
@@ -305,8 +309,8 @@ std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Ten
 @pytest.fixture(scope="module")
 def cuda_emulation():
     return cuda_emulation_build("tf_attention_cuda_emu", _EMU_HARNESS,
-                                ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_cuda.h", "attention_device.cuh", "ops.h",
-                                 "philox.h"), ("fwd", "bwd"))
+                                ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_wgmma.cuh", "attention_cuda.h",
+                                 "attention_device.cuh", "ops.h", "philox.h"), ("fwd", "bwd", "set_wgmma"))
 
 
 _EMU_CASES = [  # B, H, Hkv, Lq, Lk, D, dtype, mask kind, dropout
@@ -433,6 +437,58 @@ def test_cuda_fp32_large_logits_emulated(cuda_emulation, case):
 @pytest.mark.parametrize("case", _EMU_CASES + _EMU_FP32_CASES, ids=_emu_id)
 def test_cuda_kernels_emulated(cuda_emulation, case):
     _run_emulated(cuda_emulation, case)
+
+
+# The sm_90a wgmma forward (csrc/attention_wgmma.cuh; opt-in on a GPU, never run on one): head
+# dims in both of its buckets (64, 128), every mask kind, dead rows, GQA, dropout, odd lengths,
+# the 2-byte load path and packed views.  The backward of these runs is fwd_kernel's usual one.
+_EMU_WGMMA_CASES = [
+    (1, 2, 1, 70, 67, 64, torch.bfloat16, "causal", 0.0),
+    (2, 2, 2, 33, 70, 16, torch.float16, "float_bh", 0.0),
+    (2, 2, 2, 33, 70, 80, torch.bfloat16, "causal+bool_b1+kpm", 0.0),
+    (2, 2, 1, 33, 70, 128, torch.float16, "dead", 0.3),
+    (1, 2, 2, 1, 127, 96, torch.bfloat16, "none", 0.0),
+    (1, 4, 2, 130, 65, 64, torch.bfloat16, "causal+float_bh+kpm", 0.1),
+    (1, 2, 2, 70, 67, 128, torch.float16, "misaligned_k", 0.0),
+    (2, 2, 2, 37, 37, 64, torch.bfloat16, "packed+causal", 0.1),
+]
+
+
+@contextlib.contextmanager
+def _wgmma_forward(emu):
+    emu.set_wgmma(True)
+    try:
+        yield
+    finally:
+        emu.set_wgmma(False)
+
+
+@pytest.mark.parametrize("case", [_EMU_WGMMA_CASES[2], _EMU_WGMMA_CASES[3]], ids=_emu_id)
+def test_cuda_wgmma_forward_emulated_quick(cuda_emulation, case):
+    with _wgmma_forward(cuda_emulation):
+        _run_emulated(cuda_emulation, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _EMU_WGMMA_CASES, ids=_emu_id)
+def test_cuda_wgmma_forward_emulated(cuda_emulation, case):
+    with _wgmma_forward(cuda_emulation):
+        _run_emulated(cuda_emulation, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dt_id)
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_wgmma_forward_matches_mma_sync_emulated(cuda_emulation, d, dtype):
+    """Emulated, both forwards sum each 16-wide k slab in the same order: the wgmma kernel (its
+    descriptors, core-matrix tiles and register A operand) must reproduce fwd_kernel bit for bit."""
+    g = generator()
+    q, k, v = randn(2, 4, 70, d, dtype=dtype, g=g), randn(2, 2, 131, d, dtype=dtype, g=g), randn(2, 2, 131, d, dtype=dtype, g=g)
+    kpm = torch.rand(2, 131, generator=g) < 0.2
+    args = (q, k, v, None, kpm, False, d ** -0.5, 0.0, None)
+    want = cuda_emulation.fwd(*args)
+    with _wgmma_forward(cuda_emulation):
+        got = cuda_emulation.fwd(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 _HOSTILE = {  # name: (q, k, v) -> (q, k, v, attn_mask); hostile values as tests/test_hostile_inputs.py

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import test_attention_cpu as base
+from transformer_fast import functional as F
 from test_attention_cpu import (  # noqa: F401  (the shared checks, collected again here)
     test_backward_is_deterministic,
     test_bad_input_errors,
@@ -77,3 +78,56 @@ def test_large_shapes(device, dtype, d, kind):
     q, k, v = base._qkv(b, h, h, lq, lk, d, dtype, device, g)
     m = base._to(make_masks(kind, b, h, lq, lk, dtype, g), device)
     check_sdpa("cuda", q, k, v, context=f"{kind} d={d}", **m)
+
+
+# ---- The sm_90a wgmma forward (csrc/attention_wgmma.cuh): opt-in through
+# TRANSFORMER_FAST_CUDA_WGMMA=1 until these tests and compute-sanitizer have passed on a Hopper GPU.
+
+WGMMA_ENV = "TRANSFORMER_FAST_CUDA_WGMMA"
+
+
+def _kernel_names(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
+@pytest.fixture
+def wgmma(device, monkeypatch):
+    """The wgmma forward switched on, and shown to run (a profiled call launches its kernel)."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the wgmma forward runs on compute capability 9.x (Hopper) only")
+    monkeypatch.setenv(WGMMA_ENV, "1")
+    q = torch.randn(1, 2, 64, 64, device=device, dtype=torch.float16)
+    names = _kernel_names(lambda: F.scaled_dot_product_attention(q, q, q, backend="cuda"))
+    assert any("fwd_wgmma_kernel" in n for n in names), (
+        f"{WGMMA_ENV}=1 on a 9.x GPU did not launch fwd_wgmma_kernel (extension built without "
+        f"sm_90a? TORCH_CUDA_ARCH_LIST must include 9.0a); kernels: {sorted(names)}")
+    return device
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+@pytest.mark.parametrize("kind", ["none", "causal", "causal+float_bh+kpm", "bool_b1", "dead"])
+def test_wgmma_forward_oracle(wgmma, dtype, d, kind):
+    b, h, hkv, lq, lk = 2, 4, 2, 300, 517
+    g = generator()
+    q, k, v = base._qkv(b, h, hkv, lq, lk, d, dtype, wgmma, g)
+    m = base._to(make_masks(kind, b, h, lq, lk, dtype, g), wgmma)
+    check_sdpa("cuda", q, k, v, enable_gqa=True, context=f"wgmma {kind} d={d}", **m)
+
+
+def test_wgmma_forward_packed_views_and_dropout(wgmma, monkeypatch):
+    """q/k/v as views of one packed projection (read through strides), dropout: the same keep
+    mask as fwd_kernel (the outputs differ by accumulation order only, a wrong mask by O(1))."""
+    b, l, h, d = 2, 197, 4, 64
+    qkv = torch.randn(b, l, 3, h, d, device=wgmma, dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check_sdpa("cuda", q, k, v, is_causal=True, context="wgmma, packed views")
+    torch.manual_seed(7)
+    got = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True, backend="cuda")
+    monkeypatch.delenv(WGMMA_ENV)
+    torch.manual_seed(7)
+    want = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True, backend="cuda")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
