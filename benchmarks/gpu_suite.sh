@@ -110,6 +110,9 @@ PYTEST_PAR=${PYTEST_PAR-$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || ec
 # shellcheck disable=SC2086
 step pytest_gpu $NO_TUNE $PY -m pytest tests -m "gpu or triton" -q -p no:cacheprovider $PYTEST_PAR
 step verify $NO_TUNE $PY -m transformer_fast verify --output "$OUT/verify.md"
+# The opt-in sm_90a wgmma forward (csrc/attention_wgmma.cuh) on a Hopper; its table goes to logs.txt.
+step verify_wgmma $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=1 $PY -m transformer_fast verify \
+    --op scaled_dot_product_attention --backend cuda
 for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer_$tool" $NO_TUNE compute-sanitizer --tool "$tool" --error-exitcode 1 \
         --target-processes all $PY benchmarks/sanitize_kernels.py --backend cuda

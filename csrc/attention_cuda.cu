@@ -832,6 +832,7 @@ void run_fwd_wgmma(const Params& p) {
 // Whether the forward runs fwd_wgmma_kernel: only on request (TRANSFORMER_FAST_CUDA_WGMMA=1)
 // until it has run on a Hopper GPU, on compute capability 9.x, and where this build holds sm_90a
 // code (probed once per device: one tiny kernel and one host sync, the first time only).
+// Every forward reads the environment variable, so a test or benchmark may switch it per call.
 bool wgmma_forward(const Tensor& q) {
   const char* env = std::getenv("TRANSFORMER_FAST_CUDA_WGMMA");
   if (env == nullptr || std::strcmp(env, "1") != 0) return false;
@@ -844,6 +845,11 @@ bool wgmma_forward(const Tensor& q) {
   const std::lock_guard<std::mutex> lock(mutex);
   auto it = built.find(dev);
   if (it == built.end()) {
+    // The probe syncs the host: not inside a CUDA graph capture (fwd_kernel runs there until a
+    // call outside one has probed this device).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
+    if (capture != cudaStreamCaptureStatusNone) return false;
     Tensor flag = at::zeros({1}, q.options().dtype(at::kInt));
     sm90a_probe_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(flag.mutable_data_ptr<int>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

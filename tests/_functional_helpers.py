@@ -104,10 +104,10 @@ def oracle_atol(backend, dtype):
     half precision its dV reduction over Lq = 127 queries exceeds 2x ref_lp's error by up to
     ~0.8 atol, and in fp16 at head dim 128 its dV once landed 1.01x past 3x atol (CI); its fp16
     feed_forward grad w2 over 100 rows with d_ff = 1 landed 1.06x past the bound with 5x atol
-    (fuzz, -m slow); its fp32 SDPA grad k once landed at 10.09x atol where the bound
-    degenerates to atol (fuzz).  So it is held to 20x atol in fp32 and 10x in half precision
-    (kept off the edge so the grid is not flaky); our own backends get the oracle's bound
-    unchanged."""
+    (fuzz, -m slow); its fp32 SDPA grad k landed at 10.09x atol once and at 20.8x atol once
+    (one key, D = 64, scale 1: the exact gradient is 0, so the bound degenerates to atol; fuzz,
+    -m slow, 2026-11-25).  So it is held to 50x atol in fp32 and 10x in half precision (kept off
+    the edge so the grid is not flaky); our own backends get the oracle's bound unchanged."""
     if backend == "torch":
-        return (20 if dtype == torch.float32 else 10) * reference.ATOL[dtype]
+        return (50 if dtype == torch.float32 else 10) * reference.ATOL[dtype]
     return None
