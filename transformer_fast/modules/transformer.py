@@ -410,9 +410,9 @@ class TransformerEncoder(Module):
         self.layers = _get_clones(encoder_layer, num_layers)
         self.num_layers = num_layers
         self.norm = norm
-        # Accepted and recorded for torch compatibility; padding is handled by the kernels
-        # (key_padding_mask), never by converting to a NestedTensor.  use_nested_tensor is set
-        # by torch's rule (unread here) so that unswap() gives the encoder torch would build.
+        # Recorded as torch records them, and read by the same rule (_nested_padding): where
+        # torch would run a padded batch as a NestedTensor, ours runs it padded through the
+        # kernels' key padding mask and gives the padded positions the values torch gives them.
         self.enable_nested_tensor = enable_nested_tensor
         self.use_nested_tensor = enable_nested_tensor and _nested_tensor_capable(encoder_layer)
         self.mask_check = mask_check
@@ -434,8 +434,12 @@ class TransformerEncoder(Module):
                 "TransformerEncoder (transformer_fast) does not take NestedTensor inputs; pass a "
                 "padded tensor and src_key_padding_mask"
             )
-        seq_len = sem.seq_len(src, self.layers[0].self_attn.batch_first)
+        batch_first = self.layers[0].self_attn.batch_first
+        seq_len = sem.seq_len(src, batch_first)
         is_causal = sem.detect_is_causal_mask(mask, is_causal, seq_len)
+        padded = self._nested_padding(src, mask, src_key_padding_mask)
+        if padded is not None:  # torch's NestedTensor path: the mask only says which keys exist
+            src_key_padding_mask = padded
 
         if _chainable(self, TransformerEncoderLayer, src):
             x, normed = src, None
@@ -443,15 +447,51 @@ class TransformerEncoder(Module):
             for i, mod in enumerate(self.layers):
                 next_norm = self.layers[i + 1].norm1 if i + 1 < n else self.norm
                 x, normed = mod._fused(x, mask, src_key_padding_mask, is_causal, normed, next_norm)
-            return normed if self.norm is not None else x
-
-        output = src
-        for mod in self.layers:
-            output = mod(output, src_mask=mask, is_causal=is_causal,
-                         src_key_padding_mask=src_key_padding_mask)
-        if self.norm is not None:
-            output = self.norm(output)
+            output = normed if self.norm is not None else x
+        else:
+            output = src
+            for mod in self.layers:
+                output = mod(output, src_mask=mask, is_causal=is_causal,
+                             src_key_padding_mask=src_key_padding_mask)
+            if self.norm is not None:
+                output = self.norm(output)
+        if padded is not None:
+            # torch pads the NestedTensor's output with zeros, then applies the final norm.
+            fill = output.new_zeros(1, 1, output.shape[-1])
+            if self.norm is not None:
+                fill = self.norm(fill)
+            where = padded if batch_first else padded.t()
+            output = torch.where(where.unsqueeze(-1), fill, output)
         return output
+
+    def _nested_padding(self, src, mask, src_key_padding_mask):
+        """The padded positions (bool, True = padding) where torch.nn.TransformerEncoder would
+        run this call as a NestedTensor (its fast path: eval, no grad, batched input, a padding
+        mask that is left-aligned, no attention mask, ...: the same checks in the same order),
+        else None.  torch then leaves padded positions out, with a float mask by zero / nonzero
+        alone, and returns zeros there (norm(0) with a final norm)."""
+        first = self.layers[0]
+        if (not torch.backends.mha.get_fastpath_enabled() or not getattr(self, "use_nested_tensor", False)
+                or first.training or src.dim() != 3 or src_key_padding_mask is None):
+            return None
+        keep = src_key_padding_mask.logical_not()
+        do_mask_check = getattr(self, "mask_check", True)
+        if do_mask_check and (torch.compiler.is_compiling()
+                              or not torch._nested_tensor_from_mask_left_aligned(src, keep)):
+            return None
+        if mask is not None or torch.is_autocast_enabled():
+            return None
+        attn = first.self_attn
+        tensor_args = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+                       attn.out_proj.bias, first.norm1.weight, first.norm1.bias, first.norm2.weight,
+                       first.norm2.bias, first.linear1.weight, first.linear1.bias,
+                       first.linear2.weight, first.linear2.bias)
+        devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+        if torch.overrides.has_torch_function(tensor_args) or src.device.type not in devices:
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensor_args):
+            return None
+        return keep.logical_not()
 
 
 class TransformerDecoder(Module):
