@@ -437,9 +437,10 @@ class TransformerEncoder(Module):
         batch_first = self.layers[0].self_attn.batch_first
         seq_len = sem.seq_len(src, batch_first)
         is_causal = sem.detect_is_causal_mask(mask, is_causal, seq_len)
-        padded = self._nested_padding(src, mask, src_key_padding_mask)
-        if padded is not None:  # torch's NestedTensor path: the mask only says which keys exist
-            src_key_padding_mask = padded
+        nested = self._nested_padding(src, mask, src_key_padding_mask)
+        if nested is not None and nested[1] is True:
+            # torch's NestedTensor path: the mask only says which keys exist
+            src_key_padding_mask = nested[0]
 
         if _chainable(self, TransformerEncoderLayer, src):
             x, normed = src, None
@@ -455,30 +456,40 @@ class TransformerEncoder(Module):
                              src_key_padding_mask=src_key_padding_mask)
             if self.norm is not None:
                 output = self.norm(output)
-        if padded is not None:
+        if nested is not None:
             # torch pads the NestedTensor's output with zeros, then applies the final norm.
+            padded, aligned = nested
             fill = output.new_zeros(1, 1, output.shape[-1])
             if self.norm is not None:
                 fill = self.norm(fill)
             where = padded if batch_first else padded.t()
+            if aligned is not True:
+                where = where & aligned
             output = torch.where(where.unsqueeze(-1), fill, output)
         return output
 
     def _nested_padding(self, src, mask, src_key_padding_mask):
-        """The padded positions (bool, True = padding) where torch.nn.TransformerEncoder would
-        run this call as a NestedTensor (its fast path: eval, no grad, batched input, a padding
-        mask that is left-aligned, no attention mask, ...: the same checks in the same order),
-        else None.  torch then leaves padded positions out, with a float mask by zero / nonzero
-        alone, and returns zeros there (norm(0) with a final norm)."""
+        """Where torch.nn.TransformerEncoder would run this call as a NestedTensor (its eager
+        fast path: eval, no grad, batched input, a left-aligned padding mask, no attention mask,
+        ...: the same checks in the same order): (padded positions, True), else None.  torch
+        then leaves padded positions out, reading a float mask by zero / nonzero alone, and
+        returns zeros there (norm(0) with a final norm).  While tracing (torch.compile, export)
+        torch skips that path, since its left-alignment check reads the mask; ours keeps the
+        eager numbers instead, with the check as a tensor: (padded positions, 0-d bool tensor).
+        """
         first = self.layers[0]
         if (not torch.backends.mha.get_fastpath_enabled() or not getattr(self, "use_nested_tensor", False)
                 or first.training or src.dim() != 3 or src_key_padding_mask is None):
             return None
         keep = src_key_padding_mask.logical_not()
-        do_mask_check = getattr(self, "mask_check", True)
-        if do_mask_check and (torch.compiler.is_compiling()
-                              or not torch._nested_tensor_from_mask_left_aligned(src, keep)):
-            return None
+        aligned = True
+        if getattr(self, "mask_check", True):
+            if torch.compiler.is_compiling():
+                # each row: its kept keys first, then padding
+                positions = torch.arange(keep.shape[-1], device=keep.device)
+                aligned = (keep == (positions < keep.sum(-1, keepdim=True))).all()
+            elif not torch._nested_tensor_from_mask_left_aligned(src, keep):
+                return None
         if mask is not None or torch.is_autocast_enabled():
             return None
         attn = first.self_attn
@@ -487,11 +498,13 @@ class TransformerEncoder(Module):
                        first.norm2.bias, first.linear1.weight, first.linear1.bias,
                        first.linear2.weight, first.linear2.bias)
         devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
-        if torch.overrides.has_torch_function(tensor_args) or src.device.type not in devices:
+        # (While tracing, the tracer's own tensors answer has_torch_function: non-strict export.)
+        if ((not torch.compiler.is_compiling() and torch.overrides.has_torch_function(tensor_args))
+                or src.device.type not in devices):
             return None
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensor_args):
             return None
-        return keep.logical_not()
+        return keep.logical_not(), aligned
 
 
 class TransformerDecoder(Module):
