@@ -78,8 +78,7 @@ def eager_autograd(impl: Callable, setup_context: Callable, backward: Callable) 
             return out
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, *grads):
+        def backward(ctx, *grads):  # differentiable under create_graph: see recomputed_grads
             return backward(ctx, *grads)
 
     class FunctorchFunction(torch.autograd.Function):
@@ -103,3 +102,48 @@ def eager_autograd(impl: Callable, setup_context: Callable, backward: Callable) 
     FunctorchFunction.__name__ = FunctorchFunction.__qualname__ = f"Functorch{impl.__name__}"
     EagerFunction.functorch = FunctorchFunction
     return EagerFunction
+
+
+def recording_backward() -> bool:
+    """Whether autograd records this backward for a second derivative (create_graph=True: the
+    engine runs backward formulas with grad mode on).  Our kernels' backward passes are not
+    differentiable, so the formulas then take recomputed_grads instead."""
+    return torch.is_grad_enabled()
+
+
+def half_to_float(*tensors):
+    """fp16 / bf16 tensors as float32 (a differentiable cast; others unchanged): the recomputed
+    formulas run in fp32 as the kernels do."""
+    return tuple(t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16)
+                 else t for t in tensors)
+
+
+def recomputed_grads(forward: Callable, inputs: tuple, grad_outputs: tuple) -> list:
+    """The backward of a fused op when autograd records it (create_graph=True): the op's
+    reference formula (transformer_fast.reference, differentiable torch ops) re-run on the saved
+    inputs and differentiated with create_graph, so the gradients are themselves differentiable
+    (torch.nn's double backward: gradient penalties, Hessian-vector products).  Slow, and only
+    on this path; a plain backward runs the kernels.  ``forward(*inputs)`` returns the outputs
+    that ``grad_outputs`` belong to (None: no gradient from that output).  One gradient, or None,
+    per input."""
+    wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    result = [None] * len(inputs)
+    if not wanted:
+        return result
+    with torch.enable_grad():
+        # Differentiate with respect to fresh aliases, not the inputs themselves: one input may
+        # be computed from another (a pre-LN residual add: the sublayer output depends on the
+        # residual), and autograd.grad with respect to that other would also count the path
+        # through the first.  The aliases keep the result differentiable in the inputs.
+        local = list(inputs)
+        for i in wanted:
+            local[i] = inputs[i].view_as(inputs[i])
+        outs = forward(*local)
+        pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+        if not pairs:
+            return result
+        grads = torch.autograd.grad([o for o, _ in pairs], [local[i] for i in wanted],
+                                    [g for _, g in pairs], create_graph=True, allow_unused=True)
+    for i, g in zip(wanted, grads):
+        result[i] = g
+    return result

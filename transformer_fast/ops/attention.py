@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends
-from . import call, eager_autograd, own
+from .. import backends, philox, reference
+from . import call, eager_autograd, half_to_float, own, recomputed_grads, recording_backward
 
 
 def empty_in_layout_of(q, shape):
@@ -133,6 +133,18 @@ def _backward(ctx, dout, dlse):
         )
     q, k, v, out, lse, attn_mask, key_padding_mask, rng = ctx.saved_tensors
     is_causal, scale, dropout_p, allow_tf32, backend = ctx.flags
+    if recording_backward():  # create_graph=True: the reference (fp32), differentiated
+        b, h, lq, _ = q.shape
+        keep = philox.dropout_keep_mask(rng, (b, h, lq, k.shape[2]), dropout_p) if dropout_p > 0.0 else None
+
+        def forward(q_, k_, v_):
+            o = reference.scaled_dot_product_attention(
+                *half_to_float(q_, k_, v_), attn_mask, dropout_p, is_causal, scale, k.shape[1] != h,
+                key_padding_mask, keep)
+            return (o.to(q.dtype),)
+
+        dq, dk, dv = recomputed_grads(forward, (q, k, v), (dout,))
+        return dq, dk, dv, None, None, None, None, None, None, None, None
     dq, dk, dv = call(attention_bwd, _attention_bwd_impl, dout, q, k, v, out, lse, attn_mask, key_padding_mask,
                       is_causal, scale, dropout_p, rng, allow_tf32, backend)
     return dq, dk, dv, None, None, None, None, None, None, None, None

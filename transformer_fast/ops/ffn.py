@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends
-from . import call, eager_autograd, own
+from .. import backends, philox, reference
+from . import call, eager_autograd, half_to_float, own, recomputed_grads, recording_backward
 
 _EMPTY_SHAPE = (0,)
 _NEEDS_PRE = ("gelu", "gelu_tanh")
@@ -70,6 +70,19 @@ def _aux(activation: str, y: Tensor, pre: Tensor) -> Optional[Tensor]:
 
 def _grad_or_none(g: Tensor, present: bool) -> Optional[Tensor]:
     return g if present else None
+
+
+def _recorded_ffn_grads(ctx, rng, hidden_shape, inputs, dout, forward_ref):
+    """create_graph=True: the reference formula (fp32) on the saved inputs, differentiated."""
+    p = ctx.dropout_p
+    keep = philox.dropout_keep_mask(rng, hidden_shape, p) if p > 0.0 else None
+    activation = None if ctx.activation == "none" else ctx.activation
+    dtype = inputs[0].dtype
+
+    def forward(*tensors):
+        return (forward_ref(*half_to_float(*tensors), activation, p, keep).to(dtype),)
+
+    return recomputed_grads(forward, inputs, (dout,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,13 +157,17 @@ def _lba_setup_context(ctx, inputs, output):
     x, w, b, activation, dropout_p, rng, allow_tf32, backend = inputs
     y, pre = output
     aux = _aux(activation, y, pre)
-    ctx.save_for_backward(x, w, aux, rng)
+    ctx.save_for_backward(x, w, aux, rng, b)
     ctx.has_bias = b is not None
     ctx.activation, ctx.dropout_p, ctx.allow_tf32, ctx.backend = activation, dropout_p, allow_tf32, backend
 
 
 def _lba_backward(ctx, dy, dpre):
-    x, w, aux, rng = ctx.saved_tensors
+    x, w, aux, rng, b = ctx.saved_tensors
+    if recording_backward():
+        dx, dw, db = _recorded_ffn_grads(ctx, rng, (*x.shape[:-1], w.shape[0]), (x, w, b), dy,
+                                         reference.linear_bias_act)
+        return dx, dw, db, None, None, None, None, None
     dx, dw, db = call(linear_bias_act_bwd, _linear_bias_act_bwd_impl,
                       dy, x, w, aux, ctx.has_bias, ctx.activation, ctx.dropout_p, rng, ctx.allow_tf32, ctx.backend)
     return dx, dw, _grad_or_none(db, ctx.has_bias), None, None, None, None, None
@@ -245,13 +262,21 @@ def _(dout, x, w1, w2, hidden, pre, has_b1, has_b2, activation, dropout_p, rng, 
 def _ff_setup_context(ctx, inputs, output):
     x, w1, b1, w2, b2, activation, dropout_p, rng, allow_tf32, backend = inputs
     _, hidden, pre = output
-    ctx.save_for_backward(x, w1, w2, hidden, pre, rng)
+    ctx.save_for_backward(x, w1, w2, hidden, pre, rng, b1, b2)
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.activation, ctx.dropout_p, ctx.allow_tf32, ctx.backend = activation, dropout_p, allow_tf32, backend
 
 
 def _ff_backward(ctx, dout, dhidden, dpre):
-    x, w1, w2, hidden, pre, rng = ctx.saved_tensors
+    x, w1, w2, hidden, pre, rng, b1, b2 = ctx.saved_tensors
+    if recording_backward():
+
+        def ref(x_, w1_, b1_, w2_, b2_, activation, p, keep):
+            return reference.feed_forward(x_, w1_, b1_, w2_, b2_, activation, p, keep)
+
+        dx, dw1, db1, dw2, db2 = _recorded_ffn_grads(ctx, rng, (*x.shape[:-1], w1.shape[0]),
+                                                     (x, w1, b1, w2, b2), dout, ref)
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None
     dx, dw1, db1, dw2, db2 = call(feed_forward_bwd, _feed_forward_bwd_impl,
                                   dout, x, w1, w2, hidden, pre, ctx.has_b1, ctx.has_b2, ctx.activation,
                                   ctx.dropout_p, rng, ctx.allow_tf32, ctx.backend)

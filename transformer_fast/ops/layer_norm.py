@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends
-from . import call, eager_autograd, own
+from .. import backends, philox, reference
+from . import call, eager_autograd, half_to_float, own, recomputed_grads, recording_backward
 
 _EMPTY_SHAPE = (0,)
 
@@ -143,12 +143,28 @@ def _setup_context(ctx, inputs, output):
     ctx.dropout_p = dropout_p
     ctx.prenorm = prenorm
     ctx.backend = backend
+    ctx.eps = eps
+
+
+def _recorded_backward(ctx, dy, dh, x, residual, weight, bias, rng):
+    """create_graph=True: reference.add_layer_norm (fp32) on the saved inputs, differentiated."""
+    keep = philox.dropout_keep_mask(rng, x.shape, ctx.dropout_p) if ctx.dropout_p > 0.0 else None
+
+    def forward(x_, residual_, weight_, bias_):
+        y, h = reference.add_layer_norm(*half_to_float(x_, residual_, weight_, bias_), ctx.eps,
+                                        ctx.dropout_p, True, keep)
+        return y.to(x.dtype), h.to(x.dtype)
+
+    dx, dres, dw, db = recomputed_grads(forward, (x, residual, weight, bias), (dy, dh))
+    return dx, dres, dw, db, None, None, None, None, None
 
 
 def _backward(ctx, dy, dh, dmean, drstd):
     x, residual, weight, bias, mean, rstd, rng = ctx.saved_tensors
     if not ctx.prenorm:
         dh = None  # the gradient of the placeholder (0,) output
+    if recording_backward():
+        return _recorded_backward(ctx, dy, dh, x, residual, weight, bias, rng)
     dx, dres, dw, db = call(add_layer_norm_bwd, _add_layer_norm_bwd_impl,
                             dy, dh, x, residual, weight, bias, mean, rstd, ctx.dropout_p, rng, ctx.backend)
     if ctx.dropout_p == 0.0:

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends
-from . import call, eager_autograd, own
+from .. import backends, philox
+from . import call, eager_autograd, own, recording_backward
 
 _EMPTY_SHAPE = (0,)
 
@@ -82,9 +82,26 @@ def _setup_context(ctx, inputs, output):
     ctx.flags = (scale, dropout_p, backend)
 
 
+def _recorded_backward(dout, dprobs, probs, rng, scale, dropout_p):
+    """create_graph=True: softmax's backward in differentiable torch ops (fp32) from the saved
+    probabilities, an output of this op; so a second derivative flows through them back into
+    this formula as ``dprobs``, which it adds to the dropped-out upstream gradient."""
+    p = probs.float()
+    g = dout.float()
+    if dropout_p > 0.0:
+        keep = philox.dropout_keep_mask(rng, probs.shape, dropout_p)
+        g = g * keep / (1.0 - dropout_p)
+    if dprobs is not None and dprobs.numel() == probs.numel():
+        g = g + dprobs.float()
+    dscores = scale * p * (g - (g * p).sum(dim=-1, keepdim=True))
+    return dscores.to(probs.dtype), None, None, None, None, None, None
+
+
 def _backward(ctx, dout, dprobs):
     probs, rng = ctx.saved_tensors
     scale, dropout_p, backend = ctx.flags
+    if recording_backward():
+        return _recorded_backward(dout, dprobs, probs, rng, scale, dropout_p)
     dscores = call(masked_softmax_bwd, _masked_softmax_bwd_impl, dout, probs, scale, dropout_p, rng, backend)
     return dscores, None, None, None, None, None, None
 
