@@ -837,3 +837,50 @@ def test_expanded_cache_that_would_be_written_is_rejected(which):
         F.attention_with_kv_cache(q, caches["k_cache"], caches["v_cache"], seqlens, q, q)
     # Read-only use (no k_new/v_new) of an expanded cache is fine.
     F.attention_with_kv_cache(q, caches["k_cache"], caches["v_cache"], seqlens)
+
+
+# ---- Findings of the 2026-11-25 audit
+
+
+@pytest.mark.parametrize("backend", backend_params("torch", "cpu", "triton"))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_float32_mask_keeps_its_precision_with_half_queries(backend, dtype):
+    """torch's SDPA adds a float32 mask to half-precision scores without rounding it to the
+    query's dtype; ours too (it was rounded: 0.12 off at a 1000 bias in fp16, NaN at 7e4)."""
+    require_backend(backend)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    q, k, v = (torch.randn(2, 2, n, 16, generator=g) for n in (5, 7, 7))
+    mask = 1000 + torch.rand(5, 7, generator=g)
+    mask[0, 1] = 7e4  # beyond fp16's range
+    kpm = torch.zeros(2, 7)
+    kpm[1, 5:] = float("-inf")
+    truth = tf.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), mask.double(), key_padding_mask=kpm.double(),
+        backend="reference")
+    got = tf.functional.scaled_dot_product_attention(
+        q.to(dtype), k.to(dtype), v.to(dtype), mask, key_padding_mask=kpm, backend=backend)
+    tol = 4e-3 if dtype == torch.float16 else 3e-2  # one rounding of O(1) outputs
+    assert (got.double() - truth).abs().max() < tol
+
+
+def test_float_key_padding_mask_needing_grad_is_refused_by_fused_backends():
+    q, k, v = (torch.randn(2, 2, 4, 16, requires_grad=True) for _ in range(3))
+    kpm = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(tf.BackendError, match="key_padding_mask"):
+        tf.functional.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm, backend="cpu")
+    out = tf.functional.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm)  # auto: torch
+    (gk,) = torch.autograd.grad(out.sum(), kpm)
+    want = tf.functional.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm, backend="reference")
+    torch.testing.assert_close(gk, torch.autograd.grad(want.sum(), kpm)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_zero_heads():
+    """Zero key heads under enable_gqa: a ValueError naming key (not ZeroDivisionError); zero
+    heads everywhere: an empty output on auto, as torch, and a BackendError on a fused backend."""
+    with pytest.raises(ValueError, match="key"):
+        tf.functional.scaled_dot_product_attention(
+            torch.randn(2, 4, 5, 16), torch.randn(2, 0, 7, 16), torch.randn(2, 0, 7, 16), enable_gqa=True)
+    q = torch.randn(2, 0, 5, 16)
+    assert tf.functional.scaled_dot_product_attention(q, q, q).shape == (2, 0, 5, 16)
+    with pytest.raises(tf.BackendError, match="head"):
+        tf.functional.scaled_dot_product_attention(q, q, q, backend="cpu")

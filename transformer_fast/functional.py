@@ -202,7 +202,7 @@ def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
                 f"key must have query's number of heads ({hq}, dim -3); got {hk}. Pass "
                 f"enable_gqa=True for grouped-query attention"
             )
-        if hq % hk != 0:
+        if hk == 0 or hq % hk != 0:
             raise ArgumentValueError(
                 f"with enable_gqa, key's number of heads ({hk}) must divide query's ({hq})"
             )
@@ -226,6 +226,16 @@ def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     return dropout_p, is_causal, scale, enable_gqa
 
 
+def _mask_dtype(query, attn_mask, key_padding_mask):
+    """The dtype float masks are added in: the query's, or float32 when a float mask comes in
+    another dtype (a float32 mask with fp16 / bf16 queries keeps its precision and range, as in
+    torch's SDPA, instead of being rounded, or overflowing to inf, in the query's dtype)."""
+    for m in (attn_mask, key_padding_mask):
+        if m is not None and m.is_floating_point() and m.dtype != query.dtype:
+            return torch.float32
+    return query.dtype
+
+
 def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 key_padding_mask):
     lq, lk = query.shape[-2], key.shape[-2]
@@ -243,7 +253,8 @@ def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
             query, key, value, None, dropout_p, is_causal, scale=scale, enable_gqa=gqa
         )
     mask = masks.combine(
-        attn_mask, is_causal, key_padding_mask, lq, lk, query.dim(), query.dtype, query.device
+        attn_mask, is_causal, key_padding_mask, lq, lk, query.dim(),
+        _mask_dtype(query, attn_mask, key_padding_mask), query.device,
     )
     # Some SDPA paths (flash / efficient / cuDNN) return NaN for a row with no key, and NaN
     # gradients.  Open such rows to every key (finite everywhere, so forward and backward stay
@@ -270,6 +281,11 @@ def _fused_attention_support(backend):
             reasons.append(f"{backend} needs at least one key")
         if mask is not None and mask.requires_grad and torch.is_grad_enabled():
             reasons.append(f"{backend} does not compute the gradient of a float attn_mask")
+        kpm = inputs.get("key_padding_mask")
+        if kpm is not None and kpm.requires_grad and torch.is_grad_enabled():
+            reasons.append(f"{backend} does not compute the gradient of a float key_padding_mask")
+        if k.dim() > 3 and k.shape[-3] == 0:
+            reasons.append(f"{backend} needs at least one key / value head")
         return reasons
 
     return check
@@ -408,19 +424,20 @@ def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale,
         q4, k4, v4 = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
     b4, h = q4.shape[0], q4.shape[1]
 
+    mask_dtype = _mask_dtype(query, attn_mask, key_padding_mask)  # the kernels read any of them
     padding = None
     if key_padding_mask is not None and key_padding_mask.dtype == torch.bool and b4 == key_padding_mask.shape[0]:
         padding = key_padding_mask  # the kernel's native (B, Lk) form
     elif key_padding_mask is not None:  # float padding, or >4-D leading dims: fold into the mask
         attn_mask = masks.combine(
-            attn_mask, False, key_padding_mask, lq, lk, query.dim(), query.dtype, query.device
+            attn_mask, False, key_padding_mask, lq, lk, query.dim(), mask_dtype, query.device
         )
     mask4 = None
     if attn_mask is not None:
         mask4 = attn_mask.expand(scores_shape)
         mask4 = mask4.unsqueeze(1) if query.dim() == 3 else mask4.reshape(b4, h, lq, lk)
-        if mask4.is_floating_point() and mask4.dtype != query.dtype:
-            mask4 = mask4.to(query.dtype)
+        if mask4.is_floating_point() and mask4.dtype != mask_dtype:
+            mask4 = mask4.to(mask_dtype)
     rng = philox.new_rng(query.device) if dropout_p > 0.0 else None
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = _attention_op.attention(

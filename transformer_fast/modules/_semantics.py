@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from .. import backends
 
 
-class InputError(ValueError, AssertionError):
-    """A malformed module input (torch raises AssertionError for these)."""
+class InputError(ValueError, AssertionError, RuntimeError):
+    """A malformed module input (torch raises AssertionError for these on its slow path and
+    RuntimeError on its inference fast path, so it is both)."""
 
 
 class InputRuntimeError(ValueError, RuntimeError):

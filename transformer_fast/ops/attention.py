@@ -19,6 +19,7 @@ with no key to attend to has output 0 and gradient 0.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -39,6 +40,7 @@ def empty_in_layout_of(q, shape):
     return base.permute(*inverse, 3)
 
 
+@functools.cache  # a dict lookup per call instead of imports and torch.ops lookups
 def _launcher(backend: str):
     if backend == "triton":
         from transformer_fast.kernels import attention

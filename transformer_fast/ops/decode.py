@@ -12,6 +12,7 @@ csrc/decode_cuda.cu):
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -21,6 +22,7 @@ from .. import backends
 from . import call
 
 
+@functools.cache  # a dict lookup per call instead of imports and torch.ops lookups
 def _launcher(backend: str):
     if backend == "triton":
         from transformer_fast.kernels import decode

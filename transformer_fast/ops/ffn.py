@@ -21,6 +21,7 @@ the row-major index of the (rows, features) activation, rows = prod(x.shape[:-1]
 """
 from __future__ import annotations
 
+import functools
 import math
 import types
 from typing import Optional
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import backends, philox, reference
-from . import call, eager_autograd, half_to_float, own, recomputed_grads, recording_backward
+from . import call, eager_autograd, half_to_float, own_reshaped, recomputed_grads, recording_backward
 
 _EMPTY_SHAPE = (0,)
 _NEEDS_PRE = ("gelu", "gelu_tanh")
@@ -44,6 +45,7 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+@functools.cache  # a dict lookup per call instead of imports and torch.ops lookups
 def _launcher(backend: str):
     if backend == "triton":
         from transformer_fast.kernels import ffn
@@ -101,7 +103,7 @@ def _linear_bias_act_fwd_impl(
 ) -> tuple[Tensor, Tensor]:
     launch = _launcher(backend)
     y, pre = launch.linear_fwd(_rows(x), w, b, activation, dropout_p, rng, needs_pre(activation), allow_tf32)
-    return own(y.view(*x.shape[:-1], w.shape[0])), pre
+    return own_reshaped(y, (*x.shape[:-1], w.shape[0])), pre
 
 
 linear_bias_act_fwd = torch.library.custom_op(
@@ -203,7 +205,7 @@ def _feed_forward_fwd_impl(
     launch = _launcher(backend)
     hidden, pre = launch.linear_fwd(_rows(x), w1, b1, activation, dropout_p, rng, needs_pre(activation), allow_tf32)
     out, _ = launch.linear_fwd(hidden, w2, b2, "none", 0.0, None, False, allow_tf32)
-    return own(out.view(*x.shape[:-1], w2.shape[0])), hidden, pre
+    return own_reshaped(out, (*x.shape[:-1], w2.shape[0])), hidden, pre
 
 
 feed_forward_fwd = torch.library.custom_op(

@@ -18,13 +18,14 @@ Dropout keeps follow transformer_fast.philox over the row-major (M, N) element i
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import backends, philox, reference
-from . import call, eager_autograd, half_to_float, own, recomputed_grads, recording_backward
+from . import call, eager_autograd, half_to_float, own_reshaped, recomputed_grads, recording_backward
 
 _EMPTY_SHAPE = (0,)
 
@@ -35,6 +36,7 @@ def _rows(t: Tensor, n: int) -> Tensor:
     return t2 if t2.stride(1) == 1 or n == 1 else t2.contiguous()
 
 
+@functools.cache  # a dict lookup per call instead of imports and torch.ops lookups
 def _launcher(backend: str):
     if backend == "triton":
         from transformer_fast.kernels import layer_norm
@@ -61,8 +63,8 @@ def _add_layer_norm_fwd_impl(
     n = x.shape[-1]
     fwd, _ = _launcher(backend)
     y, h, mean, rstd = fwd(_rows(x, n), _rows(residual, n), weight, bias, eps, dropout_p, rng, prenorm)
-    y = own(y.view(x.shape))
-    h = own(h.view(x.shape)) if prenorm else h
+    y = own_reshaped(y, x.shape)
+    h = own_reshaped(h, x.shape) if prenorm else h
     return y, h, mean, rstd
 
 

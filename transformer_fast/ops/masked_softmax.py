@@ -9,6 +9,7 @@ Launcher contract (transformer_fast.kernels.masked_softmax), on 4-D scores (B, H
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -20,6 +21,7 @@ from . import call, eager_autograd, own, recording_backward
 _EMPTY_SHAPE = (0,)
 
 
+@functools.cache  # a dict lookup per call instead of imports and torch.ops lookups
 def _launcher(backend: str):
     if backend == "triton":
         from transformer_fast.kernels import masked_softmax
