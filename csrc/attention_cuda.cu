@@ -331,6 +331,38 @@ __device__ __forceinline__ float quad_sum(float x) {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
+// One key tile of both forward kernels' online softmax, for this thread's rows row0 + g and
+// row0 + g + 8: s[4 * nt + e] (the m16n8 accumulator element e of key tile nt) comes in as raw
+// q.k dots and leaves scaled and masked; the running max m_i moves to the tile's, l_i is rescaled
+// to it, and alpha (the factor for what was summed under the old max) and m_use (the max to
+// exponentiate against) come out.
+template <int BN>
+__device__ __forceinline__ void score_tile_update(const Params& p, int b, int h, int m0, int n0,
+                                                  int row0, int g, int t, float* s, float m_i[2],
+                                                  float l_i[2], float m_use[2], float alpha[2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+  const bool plain = plain_tile(p, m0, n0, BN);  // rows >= Lq are never stored
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float& x = s[4 * nt + e];
+      const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
+      x = plain ? x * p.scale : masked_score(p, b, h, i, j, x);
+      mx[e >> 1] = nan_max(mx[e >> 1], x);
+    }
+  }
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const float m_new = nan_max(m_i[rh], quad_max(mx[rh]));
+    // All masked so far: exponentiate against 0 (exp(-inf) = 0), nothing to rescale.
+    m_use[rh] = m_new == -INFINITY ? 0.0f : m_new;
+    alpha[rh] = __expf(m_i[rh] - m_use[rh]);
+    m_i[rh] = m_new;
+    l_i[rh] *= alpha[rh];
+  }
+}
+
 // The end of both forward kernels (fwd_kernel, fwd_wgmma_kernel): O / l and lse = m + log(l) for
 // this thread's rows row0 + g and row0 + g + 8 (m_i, l_i: their running max and this thread's part
 // of their sums; o[4 * dt + e]: the m16n8 accumulator element e of head-dim tile dt); a row with
@@ -434,27 +466,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
         Traits<T>::mma(s[nt], qf[kc], b0, b1);
       }
     }
-    float mx[2] = {-INFINITY, -INFINITY};
-    const bool plain = plain_tile(p, m0, n0, kFwdBN);  // rows >= Lq are never stored
-#pragma unroll
-    for (int nt = 0; nt < kFwdBN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
-        s[nt][e] = plain ? s[nt][e] * p.scale : masked_score(p, b, h, i, j, s[nt][e]);
-        mx[e >> 1] = nan_max(mx[e >> 1], s[nt][e]);
-      }
-    }
     float m_use[2], alpha[2];
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const float m_new = nan_max(m_i[rh], quad_max(mx[rh]));
-      // All masked so far: exponentiate against 0 (exp(-inf) = 0), nothing to rescale.
-      m_use[rh] = m_new == -INFINITY ? 0.0f : m_new;
-      alpha[rh] = __expf(m_i[rh] - m_use[rh]);
-      m_i[rh] = m_new;
-      l_i[rh] *= alpha[rh];
-    }
+    score_tile_update<kFwdBN>(p, b, h, m0, n0, row0, g, t, &s[0][0], m_i, l_i, m_use, alpha);
 #pragma unroll
     for (int dt = 0; dt < DP / 8; ++dt) {
       o[dt][0] *= alpha[0];

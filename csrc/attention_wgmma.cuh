@@ -296,27 +296,8 @@ __global__ void __launch_bounds__(kThreads) fwd_wgmma_kernel(const Params p) {
     wgmma_wait_all();
     pin_registers(s);
 
-    float mx[2] = {-INFINITY, -INFINITY};
-    const bool plain = plain_tile(p, m0, n0, kWgBN);
-#pragma unroll
-    for (int nt = 0; nt < kWgBN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float& x = s[4 * nt + e];
-        const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
-        x = plain ? x * p.scale : masked_score(p, b, h, i, j, x);
-        mx[e >> 1] = nan_max(mx[e >> 1], x);
-      }
-    }
     float m_use[2], alpha[2];
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const float m_new = nan_max(m_i[rh], quad_max(mx[rh]));
-      m_use[rh] = m_new == -INFINITY ? 0.0f : m_new;
-      alpha[rh] = __expf(m_i[rh] - m_use[rh]);
-      m_i[rh] = m_new;
-      l_i[rh] *= alpha[rh];
-    }
+    score_tile_update<kWgBN>(p, b, h, m0, n0, row0, g, t, s, m_i, l_i, m_use, alpha);
 #pragma unroll
     for (int i = 0; i < DP / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
     uint32_t pa[kWgBN / 16][4];  // P as the register A operand of keys 16kk..16kk+15
