@@ -884,3 +884,20 @@ def test_zero_heads():
     assert tf.functional.scaled_dot_product_attention(q, q, q).shape == (2, 0, 5, 16)
     with pytest.raises(tf.BackendError, match="head"):
         tf.functional.scaled_dot_product_attention(q, q, q, backend="cpu")
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", *backend_params("cpu", "triton")])
+def test_gqa_on_3d_inputs_reads_dim_0_as_heads(backend):
+    """torch's SDPA with enable_gqa reads dim -3 of 3-D inputs as the heads (key/value heads
+    repeat_interleave'd over the query's): the same numbers and gradients here."""
+    require_backend(backend)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    q = torch.randn(6, 5, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 7, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 7, 16, generator=g, requires_grad=True)
+    mask = torch.randn(6, 5, 7, generator=g)
+    got = tf.functional.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend=backend)
+    want = TF.scaled_dot_product_attention(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), mask)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

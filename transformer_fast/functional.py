@@ -194,8 +194,8 @@ def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     if hq != hk:
         if query.dim() == 3:
             raise ArgumentValueError(
-                f"key must have query's batch size ({hq}, dim 0); got {hk} (3-D inputs have no "
-                f"head dimension, so enable_gqa cannot apply)"
+                f"key must have query's batch size ({hq}, dim 0); got {hk} (3-D inputs are "
+                f"(batch, L, D); with enable_gqa and no key_padding_mask, dim 0 counts heads)"
             )
         if not enable_gqa:
             raise ArgumentValueError(
@@ -455,8 +455,8 @@ def scaled_dot_product_attention(
     ``softmax(query @ key^T * scale + mask) @ value``, with dropout on the probabilities.
 
     Args:
-        query: (..., Hq, Lq, D) (or (N, Lq, D) without a head dimension), float16/bfloat16/
-            float32/float64.  Any strides.
+        query: (..., Hq, Lq, D) (or (N, Lq, D) without a head dimension; with ``enable_gqa``,
+            as in torch, N counts heads), float16/bfloat16/float32/float64.  Any strides.
         key: (..., Hkv, Lk, D), query's dtype and device; leading dimensions that broadcast with
             query's (as torch's: k, v shared across a size-1 dim, no copy).  Hkv == Hq, or with
             ``enable_gqa`` any divisor of Hq (key/value head h serves query heads
@@ -485,6 +485,13 @@ def scaled_dot_product_attention(
     Raises:
         TypeError / ValueError naming the argument for any malformed input, before computing.
     """
+    if (enable_gqa is True and key_padding_mask is None
+            and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (query, key, value))):
+        # torch reads dim -3 of 3-D inputs as the heads under enable_gqa: one batch of heads.
+        return scaled_dot_product_attention(
+            query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale, True,
+            backend=backend,
+        )[0]
     query, key, value = _broadcast_batch_dims(query, key, value, enable_gqa)
     dropout_p, is_causal, scale, enable_gqa = _check_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
