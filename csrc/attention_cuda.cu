@@ -331,6 +331,21 @@ __device__ __forceinline__ float quad_sum(float x) {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
+// Where a CTA of either forward kernel works: one CTA per (b, h, BM query rows), blocks ordered
+// query block fastest; warp w owns rows m0 + 16w .. m0 + 16w + 15, lane = 4g + t.
+struct ForwardRows {
+  int bh, b, h, hk, g, t, m0, row0;
+};
+
+template <int BM>
+__device__ __forceinline__ ForwardRows forward_rows(const Params& p) {
+  const int nmb = (p.Lq + BM - 1) / BM;
+  const int bh = blockIdx.x / nmb, h = bh % p.H;
+  const int lane = threadIdx.x % 32, m0 = (blockIdx.x % nmb) * BM;
+  return {bh, bh / p.H, h, h / (p.H / p.Hkv), lane / 4, lane % 4, m0,
+          m0 + static_cast<int>(threadIdx.x / 32) * 16};
+}
+
 // One key tile of both forward kernels' online softmax, for this thread's rows row0 + g and
 // row0 + g + 8: s[4 * nt + e] (the m16n8 accumulator element e of key tile nt) comes in as raw
 // q.k dots and leaves scaled and masked; the running max m_i moves to the tile's, l_i is rescaled
@@ -402,13 +417,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   // Two K/V buffers: with vec16 the next tile is copied (cp.async) while this one is computed.
   constexpr int kBuf = 2 * kFwdBN * pitch;  // K then V of one buffer
 
-  const int nmb = (p.Lq + kFwdBM - 1) / kFwdBM;
-  const int mb = blockIdx.x % nmb;
-  const int bh = blockIdx.x / nmb;
-  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int m0 = mb * kFwdBM;
-  const int row0 = m0 + warp * 16;  // this warp's first query row
+  const auto [bh, b, h, hk, g, t, m0, row0] = forward_rows<kFwdBM>(p);
 
   const auto [seed, offset] = dropout_key(p);
 

@@ -422,6 +422,16 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     Ls[r] = m0 + r < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + m0 + r] : -INFINITY;
   }
   const int n_end = p.causal ? min(p.Lk, m0 + BM) : p.Lk;
+  // Both passes below: keys n0.. into shared memory, then lane = key n0 + lane against the warp's
+  // RW rows: s (scores, double-summed) and dp (dO . v).
+  auto tile_dots = [&](int n0, float (&s)[RW], float (&dp)[RW]) {
+    __syncthreads();  // every warp is done with the previous K / V tile (and Rs / Ds are set)
+    load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
+    load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
+    __syncthreads();  // the tile (and at n0 = 0 the Q / dO rows and lse) is visible
+    score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
+    chunked_dots<RW>(dp, Vs + lane * pitch, Os + r0 * pitch, pitch, p.D);
+  };
 
   // First pass: per row, with p = exp(s - lse) (before dropout, the softmax's denominator),
   // lse_lo = log(sum p) (dead rows: 0) and delta = sum p' z dp for the renormalised p' = p /
@@ -430,14 +440,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   // draws at scale 2 on dQ / dK.)
   double psum = 0.0, pdp = 0.0;  // of row r0 + lane, kept by lanes < RW
   for (int n0 = 0; n0 < n_end; n0 += kTile) {
-    __syncthreads();  // every warp is done with the previous K / V tile
-    load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
-    load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
-    __syncthreads();  // the tile (and at n0 = 0 the Q / dO rows and lse) is visible
-
-    float s[RW], dp[RW];  // lane = key n0 + lane
-    score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
-    chunked_dots<RW>(dp, Vs + lane * pitch, Os + r0 * pitch, pitch, p.D);
+    float s[RW], dp[RW];
+    tile_dots(n0, s, dp);
     const int j = n0 + lane;
 #pragma unroll
     for (int a = 0; a < RW; ++a) {
@@ -474,14 +478,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     for (int c = 0; c < NC; ++c) dq[a][c] = 0.0f;
   }
   for (int n0 = 0; n0 < n_end; n0 += kTile) {
-    __syncthreads();  // every warp is done with the previous K / V tile (and Rs / Ds are set)
-    load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
-    load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
-    __syncthreads();  // the tile is visible
-
-    float s[RW], dp[RW];  // lane = key n0 + lane
-    score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
-    chunked_dots<RW>(dp, Vs + lane * pitch, Os + r0 * pitch, pitch, p.D);
+    float s[RW], dp[RW];
+    tile_dots(n0, s, dp);
     const int j = n0 + lane;
 #pragma unroll
     for (int a = 0; a < RW; ++a) {

@@ -225,13 +225,8 @@ __global__ void __launch_bounds__(kThreads) fwd_wgmma_kernel(const Params p) {
   uint16_t* Qs = smem;                 // [kWgBM x DP], core-matrix layout
   uint16_t* kv = smem + kWgBM * DP;    // [2 buffers][K, V][kWgBN x DP]
 
-  const int nmb = (p.Lq + kWgBM - 1) / kWgBM;
-  const int mb = blockIdx.x % nmb;
-  const int bh = blockIdx.x / nmb;
-  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int m0 = mb * kWgBM;
-  const int row0 = m0 + warp * 16;  // this warp's first query row (wgmma: warp w owns rows 16w..)
+  // (wgmma's accumulators give warp w of the warpgroup rows 16w.., as fwd_kernel's warps own them)
+  const auto [bh, b, h, hk, g, t, m0, row0] = forward_rows<kWgBM>(p);
 
   const auto [seed, offset] = dropout_key(p);
 
