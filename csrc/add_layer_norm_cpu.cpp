@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <type_traits>
 #include <vector>
 
@@ -70,10 +71,63 @@ double centered_sq_sum(const float* h, float mean, int64_t n) {
   return s.value() + tail;
 }
 
+// Non-temporal (streaming) stores for fp32 output rows when the op moves more bytes than the
+// last-level cache holds: the output would leave the cache before anyone reads it, and a
+// streaming store skips the read for ownership of each line (one of the forward's four memory
+// streams).  Below that size the output stays cached for the next op, as a plain store keeps it.
+bool stream_output(int64_t bytes_moved) {
+  // Linux's sysfs size of the L3 (a VM's own view: glibc's sysconf reported the host's 320 MiB
+  // on a VM that has 32 MiB), else 32 MiB.
+  static const int64_t llc = [] {
+    long long kib = 0;
+    if (FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
+      if (std::fscanf(f, "%lldK", &kib) != 1) kib = 0;
+      std::fclose(f);
+    }
+    return kib > 0 ? static_cast<int64_t>(kib) << 10 : int64_t{32} << 20;
+  }();
+  return bytes_moved > llc;
+}
+
+inline void store_vec(float* p, const Vec& v, bool stream) {
+#ifdef TF_CPU_AVX2_PRAGMA
+  if (stream && reinterpret_cast<uintptr_t>(p) % 32 == 0) {
+    _mm256_stream_ps(p, v);
+    return;
+  }
+#endif
+  v.store(p);
+}
+
+inline void stream_fence(bool stream) {
+#ifdef TF_CPU_AVX2_PRAGMA
+  if (stream) _mm_sfence();  // the streamed lines are visible before the threads join
+#endif
+}
+
 struct Params {
   const float* w;  // fp32 copies, nullptr when absent
   const float* b;
 };
+
+// y = (h - mean) * rstd (* w) (+ b) for one row (by-value arguments: see bwd_row).
+inline void normalize_row(const float* h, const float* w, const float* b, float mu, float rs,
+                          int64_t N, float* y, bool stream) {
+  const Vec vmu(mu), vrs(rs);
+  int64_t j = 0;
+  for (; j + kV <= N; j += kV) {
+    Vec v = (Vec::loadu(h + j) - vmu) * vrs;
+    if (w) v = v * Vec::loadu(w + j);
+    if (b) v = v + Vec::loadu(b + j);
+    store_vec(y + j, v, stream);
+  }
+  for (; j < N; ++j) {
+    float v = (h[j] - mu) * rs;
+    if (w) v *= w[j];
+    if (b) v += b[j];
+    y[j] = v;
+  }
+}
 
 template <typename T>
 void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double dropout_p,
@@ -91,6 +145,7 @@ void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double d
   const uint64_t offset = drop ? static_cast<uint64_t>(rng[1]) : 0;
   const uint32_t threshold = dropout_threshold(dropout_p);
   const float scale = dropout_scale(dropout_p);
+  const bool stream = std::is_same_v<T, float> && stream_output(M * N * 3 * sizeof(T));
   at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
     const bool reduced = !std::is_same_v<T, float>;
     std::vector<float> buf(static_cast<size_t>(N) * (2 + (reduced ? 2 : 0) + (drop ? 1 : 0)));
@@ -108,66 +163,103 @@ void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double d
       const float rs = static_cast<float>(1.0 / std::sqrt(var + eps));
       meanp[i] = mu;
       rstdp[i] = rs;
-      // y = (h - mean) * rstd * w + b  =  h * a + c  (per column a = rstd*w, c = b - mean*a)
-      const Vec vmu(mu), vrs(rs);
       // fp32 output rows are written in place; others go through ybuf and one conversion.
       float* yrow = ybuf;
       if constexpr (std::is_same_v<T, float>) yrow = yp + i * N;
-      int64_t j = 0;
-      for (; j + kV <= N; j += kV) {
-        Vec v = (Vec::loadu(hbuf + j) - vmu) * vrs;
-        if (p.w) v = v * Vec::loadu(p.w + j);
-        if (p.b) v = v + Vec::loadu(p.b + j);
-        v.store(yrow + j);
-      }
-      for (; j < N; ++j) {
-        float v = (hbuf[j] - mu) * rs;
-        if (p.w) v *= p.w[j];
-        if (p.b) v += p.b[j];
-        yrow[j] = v;
-      }
+      normalize_row(hbuf, p.w, p.b, mu, rs, N, yrow, stream);
       if constexpr (!std::is_same_v<T, float>) store_row(ybuf, yp + i * N, N);
       if (hp) store_row(hbuf, hp + i * N, N);
     }
+    stream_fence(stream);
   });
 }
 
-// dw[j] += sum_r dy[r, j] * xh[r, j] and db[j] += sum_r dy[r, j] over the `rows` rows of a block
-// (row stride n; dw or db may be null), in double: exact products, added row by row in order,
-// with the accumulators held in registers across the block.  Updating the (N,) double arrays
-// in memory once per row cost 1.7 of the backward's 2.6 ms at 4096 x 1024 (measured); fp32 sums
-// of 16-row blocks were less exact (a 7-wide grad weight at 1.4x the oracle's bound).
-void accumulate_param_grads(const float* dy, const float* xh, int64_t rows, int64_t n, double* dw,
-                            double* db) {
-  int64_t j = 0;
+// dw[j..j+kV) += dy * xh and db[j..j+kV) += dy in double (dw or db may be null): the products
+// are exact, and each column adds its rows one after the other in row order.
+//
+// Where this runs was measured (4096 x 1024 fp32, benchmarks/NOTES.md): in the pass that streams
+// the row in from memory it costs ~0.3 ms on 2 threads; in the second pass, or staged through
+// block buffers for a separate update in registers (the previous design), 0.8-1.4 ms, because
+// the extra stores pushed the row out of L1 before the second pass read it again.
+inline void accumulate_param_grads(const Vec& d, const Vec& xh, double* dw, double* db) {
 #ifdef TF_CPU_AVX2_PRAGMA
-  // 16 columns at a time: four independent FMA chains per accumulator (one chain is bound by
-  // the FMA's latency, row after row); the < 16 columns left take the scalar loop (the products
-  // are exact in double, so its mul + add rounds as the FMA does).
-  for (; j + 16 <= n; j += 16) {
-    __m256d aw[4], ab[4];
-    for (int q = 0; q < 4; ++q) {
-      aw[q] = dw ? _mm256_loadu_pd(dw + j + 4 * q) : _mm256_setzero_pd();
-      ab[q] = db ? _mm256_loadu_pd(db + j + 4 * q) : _mm256_setzero_pd();
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int q = 0; q < 4; ++q) {
-        const __m256d d = _mm256_cvtps_pd(_mm_loadu_ps(dy + r * n + j + 4 * q));
-        if (dw) aw[q] = _mm256_fmadd_pd(d, _mm256_cvtps_pd(_mm_loadu_ps(xh + r * n + j + 4 * q)), aw[q]);
-        if (db) ab[q] = _mm256_add_pd(ab[q], d);
-      }
-    }
-    for (int q = 0; q < 4; ++q) {
-      if (dw) _mm256_storeu_pd(dw + j + 4 * q, aw[q]);
-      if (db) _mm256_storeu_pd(db + j + 4 * q, ab[q]);
-    }
+  static_assert(kV == 8, "two halves of four doubles");
+  const __m256 d8 = d, xh8 = xh;
+  const __m256d dlo = _mm256_cvtps_pd(_mm256_castps256_ps128(d8));
+  const __m256d dhi = _mm256_cvtps_pd(_mm256_extractf128_ps(d8, 1));
+  if (dw) {
+    const __m256d xlo = _mm256_cvtps_pd(_mm256_castps256_ps128(xh8));
+    const __m256d xhi = _mm256_cvtps_pd(_mm256_extractf128_ps(xh8, 1));
+    _mm256_storeu_pd(dw, _mm256_fmadd_pd(dlo, xlo, _mm256_loadu_pd(dw)));
+    _mm256_storeu_pd(dw + 4, _mm256_fmadd_pd(dhi, xhi, _mm256_loadu_pd(dw + 4)));
+  }
+  if (db) {
+    _mm256_storeu_pd(db, _mm256_add_pd(_mm256_loadu_pd(db), dlo));
+    _mm256_storeu_pd(db + 4, _mm256_add_pd(_mm256_loadu_pd(db + 4), dhi));
+  }
+#else
+  float dv[kV], xv[kV];
+  d.store(dv);
+  xh.store(xv);
+  for (int64_t k = 0; k < kV; ++k) {
+    if (dw) dw[k] += static_cast<double>(dv[k]) * xv[k];  // exact product: as the FMA rounds
+    if (db) db[k] += dv[k];
   }
 #endif
-  for (; j < n; ++j) {
-    for (int64_t r = 0; r < rows; ++r) {
-      if (dw) dw[j] += static_cast<double>(dy[r * n + j]) * xh[r * n + j];
-      if (db) db[j] += dy[r * n + j];
-    }
+}
+
+// One row of the backward.  Everything is a by-value argument so that it stays in registers
+// across the intrinsic stores, which may alias anything (the lambda's captures were reloaded
+// from memory after each one).
+inline void bwd_row(const float* xf, const float* rf, const float* dyf, const float* m,
+                    const float* dhf, const float* w, float mu, float rs, int64_t N, float* orow,
+                    float* dxrow, double* dwp, double* dbp, bool stream) {
+  const Vec vmu(mu), vrs(rs);
+  // Pass 1: xhat = (r + x*m - mean) * rstd and g = dy*w: sum(g), sum(g*xhat), and the row's
+  // dweight / dbias terms.
+  RowSum sg, sgx;
+  int64_t j = 0;
+  for (; j + kV <= N; j += kV) {
+    Vec hv = Vec::loadu(xf + j);
+    if (m) hv = hv * Vec::loadu(m + j);
+    const Vec xh = (hv + Vec::loadu(rf + j) - vmu) * vrs;
+    const Vec d = Vec::loadu(dyf + j);
+    const Vec gv = w ? d * Vec::loadu(w + j) : d;
+    if (dwp || dbp) accumulate_param_grads(d, xh, dwp ? dwp + j : nullptr, dbp ? dbp + j : nullptr);
+    sg.add(gv);
+    sgx.add_product(gv, xh);
+  }
+  double sum_g = sg.value(), sum_gx = sgx.value();
+  for (; j < N; ++j) {
+    const float xh = (rf[j] + (m ? xf[j] * m[j] : xf[j]) - mu) * rs;
+    const float gv = w ? dyf[j] * w[j] : dyf[j];
+    if (dwp) dwp[j] += static_cast<double>(dyf[j]) * xh;
+    if (dbp) dbp[j] += dyf[j];
+    sum_g += gv;
+    sum_gx += gv * xh;
+  }
+  // Pass 2: dresidual = rstd * (g - a - xhat * b) (+ dh), dx = dresidual * m.
+  const float a = static_cast<float>(sum_g / N), b = static_cast<float>(sum_gx / N);
+  const Vec va(a), vb(b);
+  j = 0;
+  for (; j + kV <= N; j += kV) {
+    Vec hv = Vec::loadu(xf + j);
+    if (m) hv = hv * Vec::loadu(m + j);
+    const Vec xh = (hv + Vec::loadu(rf + j) - vmu) * vrs;
+    const Vec d = Vec::loadu(dyf + j);
+    const Vec gv = w ? d * Vec::loadu(w + j) : d;
+    Vec v = (gv - va - xh * vb) * vrs;
+    if (dhf) v = v + Vec::loadu(dhf + j);
+    store_vec(orow + j, v, stream);
+    if (dxrow) store_vec(dxrow + j, v * Vec::loadu(m + j), stream);
+  }
+  for (; j < N; ++j) {
+    const float xh = (rf[j] + (m ? xf[j] * m[j] : xf[j]) - mu) * rs;
+    const float gv = w ? dyf[j] * w[j] : dyf[j];
+    float v = (gv - a - xh * b) * rs;
+    if (dhf) v += dhf[j];
+    orow[j] = v;
+    if (dxrow) dxrow[j] = v * m[j];
   }
 }
 
@@ -192,7 +284,7 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
   const uint32_t threshold = dropout_threshold(dropout_p);
   const float scale = dropout_scale(dropout_p);
   constexpr bool kFloat = std::is_same_v<T, float>;
-  constexpr int64_t kParamRows = 8;  // rows per dweight/dbias update (accumulate_param_grads)
+  const bool stream = kFloat && stream_output(M * N * 4 * sizeof(T));
 
   // Fixed row groups (one partial dweight/dbias row each), summed in a fixed order afterwards:
   // deterministic for a given thread count, no atomics.
@@ -200,10 +292,6 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
     // Per-row fp32 scratch: x, residual, dy, dh as fp32 (16-bit dtypes), the dropout factors,
     // the outputs before their conversion (16-bit).
     std::vector<float> buf(static_cast<size_t>(N) * 7);
-    // dy and xhat of the block's rows, fp32, for the dweight/dbias update once per block.
-    std::vector<float> blk((dw_part || db_part) ? static_cast<size_t>(N) * 2 * kParamRows : 0);
-    float* dyblk = blk.data();
-    float* xhblk = dyblk + (blk.empty() ? 0 : N * kParamRows);
     float* xbuf = buf.data();
     float* rbuf = xbuf + N;
     float* dybuf = rbuf + N;
@@ -223,74 +311,17 @@ void bwd_kernel(const Tensor& dy, const Tensor* dh, const Tensor& x, const Tenso
         const float* dyf = row_as_float(dyp + i * sdy, N, dybuf);
         const float* m = drop ? mbuf : nullptr;
         if (drop) dropout_factors(seed, offset, static_cast<uint64_t>(i) * N, N, threshold, scale, mbuf);
-        const float mu = meanp[i], rs = rstdp[i];
-        const Vec vmu(mu), vrs(rs);
-        // Pass 1: xhat = (r + x*m - mean) * rstd and g = dy*w recomputed from the row (no
-        // staging of h or g): sum(g), sum(g*xhat); dy and xhat go to the block buffers.
-        const int64_t in_blk = (i - rbegin) % kParamRows;
-        float* dyrow = dyblk + in_blk * N;
-        float* xhrow = xhblk + in_blk * N;
-        RowSum sg, sgx;
-        int64_t j = 0;
-        for (; j + kV <= N; j += kV) {
-          Vec hv = Vec::loadu(xf + j);
-          if (m) hv = hv * Vec::loadu(m + j);
-          const Vec xh = (hv + Vec::loadu(rf + j) - vmu) * vrs;
-          const Vec d = Vec::loadu(dyf + j);
-          const Vec gv = p.w ? d * Vec::loadu(p.w + j) : d;
-          if (dwp || dbp) {
-            d.store(dyrow + j);
-            xh.store(xhrow + j);
-          }
-          sg.add(gv);
-          sgx.add_product(gv, xh);
-        }
-        double sum_g = sg.value(), sum_gx = sgx.value();
-        for (; j < N; ++j) {
-          const float xh = (rf[j] + (m ? xf[j] * m[j] : xf[j]) - mu) * rs;
-          const float gv = p.w ? dyf[j] * p.w[j] : dyf[j];
-          if (dwp || dbp) {
-            dyrow[j] = dyf[j];
-            xhrow[j] = xh;
-          }
-          sum_g += gv;
-          sum_gx += gv * xh;
-        }
-        if ((dwp || dbp) && (in_blk + 1 == kParamRows || i + 1 == rend)) {
-          accumulate_param_grads(dyblk, xhblk, in_blk + 1, N, dwp, dbp);
-        }
-        // Pass 2: dresidual = rstd * (g - a - xhat * b) (+ dh), dx = dresidual * m.
-        const float a = static_cast<float>(sum_g / N), b = static_cast<float>(sum_gx / N);
         const float* dhf = dhp ? row_as_float(dhp + i * sdh, N, dhbuf) : nullptr;
         float* orow = kFloat ? reinterpret_cast<float*>(drp + i * N) : obuf;
         float* dxrow = dxp ? (kFloat ? reinterpret_cast<float*>(dxp + i * N) : dxbuf) : nullptr;
-        const Vec va(a), vb(b);
-        j = 0;
-        for (; j + kV <= N; j += kV) {
-          Vec hv = Vec::loadu(xf + j);
-          if (m) hv = hv * Vec::loadu(m + j);
-          const Vec xh = (hv + Vec::loadu(rf + j) - vmu) * vrs;
-          const Vec d = Vec::loadu(dyf + j);
-          const Vec gv = p.w ? d * Vec::loadu(p.w + j) : d;
-          Vec v = (gv - va - xh * vb) * vrs;
-          if (dhf) v = v + Vec::loadu(dhf + j);
-          v.store(orow + j);
-          if (dxrow) (v * Vec::loadu(m + j)).store(dxrow + j);
-        }
-        for (; j < N; ++j) {
-          const float xh = (rf[j] + (m ? xf[j] * m[j] : xf[j]) - mu) * rs;
-          const float gv = p.w ? dyf[j] * p.w[j] : dyf[j];
-          float v = (gv - a - xh * b) * rs;
-          if (dhf) v += dhf[j];
-          orow[j] = v;
-          if (dxrow) dxrow[j] = v * m[j];
-        }
+        bwd_row(xf, rf, dyf, m, dhf, p.w, meanp[i], rstdp[i], N, orow, dxrow, dwp, dbp, stream);
         if constexpr (!kFloat) {
           store_row(obuf, drp + i * N, N);
           if (dxp) store_row(dxbuf, dxp + i * N, N);
         }
       }
     }
+    stream_fence(stream);
   });
 }
 
@@ -400,14 +431,19 @@ Tensor4 add_layer_norm_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& dh
   const int64_t* rngp = rng_c.defined() ? rng_c.const_data_ptr<int64_t>() : nullptr;
   const Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
   const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
-  std::vector<double> dw_part(has(weight) ? static_cast<size_t>(groups * N) : 0);
-  std::vector<double> db_part(has(bias) ? static_cast<size_t>(groups * N) : 0);
+  // One buffer for both partials, db's 64 bytes past a multiple of 4 KiB from dw's: the pass
+  // that updates dw[j] and db[j] together would otherwise have each store share its address
+  // bits 11..0 with the next load (4K aliasing).
+  const int64_t part = groups * N;
+  const int64_t db_at = (part + 511) / 512 * 512 + 8;
+  std::vector<double> partials(static_cast<size_t>(db_at + part));
+  double* dw_part = has(weight) ? partials.data() : nullptr;
+  double* db_part = has(bias) ? partials.data() + db_at : nullptr;
   const Tensor* dhp = has(dh) ? &*dh : nullptr;
   run_bwd(dy, dhp, x, residual, p, mean_c, rstd_c, dropout_p, rngp, drop ? &dx : nullptr, dres,
-          dw_part.empty() ? nullptr : dw_part.data(), db_part.empty() ? nullptr : db_part.data(),
-          groups);
-  if (has(weight)) reduce_partials(dw_part.data(), groups, N, dw);
-  if (has(bias)) reduce_partials(db_part.data(), groups, N, db);
+          dw_part, db_part, groups);
+  if (dw_part) reduce_partials(dw_part, groups, N, dw);
+  if (db_part) reduce_partials(db_part, groups, N, db);
   return {dx, dres, dw, db};
 }
 

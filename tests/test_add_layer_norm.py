@@ -103,6 +103,18 @@ def test_oracle_full_grid(backend, dtype, n, prenorm, dropout_p):
     _check(backend, x, res, w, b, dropout_p=dropout_p, prenorm=prenorm)
 
 
+@pytest.mark.parametrize("n", [1024, 1027], ids=["aligned_rows", "unaligned_rows"])
+@pytest.mark.parametrize("prenorm,dropout_p", [(False, 0.0), (True, 0.1)], ids=["post", "pre_dropout"])
+def test_cpu_large_rows_stream_past_the_cache(n, prenorm, dropout_p):
+    """fp32 calls that move more than the last-level cache holds (> 32 MiB here) write their
+    outputs with streaming stores and prefetch the next row (csrc/add_layer_norm_cpu.cpp); the
+    oracle's small grids never reach that path.  1027-wide rows start at every alignment, so the
+    row-by-row choice between streaming and plain stores is exercised too."""
+    require_backend("cpu")
+    x, res, w, b = _make(9000, n, torch.float32, "cpu")  # backward: 4 x 9000 x n x 4 B > 140 MiB
+    _check("cpu", x, res, w, b, dropout_p=dropout_p, prenorm=prenorm)
+
+
 @pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dt)
 def test_float32_params_with_half_inputs(backend, dtype):
