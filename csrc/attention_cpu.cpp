@@ -174,6 +174,12 @@ struct Problem {
   // key_padding_mask (B, Lk) bool
   const bool* kpm = nullptr;
   int64_t kpm_sb = 0, kpm_sn = 0;
+  // q or k holds a NaN / Inf: a float mask's -inf then still meets the score it is added to, as
+  // the reference's scores + mask does (NaN + -inf = NaN); else such keys skip their dot.
+  bool qk_nonfinite = false;
+  // q / k hold a NaN / Inf: the gradient kernels add 0 * q_i (dK) and 0 * k_j (dQ) of every pair
+  // they skip (masked, p = 0), as the reference's dense dS^T @ Q and dS @ K do.
+  bool q_nonfinite = false, k_nonfinite = false;
   // dropout
   bool dropout = false;
   uint64_t seed = 0, offset = 0;
@@ -268,7 +274,7 @@ void tile_scores(const Problem& p, int64_t b, int64_t h, const float* q, const f
       if (allowed && p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) allowed = false;
       if (allowed && p.am != nullptr) {
         bias = mask_value(p, b, h, i, j);
-        allowed = bias != kNegInf;
+        allowed = bias != kNegInf || (p.qk_nonfinite && p.am_type != at::kBool);
       }
       s[r * kBlockN + c] =
           allowed ? static_cast<float>(p.scale * dot_d(qi, k + j * D, D)) + bias : kNegInf;
@@ -310,13 +316,24 @@ int64_t key_end(const Problem& p, int64_t m0, int64_t bm) {
 
 // Forward.  q32 (B, H, Lq, D), k32/v32 (B, Hkv, Lk, D) contiguous fp32; out (B, H, Lq, D);
 // lse (B, H, Lq) contiguous.  One task per (b, h, query block).
+//
+// With `v_nonfinite` (v holds a NaN or an Inf somewhere), every key a row does not attend to still
+// adds 0 * v_j to a separate per-row sum, as the reference's dense p @ v does: a NaN / Inf value
+// at a masked, padded or causally hidden key then gives that row NaN in its column, never a
+// finite output that hides it.  Only then: the extra pass is O(Lq * Lk * D).
 void fwd_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
-                const OutView& out, float* lse) {
+                const OutView& out, float* lse, bool v_nonfinite) {
   const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(kBlockM * kBlockN);
     std::vector<double> acc(kBlockM * D);
+    std::vector<float> hidden(v_nonfinite ? kBlockM * D : 0);  // sum of 0 * v over unseen keys
+    // Adds 0 * v_j (0 or NaN) to row r's hidden-key sum.
+    auto hide = [&](int64_t r, const float* vj) {
+      float* hr = hidden.data() + r * D;
+      for (int64_t d = 0; d < D; ++d) hr[d] += 0.0f * vj[d];
+    };
     float m_i[kBlockM];
     double l_i[kBlockM];
     for (int64_t task = begin; task < end; ++task) {
@@ -327,6 +344,7 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
       const float* v = v32 + (b * p.Hkv + hk) * p.Lk * D;
       const int64_t m0 = mb * kBlockM, bm = std::min(kBlockM, p.Lq - m0);
       std::fill(acc.begin(), acc.end(), 0.0);
+      std::fill(hidden.begin(), hidden.end(), 0.0f);
       std::fill(m_i, m_i + kBlockM, kNegInf);
       std::fill(l_i, l_i + kBlockM, 0.0);
       const int64_t n_end = key_end(p, m0, bm);
@@ -335,6 +353,11 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
         tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
         for (int64_t r = 0; r < bm; ++r) {
           const float* sr = s.data() + r * kBlockN;
+          if (v_nonfinite) {
+            for (int64_t c = 0; c < bn; ++c) {
+              if (sr[c] == kNegInf) hide(r, v + (n0 + c) * D);
+            }
+          }
           float m_new = m_i[r];
           for (int64_t c = 0; c < bn; ++c) m_new = nan_max(m_new, sr[c]);
           if (m_new == kNegInf) continue;  // nothing visible yet in this row
@@ -356,15 +379,24 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
           m_i[r] = m_new;
         }
       }
+      if (v_nonfinite) {  // the keys past the causal limit of the whole tile
+        for (int64_t r = 0; r < bm; ++r) {
+          for (int64_t j = n_end; j < p.Lk; ++j) hide(r, v + j * D);
+        }
+      }
       for (int64_t r = 0; r < bm; ++r) {
         const int64_t i = m0 + r;
         const double* ar = acc.data() + r * D;
+        const float* hr = v_nonfinite ? hidden.data() + r * D : nullptr;
         if (l_i[r] != 0.0) {  // NaN (a NaN / +Inf score) propagates like the reference's softmax
           const double inv = 1.0 / l_i[r];
-          for (int64_t d = 0; d < D; ++d) out.store(b, h, i, d, static_cast<float>(ar[d] * inv));
+          for (int64_t d = 0; d < D; ++d) {
+            const float o = static_cast<float>(ar[d] * inv);
+            out.store(b, h, i, d, hr ? o + hr[d] : o);
+          }
           lse[bh * p.Lq + i] = m_i[r] + static_cast<float>(std::log(l_i[r]));
         } else {  // a row with no key to attend to: output 0, lse -inf
-          for (int64_t d = 0; d < D; ++d) out.store(b, h, i, d, 0.0f);
+          for (int64_t d = 0; d < D; ++d) out.store(b, h, i, d, hr ? hr[d] : 0.0f);
           lse[bh * p.Lq + i] = kNegInf;
         }
       }
@@ -389,6 +421,11 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
   at::parallel_for(0, p.B * p.Hkv * nnb, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(kBlockM * kBlockN);
     std::vector<double> dk(kBlockN * D), dv(kBlockN * D);
+    std::vector<float> hidden(p.q_nonfinite ? kBlockN * D : 0);  // sum of 0 * q_i over skipped pairs
+    auto hide = [&](int64_t c, const float* qi) {
+      float* hc = hidden.data() + c * D;
+      for (int64_t d = 0; d < D; ++d) hc[d] += 0.0f * qi[d];
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t nb = task % nnb, bhk = task / nnb, hk = bhk % p.Hkv, b = bhk / p.Hkv;
       const float* k = k32 + bhk * p.Lk * D;
@@ -396,11 +433,17 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
       const int64_t n0 = nb * kBlockN, bn = std::min(kBlockN, p.Lk - n0);
       std::fill(dk.begin(), dk.end(), 0.0);
       std::fill(dv.begin(), dv.end(), 0.0);
+      std::fill(hidden.begin(), hidden.end(), 0.0f);
       const int64_t m_start = p.causal ? (n0 / kKvBlockM) * kKvBlockM : 0;
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         const int64_t bh = b * p.H + h;
         const float* q = q32 + bh * p.Lq * D;
         const float* dO = do32 + bh * p.Lq * D;
+        if (p.q_nonfinite) {  // the rows before the first query block that can see these keys
+          for (int64_t i = 0; i < m_start; ++i) {
+            for (int64_t c = 0; c < bn; ++c) hide(c, q + i * D);
+          }
+        }
         for (int64_t m0 = m_start; m0 < p.Lq; m0 += kKvBlockM) {
           const int64_t bm = std::min(kKvBlockM, p.Lq - m0);
           tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
@@ -410,8 +453,18 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
             const float* qi = q + i * D;
             const float* doi = dO + i * D;
             for (int64_t c = 0; c < bn; ++c) {
-              const float pij = recompute_p(s[r * kBlockN + c], l, l_lo);
-              if (pij == 0.0f) continue;
+              const float sc = s[r * kBlockN + c];
+              const float pij = recompute_p(sc, l, l_lo);
+              if (pij == 0.0f) {
+                if (p.q_nonfinite) hide(c, qi);
+                // A NaN row (a NaN / Inf score, lse NaN): the reference's softmax is NaN at its
+                // masked keys too, so their dV gets NaN; its dS there stays 0 (masked_fill).
+                if (sc == kNegInf && std::isnan(l)) {
+                  double* dvj = dv.data() + c * D;
+                  for (int64_t d = 0; d < D; ++d) dvj[d] += static_cast<double>(l) * doi[d];
+                }
+                continue;
+              }
               const int64_t j = n0 + c;
               const float z = drop_factor(p, b, h, i, j);
               const float dp = static_cast<float>(dot_d(doi, v + j * D, D));
@@ -429,7 +482,8 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
       }
       for (int64_t c = 0; c < bn; ++c) {
         for (int64_t d = 0; d < D; ++d) {
-          dk_out.store(b, hk, n0 + c, d, static_cast<float>(dk[c * D + d] * p.scale));
+          const float dkd = static_cast<float>(dk[c * D + d] * p.scale);
+          dk_out.store(b, hk, n0 + c, d, p.q_nonfinite ? dkd + hidden[c * D + d] : dkd);
           dv_out.store(b, hk, n0 + c, d, static_cast<float>(dv[c * D + d]));
         }
       }
@@ -449,6 +503,11 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(kBlockM * kBlockN);
     std::vector<double> dq(kBlockM * D), psum(kBlockM), pdp(kBlockM);
+    std::vector<float> hidden(p.k_nonfinite ? kBlockM * D : 0);  // sum of 0 * k_j over skipped pairs
+    auto hide = [&](int64_t r, const float* kj) {
+      float* hr = hidden.data() + r * D;
+      for (int64_t d = 0; d < D; ++d) hr[d] += 0.0f * kj[d];
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % nmb, bh = task / nmb, h = bh % p.H, b = bh / p.H;
       const int64_t hk = h / group;
@@ -491,6 +550,12 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
         }
       }
       std::fill(dq.begin(), dq.end(), 0.0);
+      std::fill(hidden.begin(), hidden.end(), 0.0f);
+      if (p.k_nonfinite) {  // the keys past the causal limit of the whole tile
+        for (int64_t r = 0; r < bm; ++r) {
+          for (int64_t j = n_end; j < p.Lk; ++j) hide(r, k + j * D);
+        }
+      }
       for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
         const int64_t bn = std::min(kDqBlockN, n_end - n0);
         tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
@@ -501,7 +566,10 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
           double* dqi = dq.data() + r * D;
           for (int64_t c = 0; c < bn; ++c) {
             const float pij = recompute_p(s[r * kBlockN + c], l, l_lo);
-            if (pij == 0.0f) continue;
+            if (pij == 0.0f) {
+              if (p.k_nonfinite) hide(r, k + (n0 + c) * D);
+              continue;
+            }
             const int64_t j = n0 + c;
             const float z = drop_factor(p, b, h, i, j);
             const float dp = static_cast<float>(dot_d(doi, v + j * D, D));
@@ -513,7 +581,8 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
       }
       for (int64_t r = 0; r < bm; ++r) {
         for (int64_t d = 0; d < D; ++d) {
-          dq_out.store(b, h, m0 + r, d, static_cast<float>(dq[r * D + d] * p.scale));
+          const float dqd = static_cast<float>(dq[r * D + d] * p.scale);
+          dq_out.store(b, h, m0 + r, d, p.k_nonfinite ? dqd + hidden[r * D + d] : dqd);
         }
       }
     }
@@ -521,6 +590,13 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
 }
 
 Tensor as_f32(const Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+bool any_nonfinite(const Tensor& t32) {
+  const float* x = t32.const_data_ptr<float>();
+  bool bad = false;
+  for (int64_t i = 0, n = t32.numel(); i < n; ++i) bad |= !std::isfinite(x[i]);
+  return bad;
+}
 
 }  // namespace
 
@@ -531,13 +607,15 @@ Tensor2 attention_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
                           bool allow_tf32) {
   (void)allow_tf32;  // the CPU computes exact fp32 (tf32 is a GPU tensor-core format)
   check_attention_fwd_args(q, k, v, attn_mask, key_padding_mask, scale, dropout_p, rng, at::kCPU);
-  const Problem p = make_problem(q, k, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
+  Problem p = make_problem(q, k, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
   const Tensor q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v);
+  p.qk_nonfinite = p.am != nullptr && (any_nonfinite(q32) || any_nonfinite(k32));
   Tensor out = empty_in_layout_of(q, {p.B, p.H, p.Lq, p.D}, q.options());
   Tensor lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
   if (out.numel() > 0) {
     fwd_kernel(p, q32.const_data_ptr<float>(), k32.const_data_ptr<float>(),
-               v32.const_data_ptr<float>(), OutView(out), lse.mutable_data_ptr<float>());
+               v32.const_data_ptr<float>(), OutView(out), lse.mutable_data_ptr<float>(),
+               any_nonfinite(v32));
   }
   return {out, lse};
 }
@@ -551,15 +629,21 @@ Tensor3 attention_bwd_cpu(const Tensor& dout, const Tensor& q, const Tensor& k, 
   (void)allow_tf32;
   check_attention_bwd_args(dout, q, k, v, out, lse, attn_mask, key_padding_mask, scale, dropout_p,
                            rng, at::kCPU);
-  const Problem p = make_problem(q, k, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
+  Problem p = make_problem(q, k, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
   const Tensor q32 = as_f32(q), k32 = as_f32(k), v32 = as_f32(v), do32 = as_f32(dout);
+  p.q_nonfinite = any_nonfinite(q32);
+  p.k_nonfinite = any_nonfinite(k32);
+  p.qk_nonfinite = p.am != nullptr && (p.q_nonfinite || p.k_nonfinite);  // as the forward's
   const Tensor lse_c = lse.contiguous();
   // delta_i = rowsum(dO_i * O_i) = sum_j p_ij * dp_ij.  From O as the forward stored it (summed in
   // double) unless the rows are short: O rounded to 16 bits then errs by about as much as the
   // low-precision reference's whole gradient (10-50% of fresh draws failed the oracle at Lk <= 8),
   // and in fp32 with large logits O's rounding still showed (1 in 30 draws at scale 2, Lk <= 40),
   // so the dQ kernel sums p * dp itself (kernels/attention.py: the same cut, 16-bit only).
-  const bool exact_delta = p.Lk <= kExactDeltaMaxLk;
+  // A NaN / Inf value makes the forward's O non-finite in the rows that attend it or hide it
+  // (fwd_kernel); rowsum(dO * O) then carries that into dS as the reference's autograd does,
+  // where sum_j p_ij * dp_ij over the attended keys would not.
+  const bool exact_delta = p.Lk <= kExactDeltaMaxLk && !any_nonfinite(v32);
   Tensor delta = exact_delta
       ? at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat))
       : do32.to(at::kDouble).mul(out.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();

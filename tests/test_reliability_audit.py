@@ -14,8 +14,8 @@ float mask that needs a gradient before any kernel runs, and the CLIs' exit code
 
 The shortfalls it found are fixed (dynamic=True compiles, torch.func.grad, submodule backward
 hooks, the CLIs' argument errors, compiled functions following a changed backend selection and
-use_backend inside a fullgraph region); one documented limit stays a strict xfail (README,
-"Guarantees and limits"): masked keys never read by the fused attention kernels.
+use_backend inside a fullgraph region), and the cpu attention kernel now propagates a NaN / Inf
+value at a masked key as the reference does (it was a strict xfail).
 """
 from __future__ import annotations
 
@@ -525,7 +525,7 @@ def test_seq2seq_training_step_inductor_matches_eager(backend):
 
 
 # ==============================================================================================
-# Documented limits (strict xfails) and the fixed shortfalls
+# The fixed shortfalls
 
 
 @pytest.mark.parametrize("what", ["encoder_layer", "seq2seq_step", "functional_scale"])
@@ -634,24 +634,45 @@ def test_submodule_backward_hooks_fire_like_torch():
     assert calls(tf.TransformerEncoderLayer) == calls(torch.nn.TransformerEncoderLayer) == ["linear1", "norm1"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "NaN in a value row at a padded / causally masked key: the reference (and torch) give NaN "
-    "(0 * NaN), the cpu attention kernel skips masked keys and returns finite rows; issue 9: "
-    "NaN/Inf 'propagate like the reference, never ... hide them' (or the contract must say "
-    "masked keys are never read)"))
-@pytest.mark.parametrize("mask", ["key_padding", "causal"])
-def test_nan_value_at_masked_key_propagates_like_reference(mask):
+@pytest.mark.parametrize("length", [5, 80], ids=["one_tile", "two_tiles"])
+@pytest.mark.parametrize("where,bad", [("value", float("nan")), ("value", float("inf")),
+                                       ("key", float("nan")), ("key", float("inf")),
+                                       ("query", float("nan"))],
+                         ids=["value_nan", "value_inf", "key_nan", "key_inf", "query_nan"])
+@pytest.mark.parametrize("mask", ["key_padding", "causal", "bool_mask", "float_mask"])
+def test_nonfinite_at_masked_key_propagates_like_reference(mask, where, bad, length):
+    """A NaN / Inf in Q, K or V next to keys some rows do not attend to (padded, causally hidden,
+    masked).  The reference's dense p @ v gives those rows 0 * NaN = NaN in that column and its
+    autograd carries that into dQ and dK; a masked score is replaced by -inf (bool masks, padding,
+    causal) but a float mask's -inf is added to it (NaN + -inf = NaN).  The cpu kernel skips
+    masked keys and, only when the inputs hold a non-finite value, adds 0 * v of the skipped keys
+    and keeps the scores under a float mask: the NaN / Inf pattern of the output and of every
+    gradient equals the reference's.  (Not matched: dK when a query holds +-Inf, whose -inf
+    scores the kernel cannot tell from masked ones; triton / cuda skip whole masked tiles:
+    README.)"""
     if not HAS_EXT:
         pytest.skip("the C++ extension (cpu backend) is not built")
     torch.manual_seed(0)
-    q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
-    v[0, 0, 4, 0] = float("nan")  # key 4: padded, and masked for queries 0..3 when causal
-    kwargs = ({"key_padding_mask": torch.tensor([[False, False, False, True, True]])}
-              if mask == "key_padding" else {"is_causal": True})
-    want = F.scaled_dot_product_attention(q, k, v, backend="reference", **kwargs)
-    got = F.scaled_dot_product_attention(q, k, v, backend="cpu", **kwargs)
-    assert want.isnan().any()
-    assert torch.equal(got.isnan(), want.isnan())
+    q, k, v = (torch.randn(1, 2, length, 16) for _ in range(3))
+    {"value": v, "key": k, "query": q}[where][0, 0, length - 1, 3] = bad  # the last key / query
+    if mask == "key_padding":
+        kwargs = {"key_padding_mask": torch.arange(length)[None] >= length - 2}
+    elif mask == "causal":
+        kwargs = {"is_causal": True}
+    else:
+        allowed = torch.ones(length, length, dtype=torch.bool)
+        allowed[1:, length - 1] = False  # only row 0 sees the last key
+        kwargs = {"attn_mask": allowed if mask == "bool_mask"
+                  else torch.zeros(length, length).masked_fill(~allowed, float("-inf"))}
+    patterns = {}
+    for backend in ("reference", "cpu"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*leaves, backend=backend, **kwargs)
+        out.backward(torch.ones_like(out))
+        patterns[backend] = [(t.isnan(), t.isinf()) for t in (out, *(x.grad for x in leaves))]
+    assert any(t.any() for pair in patterns["reference"] for t in pair)
+    for name, want, got in zip(("out", "dq", "dk", "dv"), patterns["reference"], patterns["cpu"]):
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
