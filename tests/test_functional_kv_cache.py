@@ -8,6 +8,7 @@ from transformer_fast import functional as F
 from transformer_fast import reference
 
 from _functional_helpers import BACKENDS, DTYPES, dt_id, generator, oracle_atol, randn
+from conftest import backend_params, require_backend
 
 
 def make_case(batch, heads, kv_heads, lq, l_max, d, dtype, seqlens, with_new=True, dv=None, g=None):
@@ -142,6 +143,26 @@ def test_rows_without_visible_keys_are_zero(backend):
     assert (out[1] == 0).all()
     out.backward(torch.randn_like(out))
     assert torch.isfinite(q.grad).all() and (q.grad[0, :, :2] == 0).all() and (q.grad[1] == 0).all()
+
+
+@pytest.mark.parametrize("backend", backend_params("reference", "torch", "cpu", "triton", "cuda"))
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_cache_slots_past_the_valid_keys_are_never_read(backend, garbage):
+    """Slots past cache_seqlens[b] + L_new are not part of row b's cache (a cache made with
+    torch.empty holds anything there): NaN / Inf in them must not reach the output, as a 0 weight
+    times NaN would in a dense p @ v."""
+    device = require_backend(backend)
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new = (
+        t if t is None else t.to(device)
+        for t in make_case(2, 4, 2, 2, 40, 16, torch.float32, [3, 17]))
+    clean = F.attention_with_kv_cache(q, k_cache.clone(), v_cache.clone(), cache_seqlens, k_new, v_new,
+                                      backend=backend)
+    valid = (torch.arange(40, device=device) < (cache_seqlens.to(device).long() + 2)[:, None])
+    junk = ~valid[:, None, :, None]  # (B, 1, L_max, 1)
+    out = F.attention_with_kv_cache(q, k_cache.masked_fill(junk, garbage), v_cache.masked_fill(junk, garbage),
+                                    cache_seqlens, k_new, v_new, backend=backend)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, clean, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

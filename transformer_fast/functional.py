@@ -615,6 +615,12 @@ def _torch_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
         )
     dead = masks.dead_rows(allowed)  # only without k_new, when cache_seqlens[b] < Lq
     allowed = masks.revive(allowed, dead)
+    # Slots past a row's valid keys may hold anything (a cache from torch.empty): torch's SDPA
+    # would still multiply their values by 0 (0 * NaN = NaN) and add its -inf mask to their
+    # scores (Inf + -inf = NaN), so they are zeroed first (the reference drops the values too).
+    in_cache = torch.arange(l_max, device=q.device) < (seqlens + l_new).reshape(batch, 1)  # (B, L_max)
+    junk = ~in_cache.reshape(batch, 1, l_max, 1)
+    k_cache, v_cache = k_cache.masked_fill(junk, 0.0), v_cache.masked_fill(junk, 0.0)
     out = F.scaled_dot_product_attention(
         q, k_cache, v_cache, allowed, scale=scale, enable_gqa=heads != kv_heads
     )

@@ -200,6 +200,10 @@ def attention_with_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_ne
     last_visible = num_keys.reshape(batch, 1, 1) - lq + rows  # (B, Lq, 1)
     allowed = cols <= last_visible  # (B, Lq, L_max)
     allowed = allowed.unsqueeze(1)  # (B, 1, Lq, L_max)
+    # Slots past a row's valid keys are not part of its cache: they may hold anything (a cache
+    # from torch.empty), so their values are dropped, not just weighted 0 (0 * NaN = NaN).
+    in_cache = (cols < num_keys.reshape(batch, 1, 1)).reshape(batch, 1, l_max, 1)
+    v_cache = v_cache.masked_fill(~in_cache, 0.0)
     return scaled_dot_product_attention(
         q, k_cache, v_cache, allowed, scale=scale, enable_gqa=heads != kv_heads
     )
