@@ -504,6 +504,39 @@ void append_rows(const Tensor& src, const Tensor& dst, const int32_t* seqlens) {
 
 Tensor unit_last(const Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
+// The reference attends densely over each row's valid keys: a key hidden from a query of the
+// chunk (causal among the new tokens; every key for a query that sees none) still meets it as
+// 0 * v, so a NaN / Inf value there makes that query's output NaN in its column.  The kernels
+// skip hidden keys; this adds their 0 * v terms when one of them is non-finite (otherwise it
+// only checks them: none in a one-token decoding step).
+template <typename T>
+void add_hidden_values(const Problem& p, const T* v, const int32_t* seqlens, T* out) {
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t n_keys =
+        std::min<int64_t>(std::max<int64_t>(int64_t{seqlens[b]} + p.n_extra, 0), p.L_max);
+    const int64_t base = n_keys - p.L_new;  // query t sees keys j <= base + t
+    for (int64_t hk = 0; hk < p.Hkv; ++hk) {
+      const T* vh = v + b * p.v_sb + hk * p.v_sh;
+      bool bad = false;
+      for (int64_t j = std::max<int64_t>(base + 1, 0); j < n_keys; ++j) {
+        for (int64_t d = 0; d < p.Dv; ++d) bad |= !std::isfinite(to_f32(vh[j * p.v_sm + d]));
+      }
+      if (!bad) continue;
+      for (int64_t t = 0; t < p.L_new; ++t) {
+        for (int64_t d = 0; d < p.Dv; ++d) {
+          float z = 0.0f;
+          for (int64_t j = std::max<int64_t>(base + t + 1, 0); j < n_keys; ++j) z += 0.0f * to_f32(vh[j * p.v_sm + d]);
+          if (z == 0.0f) continue;  // 0, or NaN below
+          for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+            T& o = out[((b * p.H + h) * p.L_new + t) * p.Dv + d];
+            o = static_cast<T>(to_f32(o) + z);
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename T>
 void run(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
          const Tensor& seqlens, Tensor& out) {
@@ -522,6 +555,8 @@ void run(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
     combine_kernel<T>(p, op.const_data_ptr<float>(), lse.const_data_ptr<float>(),
                       static_cast<T*>(out.mutable_data_ptr()));
   }
+  add_hidden_values<T>(p, static_cast<const T*>(v.const_data_ptr()), seqlens.const_data_ptr<int32_t>(),
+                       static_cast<T*>(out.mutable_data_ptr()));
 }
 
 }  // namespace

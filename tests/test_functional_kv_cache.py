@@ -165,6 +165,30 @@ def test_cache_slots_past_the_valid_keys_are_never_read(backend, garbage):
     torch.testing.assert_close(out, clean, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", backend_params("torch", "cpu", "triton", "cuda"))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("with_new", [True, False], ids=["prefill_chunk", "no_new_keys"])
+def test_nonfinite_value_hidden_from_a_query_propagates_like_reference(backend, bad, with_new):
+    """Inside a row's valid keys the reference is dense: a key hidden from a query of the chunk
+    (causal among the new tokens, or every key for a query that sees none) still meets it as
+    0 * v, so a NaN / Inf value there makes that query's output NaN in its column."""
+    device = require_backend(backend)
+    q, k_cache, v_cache, _, k_new, v_new = (
+        t if t is None else t.to(device)
+        for t in make_case(2, 4, 2, 3, 12, 16, torch.float32, [0, 0], with_new=with_new))
+    if with_new:
+        cache_seqlens = torch.tensor([4, 0], dtype=torch.int32, device=device)
+        v_new[:, 1, 2, 5] = bad  # the chunk's last token: hidden from its first two queries
+    else:
+        cache_seqlens = torch.tensor([4, 2], dtype=torch.int32, device=device)
+        v_cache[:, 1, 3, 5] = bad  # row 0: hidden from queries 0, 1; row 1: past its keys
+    want = reference.attention_with_kv_cache(q, k_cache.clone(), v_cache.clone(), cache_seqlens, k_new, v_new)
+    got = F.attention_with_kv_cache(q, k_cache.clone(), v_cache.clone(), cache_seqlens, k_new, v_new,
+                                    backend=backend)
+    assert want.isnan().any()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backends_agree_and_write_the_same_cache(backend):
     case = make_case(3, 4, 2, 2, 12, 16, torch.float32, [0, 5, 10])
