@@ -390,7 +390,8 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
 
 // ------------------------------------------------------------------------------------------
 // Backward, register path.  Per row: xhat = (h - mean) * rstd, g = dy * w,
-//   dsum = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ dh);  dres = dsum;  dx = dsum * m.
+//   dsum = rstd * (g - mean(g) - (xhat - cc) * mean(g * (xhat - cc))) (+ dh), cc = mean(xhat);
+//   dres = dsum;  dx = dsum * m.
 // Each team also accumulates dy * xhat and dy for its own columns over all the rows it visits,
 // and writes them once at the end as row `team_id` of the (num_teams, N) partials.
 
@@ -425,7 +426,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
     const float rs = valid ? a.rstd[row] : 0.0f;
     float xh[NV][VEC], g[NV][VEC];
     uint32_t keep = 0;  // bit k * VEC + e: element kept by dropout
-    float sg = 0.0f, sgx = 0.0f;
+    float sg = 0.0f, sgx = 0.0f, sx = 0.0f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int col = (t + k * tpr) * VEC;
@@ -449,6 +450,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
           g[k][e] = gv;
           sg += gv;
           sgx += gv * xhat;
+          sx += xhat;
           acc_w[k][e] += dv[e] * xhat;
           acc_b[k][e] += dv[e];
         }
@@ -458,7 +460,11 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
       }
     }
     const float2 s = team_sum2(sg, sgx, red, wpt, team * wpt);
-    const float ca = s.x * inv_n, cb = s.y * inv_n;
+    // xhat centred on its row mean (0 in exact arithmetic; the fp32 mean's rounding shifts the
+    // whole row, which the uncentred formula turns into a first-order dres error on narrow rows
+    // far from zero; benchmarks/NOTES.md): cb = mean(g * (xhat - cc)).
+    const float cc = team_sum2(sx, 0.0f, red, wpt, team * wpt).x * inv_n;
+    const float ca = s.x * inv_n, cb = s.y * inv_n - cc * ca;
     if (valid) {
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
@@ -468,7 +474,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
           if (dhp) load_f<T, VEC>(dhp + row * a.sdh + col, dhv);
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
-            ds[e] = (g[k][e] - ca - xh[k][e] * cb) * rs;
+            ds[e] = (g[k][e] - ca - (xh[k][e] - cc) * cb) * rs;
             if (dhp) ds[e] += dhv[e];
           }
           store_f<T, VEC>(static_cast<T*>(a.dres) + row * N + col, ds);
@@ -509,7 +515,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
     const T* rr = static_cast<const T*>(a.r) + row * a.sr;
     const T* dyr = static_cast<const T*>(a.dy) + row * a.sdy;
     const float mu = a.mean[row], rs = a.rstd[row];
-    float sg = 0.0f, sgx = 0.0f;
+    float sg = 0.0f, sgx = 0.0f, sx = 0.0f;
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       const int col = v * VEC;
       float xv[VEC], rv[VEC], dv[VEC], wv[VEC];
@@ -525,10 +531,12 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
         const float gv = a.w ? dv[e] * wv[e] : dv[e];
         sg += gv;
         sgx += gv * xhat;
+        sx += xhat;
       }
     }
     const float2 s = team_sum2(sg, sgx, red, wpt, 0);
-    const float ca = s.x * inv_n, cb = s.y * inv_n;
+    const float cc = team_sum2(sx, 0.0f, red, wpt, 0).x * inv_n;  // as the register path
+    const float ca = s.x * inv_n, cb = s.y * inv_n - cc * ca;
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       const int col = v * VEC;
       float xv[VEC], rv[VEC], dv[VEC], wv[VEC], dhv[VEC], ds[VEC], dxv[VEC];
@@ -547,7 +555,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
         }
         const float xhat = (rv[e] + xe - mu) * rs;
         const float gv = a.w ? dv[e] * wv[e] : dv[e];
-        ds[e] = (gv - ca - xhat * cb) * rs;
+        ds[e] = (gv - ca - (xhat - cc) * cb) * rs;
         if (a.dh) ds[e] += dhv[e];
         dxv[e] = ds[e] * f;
       }

@@ -176,12 +176,12 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_stats_kernel(
-    DY, X, R, W, MEAN, RSTD, RNG, C1, C2,
+    DY, X, R, W, MEAN, RSTD, RNG, C1, C2, C3,
     N, stride_dym, stride_xm, stride_rm, drop_thr, drop_scale,
     HAS_W: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One row per program, looped over the row: C1 = mean_j(g * xhat), C2 = mean_j(g),
-    g = dy * weight."""
+    """One row per program, looped over the row: C3 = mean_j(xhat), C2 = mean_j(g),
+    C1 = mean_j(g * (xhat - C3)), g = dy * weight (see _bwd_kernel for C3)."""
     rows = tl.program_id(0) + tl.arange(0, 1)
     rows64 = rows.to(tl.int64)[:, None]
     seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
@@ -189,6 +189,7 @@ def _bwd_stats_kernel(
     rstd = tl.load(RSTD + rows)
     acc1 = tl.zeros([1, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([1, BLOCK_N], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         cols1 = start + tl.arange(0, BLOCK_N)
         cols = cols1[None, :]
@@ -202,13 +203,17 @@ def _bwd_stats_kernel(
             g = g * w[None, :]
         acc1 += g * xhat
         acc2 += g
-    tl.store(C1 + rows, tl.sum(acc1, axis=1) / N)
-    tl.store(C2 + rows, tl.sum(acc2, axis=1) / N)
+        acc3 += xhat
+    c2 = tl.sum(acc2, axis=1) / N
+    c3 = tl.sum(acc3, axis=1) / N
+    tl.store(C1 + rows, tl.sum(acc1, axis=1) / N - c3 * c2)
+    tl.store(C2 + rows, c2)
+    tl.store(C3 + rows, c3)
 
 
 @triton.jit
 def _bwd_kernel(
-    DY, DH, X, R, W, MEAN, RSTD, RNG, C1, C2, DX, DRES, DW_PART, DB_PART,
+    DY, DH, X, R, W, MEAN, RSTD, RNG, C1, C2, C3, DX, DRES, DW_PART, DB_PART,
     M, N, stride_dym, stride_dhm, stride_xm, stride_rm, drop_thr, drop_scale,
     num_row_blocks, num_groups,
     HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, HAS_DH: tl.constexpr,
@@ -217,7 +222,13 @@ def _bwd_kernel(
 ):
     """Program (pid_g, pid_n): row blocks pid_g, pid_g + num_groups, ... of column block pid_n.
     Writes dresidual (and dx) for its tiles and its fp32 partial sums of dy * xhat and dy for
-    its column block into row pid_g of DW_PART / DB_PART (every element, no atomics)."""
+    its column block into row pid_g of DW_PART / DB_PART (every element, no atomics).
+
+    dresidual = rstd * (g - mean(g) - (xhat - xbar) * mean(g * (xhat - xbar))), xbar = mean(xhat):
+    xbar is 0 in exact arithmetic, but the computed xhat carries the fp32 mean's rounding as a
+    shift of the whole row, which the uncentred formula turns into a first-order error where a
+    row's mean is large against its spread (27 of 300 fresh 2-wide fp32 draws failed the
+    oracle; the C++ cpu kernel does the same, benchmarks/NOTES.md)."""
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -244,12 +255,14 @@ def _bwd_kernel(
         else:
             g = dy
         if COMPUTE_STATS:
-            c1 = (tl.sum(g * xhat, axis=1) / N)[:, None]
             c2 = (tl.sum(g, axis=1) / N)[:, None]
+            c3 = (tl.sum(xhat, axis=1) / N)[:, None]
+            c1 = (tl.sum(g * xhat, axis=1) / N)[:, None] - c3 * c2
         else:
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)[:, None]
             c2 = tl.load(C2 + rows, mask=row_ok, other=0.0)[:, None]
-        dsum = (g - c2 - xhat * c1) * rstd
+            c3 = tl.load(C3 + rows, mask=row_ok, other=0.0)[:, None]
+        dsum = (g - c2 - (xhat - c3) * c1) * rstd
         if HAS_DH:
             dsum += tl.load(DH + rows64 * stride_dhm + cols, mask=mask, other=0.0).to(tl.float32)
         out_off = rows64 * N + cols
@@ -432,19 +445,18 @@ def add_layer_norm_bwd(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p:
     dummy = mean
     with _device_guard(x):
         if fused:
-            c1 = c2 = dummy
+            c1 = c2 = c3 = dummy
         else:
-            c1 = torch.empty((m,), dtype=torch.float32, device=x.device)
-            c2 = torch.empty((m,), dtype=torch.float32, device=x.device)
+            c1, c2, c3 = torch.empty((3, m), dtype=torch.float32, device=x.device).unbind(0)
             _bwd_stats_kernel[(m,)](
-                dy, x, residual, weight if weight is not None else dummy, mean, rstd, rng_t, c1, c2,
+                dy, x, residual, weight if weight is not None else dummy, mean, rstd, rng_t, c1, c2, c3,
                 n, dy.stride(0), x.stride(0), residual.stride(0), thr, scale,
                 HAS_W=weight is not None, HAS_DROPOUT=has_dropout, BLOCK_N=block_n,
                 num_warps=num_warps,
             )
         _bwd_kernel[(num_groups, num_col_blocks)](
             dy, dh if dh is not None else dy, x, residual,
-            weight if weight is not None else dummy, mean, rstd, rng_t, c1, c2,
+            weight if weight is not None else dummy, mean, rstd, rng_t, c1, c2, c3,
             dx if has_dropout else dres, dres,
             dw_part if has_dw else dummy, db_part if has_db else dummy,
             m, n, dy.stride(0), dh.stride(0) if dh is not None else 0,
