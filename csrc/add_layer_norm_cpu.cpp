@@ -246,10 +246,8 @@ inline void bwd_row(const float* xf, const float* rf, const float* dyf, const fl
   // which the usual formula turns into a first-order error of dresidual (the reference's
   // autograd re-centres its result and does not).  Where |mean| >> the row's spread (a 2-wide
   // row of two close values) that error was up to 12x the oracle's bound in 6% of fresh draws;
-  // centring xhat removes it.
-  // The same for a and xbar rounded to fp32: their rounding would shift every element by the
-  // same amount, which the exact result's zero sum does not allow; off is that shift, from the
-  // double sums, taken out too.
+  // centring xhat removes it.  Rounding a and xbar to fp32 would shift every element alike
+  // again (the exact result sums to zero): off is that shift, from the double sums.
   const double xbar = sum_x / N, a_d = sum_g / N;
   const float a = static_cast<float>(a_d), b = static_cast<float>(sum_gx / N - xbar * a_d);
   const float xbar_f = static_cast<float>(xbar);
@@ -445,14 +443,10 @@ Tensor4 add_layer_norm_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& dh
   const int64_t* rngp = rng_c.defined() ? rng_c.const_data_ptr<int64_t>() : nullptr;
   const Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
   const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
-  // One buffer for both partials, db's 64 bytes past a multiple of 4 KiB from dw's: the pass
-  // that updates dw[j] and db[j] together would otherwise have each store share its address
-  // bits 11..0 with the next load (4K aliasing).
-  const int64_t part = groups * N;
-  const int64_t db_at = (part + 511) / 512 * 512 + 8;
-  std::vector<double> partials(static_cast<size_t>(db_at + part));
-  double* dw_part = has(weight) ? partials.data() : nullptr;
-  double* db_part = has(bias) ? partials.data() + db_at : nullptr;
+  std::vector<double> dw_buf(has(weight) ? static_cast<size_t>(groups * N) : 0);
+  std::vector<double> db_buf(has(bias) ? static_cast<size_t>(groups * N) : 0);
+  double* dw_part = has(weight) ? dw_buf.data() : nullptr;
+  double* db_part = has(bias) ? db_buf.data() : nullptr;
   const Tensor* dhp = has(dh) ? &*dh : nullptr;
   run_bwd(dy, dhp, x, residual, p, mean_c, rstd_c, dropout_p, rngp, drop ? &dx : nullptr, dres,
           dw_part, db_part, groups);
