@@ -15,7 +15,7 @@
 #   PYTEST_PAR  pytest's parallel flags for the gpu tests (default "-n 8" when pytest-xdist is
 #             importable, e.g. from wheels carried in .gpu_wheels/ by scripts/fetch_gpu_wheels.sh)
 #   STEP_TIMEOUT  seconds per step before it is killed (default 420 for build, pytest_gpu and
-#             benchmarks, 240 for the others)
+#             benchmarks, 240 for the others); STEP_TIMEOUT_<step> sets one step's budget
 # What lands in OUT stays small enough to copy back from a lent machine (at most 8 files, a few
 # MB): meta.json, summary.txt, logs.txt (every step's full output, one after the other),
 # verify.md, and the benchmarks' results.json, results.md, ops.png, end_to_end.png.
@@ -41,6 +41,8 @@ LOGS="$OUT/logs.txt"
 FAILED=0
 
 step_budget() {  # seconds a step may run before it is killed (a hung step must not eat the call)
+    local own="STEP_TIMEOUT_$1"  # e.g. STEP_TIMEOUT_pytest_gpu=200 overrides one step's budget
+    if [ -n "${!own:-}" ]; then echo "${!own}"; return; fi
     case "$1" in
         build|pytest_gpu|benchmarks) echo "${STEP_TIMEOUT:-420}" ;;
         *) echo "${STEP_TIMEOUT:-240}" ;;
