@@ -9,11 +9,16 @@
 #   TRANSFORMER_FAST_COMMIT  the commit measured, where the tree has no .git (a copy sent to a lent
 #             GPU machine): e.g. TRANSFORMER_FAST_COMMIT=$(git rev-parse --short HEAD) in the command
 #   BENCH_ARGS  arguments for the benchmark step instead of --quick (e.g. "" for the full sweep)
-#   STEPS     run only these steps (words match step-name prefixes), e.g. STEPS="build install
-#             pytest_gpu verify" in one device call and STEPS="build install sanitizer benchmarks"
-#             in the next: one device call may run 10 minutes, and all of it may not fit
-#   PYTEST_PAR  pytest's parallel flags for the gpu tests (default "-n 8" when pytest-xdist is
-#             importable, e.g. from wheels carried in .gpu_wheels/ by scripts/fetch_gpu_wheels.sh)
+#   STEPS     run only these steps: each word is a step name, or a prefix ending in '*'
+#             ("sanitizer*" runs every sanitizer step; "verify" runs verify, not verify_wgmma),
+#             e.g. STEPS="build install info exceptions recheck pytest_gpu" in one device call
+#             and STEPS="verify verify_wgmma sanitizer_memcheck benchmarks" in the next: one
+#             device call may run 10 minutes, and all of it may not fit
+#   PYTEST_PAR  pytest's flags for the gpu tests (default "-n 16 -vv --timeout=120" when
+#             pytest-xdist is importable: the lent machines' image has it; elsewhere wheels
+#             carried in .gpu_wheels/ by scripts/fetch_gpu_wheels.sh are installed first).
+#             Each failure's traceback is appended to logs.txt as it happens (TF_FAILURE_LOG,
+#             tests/conftest.py), so a step killed at its time limit still reports them
 #   STEP_TIMEOUT  seconds per step before it is killed (default 420 for build, pytest_gpu and
 #             benchmarks, 240 for the others); STEP_TIMEOUT_<step> sets one step's budget
 # What lands in OUT stays small enough to copy back from a lent machine (at most 8 files, a few
@@ -49,10 +54,15 @@ step_budget() {  # seconds a step may run before it is killed (a hung step must 
     esac
 }
 
-selected() {  # whether step NAME is in STEPS (words are name prefixes; empty STEPS = all)
+selected() {  # whether step NAME is in STEPS (a word is a name, or a prefix ending in '*'; empty = all)
     [ -z "${STEPS:-}" ] && return 0
     local w
-    for w in $STEPS; do [[ "$1" == "$w"* ]] && return 0; done
+    set -f  # the words' '*' is ours, not a glob
+    for w in $STEPS; do
+        if [[ "$w" == *'*' ]]; then [[ "$1" == "${w%\*}"* ]] && { set +f; return 0; }
+        elif [[ "$1" == "$w" ]]; then set +f; return 0; fi
+    done
+    set +f
     return 1
 }
 
@@ -97,6 +107,9 @@ cat "$OUT/meta.json"
 step build env MAX_JOBS=${MAX_JOBS:-16} $PY setup.py build_ext --inplace
 step install env TRANSFORMER_FAST_NO_EXT=1 $PY -m pip install --no-deps --no-build-isolation -e .
 step info $PY -m transformer_fast info
+# Whether a C++ error thrown inside _C reaches Python (three CUDA bad-argument tests segfaulted on
+# the first GPU run): how each child ended, a cuda-gdb backtrace of a crash, the compilers used.
+step exceptions $PY benchmarks/diagnose_exceptions.py
 # Numerics and memory-safety steps take the first config of each Triton autotune list instead of
 # timing them all (kernels/common.py, first_config_unless_tuning): compile time dominates them.
 # The benchmarks tune (and report each row's error against float64, so tuned configs are checked).
@@ -108,7 +121,14 @@ if ls .gpu_wheels/*.whl > /dev/null 2>&1; then
     $PY -m pip install --no-index --no-deps .gpu_wheels/*.whl >> "$LOGS" 2>&1 \
         || echo "installing .gpu_wheels failed (logs.txt); the gpu tests run in one process"
 fi
-PYTEST_PAR=${PYTEST_PAR-$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")}
+PYTEST_PAR=${PYTEST_PAR-$($PY -c "import xdist" 2>/dev/null && echo "-n 16 -vv --timeout=120" || echo "")}
+export TF_FAILURE_LOG=$LOGS
+# The tests that failed on the last GPU run first (benchmarks/gpu_recheck.txt), then all of them.
+RECHECK=$(grep -v '^#' benchmarks/gpu_recheck.txt 2>/dev/null | tr '\n' ' ')
+if [ -n "$RECHECK" ]; then
+    # shellcheck disable=SC2086
+    step recheck $NO_TUNE $PY -m pytest -q -p no:cacheprovider $PYTEST_PAR $RECHECK
+fi
 # shellcheck disable=SC2086
 step pytest_gpu $NO_TUNE $PY -m pytest tests -m "gpu or triton" -q -p no:cacheprovider $PYTEST_PAR
 step verify $NO_TUNE $PY -m transformer_fast verify --output "$OUT/verify.md"

@@ -8,7 +8,8 @@ import torch
 
 import test_decode_cxx as base
 from conftest import require_backend
-from test_decode_cxx import (  # noqa: F401  (the shared checks, collected again here)
+from test_decode_cxx import (  # noqa: F401  (the shared checks and their fixtures, collected again here)
+    backend_ready,
     test_bad_arguments,
     test_cache_without_unit_last_stride,
     test_empty_shapes,
