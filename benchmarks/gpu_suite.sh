@@ -129,6 +129,9 @@ if [ -n "$RECHECK" ]; then
     # shellcheck disable=SC2086
     step recheck $NO_TUNE $PY -m pytest -q -p no:cacheprovider $PYTEST_PAR $RECHECK
 fi
+# The test files the last run did not reach go first (benchmarks/gpu_first.txt, TF_TEST_FIRST).
+TF_TEST_FIRST=$(grep -v '^#' benchmarks/gpu_first.txt 2>/dev/null | paste -sd, -)
+export TF_TEST_FIRST
 # shellcheck disable=SC2086
 step pytest_gpu $NO_TUNE $PY -m pytest tests -m "gpu or triton" -q -p no:cacheprovider $PYTEST_PAR
 step verify $NO_TUNE $PY -m transformer_fast verify --output "$OUT/verify.md"
