@@ -1,0 +1,17 @@
+#!/bin/bash
+# Builds attn_bench against the repo's csrc/ forward kernels (extracted unchanged) + fwd_dense.cuh.
+# Usage: REPO=/path/to/repo ./build.sh   (default REPO: two levels up, i.e. benchmarks/cuda_attn/..)
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="${REPO:-$(cd "$HERE/../.." && pwd)}"
+GEN="$HERE/gen"
+mkdir -p "$GEN"
+cp "$REPO/csrc/attention_device.cuh" "$REPO/csrc/philox.h" "$REPO/csrc/attention_wgmma.cuh" "$GEN/"
+cp "$HERE/stub/attention_cuda.h" "$GEN/"
+awk '/^constexpr int kThreads = 128;/{f=1} f{print} /#include "attention_wgmma.cuh"/{if(f) exit}' \
+    "$REPO/csrc/attention_cuda.cu" > "$GEN/fwd_extract.inc"
+grep -q "fwd_kernel" "$GEN/fwd_extract.inc" || { echo "extraction failed"; exit 1; }
+NVCC="${NVCC:-nvcc}"
+"$NVCC" -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -I"$GEN" -I"$HERE" \
+    -Xptxas -v "$HERE/attn_bench.cu" -o "$HERE/attn_bench" 2> "$HERE/ptxas.txt" || { cat "$HERE/ptxas.txt"; exit 1; }
+grep -A1 -E "Compiling entry.*(fwd_kernel|fwd_wgmma|fwd_dense)" "$HERE/ptxas.txt" | grep -E "entry|Used|spill" | sed 's/_ZN[^ ]*//' || true
