@@ -30,6 +30,9 @@
 //   kv_combine_kernel  split-K (flash-decoding): with nsplit > 1 every CTA writes its normalised
 //                      fp32 partial and log2-sum-exp; one warp per (b, h, t) merges them in split
 //                      order.  Deterministic (fixed orders, no atomics).
+//   kv_hidden_kernel   L_new > 1 only, after the above: one CTA per (b, kv head) checks the values
+//                      of the keys hidden from some query of the chunk (the reference's dense
+//                      0 * v) and, only if one is non-finite, writes NaN where the reference has it.
 // The split count comes from shapes only (kv_num_splits_heuristic over L_max, never the lengths);
 // each CTA splits ITS OWN valid key range evenly, so short rows in a long cache spread too; a split
 // past the range writes a neutral partial (0, lse -inf).  TRANSFORMER_FAST_KV_SPLITS forces it.
@@ -314,6 +317,58 @@ __global__ void __launch_bounds__(kThreads) kv_combine_kernel(const Params p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Values hidden from a query of the chunk (as decode_cpu.cpp's add_hidden_values)
+//
+// The reference attends densely over each row's valid keys: a key hidden from query t (causal
+// among the new tokens, j > base + t; every key for a query that sees none) still meets it as
+// 0 * v, so a NaN / Inf value there makes that query's output NaN in its column.  The decode
+// kernel skips hidden keys; this pass, run after it (and after the combine), sets those outputs to
+// NaN.  The hidden keys of a row are [max(base + 1, 0), n_keys): at most L_new - 1 of them, none in
+// a one-token step (the host launches this only when L_new > 1).  Finite case: one CTA per
+// (b, kv head) reads those (L_new - 1) * Dv values once, finds them finite and returns.
+
+__device__ __forceinline__ bool finite_f(float x) { return fabsf(x) < INFINITY; }  // false for NaN
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) kv_hidden_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  int* bad_s = reinterpret_cast<int*>(smem_raw);  // [kWarps]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int b = blockIdx.x / p.Hkv, hk = blockIdx.x % p.Hkv;
+  const int64_t n64 = static_cast<int64_t>(p.seqlens[b]) + p.n_extra;
+  const int n_keys = static_cast<int>(n64 < 0 ? 0 : (n64 > p.L_max ? p.L_max : n64));
+  const int base = n_keys - p.L_new;  // query t sees keys j <= base + t
+  const int lo = max(base + 1, 0);
+  if (lo >= n_keys) return;  // CTA-uniform, before any barrier: nothing hidden
+  const T* vh = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
+  const int64_t span = static_cast<int64_t>(n_keys - lo) * p.Dv;
+  int bad = 0;
+  for (int64_t i = threadIdx.x; i < span; i += kThreads) {
+    const int j = lo + static_cast<int>(i / p.Dv), d = static_cast<int>(i % p.Dv);
+    bad |= finite_f(Elem<T>::load(vh + j * p.v_sm + d)) ? 0 : 1;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) bad |= __shfl_xor_sync(0xffffffffu, bad, off);
+  if (lane == 0) bad_s[warp] = bad;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) bad |= bad_s[w];
+  if (!bad) return;  // the finite case
+  T* out = static_cast<T*>(p.out);
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(p.L_new) * p.Dv; i += kThreads) {
+    const int t = static_cast<int>(i / p.Dv), d = static_cast<int>(i % p.Dv);
+    bool poisoned = false;  // sum_j 0 * v[j][d] over the keys hidden from t is NaN
+    for (int j = max(base + t + 1, 0); j < n_keys; ++j) {
+      poisoned |= !finite_f(Elem<T>::load(vh + j * p.v_sm + d));
+    }
+    if (!poisoned) continue;
+    for (int h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+      Elem<T>::store(out + ((static_cast<int64_t>(b) * p.H + h) * p.L_new + t) * p.Dv + d, NAN);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side
 
 #ifndef TF_CUDA_EMULATE
@@ -405,6 +460,10 @@ void run_decode(const Params& p, int dp, int rows) {
   if (p.nsplit > 1) {
     const int64_t rows_all = int64_t{p.B} * p.H * p.L_new;
     launch(kv_combine_kernel<T>, Grid{(rows_all + kWarps - 1) / kWarps, 1, 1}, 0, p);
+  }
+  // A one-token step hides no key from its query: no launch on the decoding path.
+  if (p.L_new > 1) {
+    launch(kv_hidden_kernel<T>, Grid{int64_t{p.B} * p.Hkv, 1, 1}, sizeof(int) * kWarps, p);
   }
 }
 

@@ -23,6 +23,13 @@ Kernel plan (bandwidth bound, tuned for H100):
     (fwd: chunked Welford/Chan merge -> mean, rstd; bwd: mean(g * xhat), mean(g)), then the
     same elementwise kernel as the fused path runs on a 2-D grid (row blocks x column chunks)
     with the statistics loaded instead of computed.  Any N works (1 ... 65536 and beyond).
+  * floating point: the kernels are compiled with enable_fp_fusion=False (no mul + add -> fma
+    contraction, by LLVM or by ptxas) and every division is tl.div_rn, sqrt tl.sqrt_rn: the GPU
+    then rounds each operation as written, as the interpreter does.  Fused, `g - mean(g)` with
+    g = dy * w became fma(dy, w, -mean(g)), leaving the product's rounding error where the exact
+    result is 0 (a width-1 row: dx = rstd * 6e-8 |g| ~ 1e-5 instead of 0, on an H200); Triton's
+    fp32 `/` is div.full.f32 (2 ulp) on NVIDIA.  The C++ cpu backend is built with
+    -ffp-contract=off for the same reason (setup.py).
   * backward dweight/dbias: two stages, no atomics (deterministic).  Each program of the
     backward kernel owns a group of row blocks (a persistent, strided loop) and one column
     block; it accumulates dy * xhat and dy in fp32 registers (one running sum per row slot of
@@ -53,10 +60,20 @@ MAX_BLOCK_M = 128
 BWD_MAX_BLOCK_M = 16
 
 _EMPTY = (0,)
+# Compile options of every launch here: no fma contraction (see the module docstring).  The
+# interpreter ignores them.
+_FP_OPTIONS = {"enable_fp_fusion": False}
 
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers
+
+
+@triton.jit
+def _div(a, b):
+    """a / b correctly rounded (Triton's fp32 `/` is the approximate div.full.f32 on NVIDIA);
+    b may be an integer (a row length, possibly specialised to the constant 1)."""
+    return tl.div_rn(a, b * 1.0)
 
 
 @triton.jit
@@ -109,15 +126,15 @@ def _fwd_stats_kernel(
         h = _load_h(X, R, rows64, cols, mask, N, stride_xm, stride_rm,
                     seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, HAS_DROPOUT)
         n_b = tl.sum(mask.to(tl.float32), axis=1)  # elements in this chunk (>= 1)
-        mean_b = tl.sum(h, axis=1) / n_b
+        mean_b = _div(tl.sum(h, axis=1), n_b)
         d = tl.where(mask, h - mean_b[:, None], 0.0)
         m2_b = tl.sum(d * d, axis=1)
         n_ab = count + n_b
         delta = mean_b - mean
-        mean = mean + delta * (n_b / n_ab)
-        m2 = m2 + m2_b + delta * delta * (count * n_b / n_ab)
+        mean = mean + delta * _div(n_b, n_ab)
+        m2 = m2 + m2_b + delta * delta * _div(count * n_b, n_ab)
         count = n_ab
-    var = m2 / N
+    var = _div(m2, N)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
     tl.store(MEAN + rows, mean)
     tl.store(RSTD + rows, rstd)
@@ -148,9 +165,9 @@ def _fwd_kernel(
     h = _load_h(X, R, rows64, cols, mask, N, stride_xm, stride_rm,
                 seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, HAS_DROPOUT)
     if COMPUTE_STATS:
-        mean = tl.sum(h, axis=1) / N
+        mean = _div(tl.sum(h, axis=1), N)
         d = tl.where(mask, h - mean[:, None], 0.0)
-        var = tl.sum(d * d, axis=1) / N
+        var = _div(tl.sum(d * d, axis=1), N)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
         tl.store(MEAN + rows, mean, mask=row_ok)
         tl.store(RSTD + rows, rstd, mask=row_ok)
@@ -204,9 +221,9 @@ def _bwd_stats_kernel(
         acc1 += g * xhat
         acc2 += g
         acc3 += xhat
-    c2 = tl.sum(acc2, axis=1) / N
-    c3 = tl.sum(acc3, axis=1) / N
-    tl.store(C1 + rows, tl.sum(acc1, axis=1) / N - c3 * c2)
+    c2 = _div(tl.sum(acc2, axis=1), N)
+    c3 = _div(tl.sum(acc3, axis=1), N)
+    tl.store(C1 + rows, _div(tl.sum(acc1, axis=1), N) - c3 * c2)
     tl.store(C2 + rows, c2)
     tl.store(C3 + rows, c3)
 
@@ -255,9 +272,9 @@ def _bwd_kernel(
         else:
             g = dy
         if COMPUTE_STATS:
-            c2 = (tl.sum(g, axis=1) / N)[:, None]
-            c3 = (tl.sum(xhat, axis=1) / N)[:, None]
-            c1 = (tl.sum(g * xhat, axis=1) / N)[:, None] - c3 * c2
+            c2 = _div(tl.sum(g, axis=1), N)[:, None]
+            c3 = _div(tl.sum(xhat, axis=1), N)[:, None]
+            c1 = _div(tl.sum(g * xhat, axis=1), N)[:, None] - c3 * c2
         else:
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)[:, None]
             c2 = tl.load(C2 + rows, mask=row_ok, other=0.0)[:, None]
@@ -393,7 +410,7 @@ def add_layer_norm_fwd(x, residual, weight, bias, eps: float, dropout_p: float, 
             _fwd_stats_kernel[(m,)](
                 x, residual, mean, rstd, rng_t,
                 n, x.stride(0), residual.stride(0), float(eps), thr, scale,
-                HAS_DROPOUT=has_dropout, BLOCK_N=block_n, num_warps=num_warps,
+                HAS_DROPOUT=has_dropout, BLOCK_N=block_n, num_warps=num_warps, **_FP_OPTIONS,
             )
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _fwd_kernel[grid](
@@ -405,6 +422,7 @@ def add_layer_norm_fwd(x, residual, weight, bias, eps: float, dropout_p: float, 
             HAS_W=weight is not None, HAS_B=bias is not None, HAS_DROPOUT=has_dropout,
             STORE_H=bool(prenorm), COMPUTE_STATS=fused,
             BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=is_interpreting(), num_warps=num_warps,
+            **_FP_OPTIONS,
         )
     return y, h, mean, rstd
 
@@ -452,7 +470,7 @@ def add_layer_norm_bwd(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p:
                 dy, x, residual, weight if weight is not None else dummy, mean, rstd, rng_t, c1, c2, c3,
                 n, dy.stride(0), x.stride(0), residual.stride(0), thr, scale,
                 HAS_W=weight is not None, HAS_DROPOUT=has_dropout, BLOCK_N=block_n,
-                num_warps=num_warps,
+                num_warps=num_warps, **_FP_OPTIONS,
             )
         _bwd_kernel[(num_groups, num_col_blocks)](
             dy, dh if dh is not None else dy, x, residual,
@@ -465,6 +483,7 @@ def add_layer_norm_bwd(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p:
             HAS_W=weight is not None, HAS_DW=has_dw, HAS_DB=has_db, HAS_DH=dh is not None,
             HAS_DROPOUT=has_dropout, COMPUTE_STATS=fused,
             BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=is_interpreting(), num_warps=num_warps,
+            **_FP_OPTIONS,
         )
         # Second stage: a deterministic float64 sum over the groups, one rounding at the end.
         dw = dw_part.sum(dim=0).to(weight.dtype) if has_dw else x.new_empty(_EMPTY)
