@@ -776,25 +776,78 @@ def _key(c):
     return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
 
 
-def _pick(configs, wanted):
+# Shared memory.  A config whose kernel needs more shared memory than the device gives one block
+# fails at launch (OutOfResources): the autotuner skips it when it times several, but with
+# TRANSFORMER_FAST_AUTOTUNE=0 the one config kept must fit (the first GPU run, H200: the forward's
+# (16, 128, 4, 3) small-Lq config at BLOCK_D = 256 needs 274432 bytes, sm_90 gives 232448).  So
+# the pruning drops configs whose estimate exceeds the device's limit.  The estimate is an upper
+# bound of Triton's allocation, fitted to `metadata.shared` of every config of the lists below
+# (Triton 3.8, sm_90, bf16 and fp32, no mask / float mask + padding + dropout; 64 compiles): exact
+# for several, at most ~1.7x over, never under.  Streamed tiles take max(num_stages - 1, 1)
+# buffers; one more tile of the streamed operand, the held tile, the fp32 accumulator and
+# (with an attn_mask) a (BLOCK_M, BLOCK_N) fp32 tile per buffer.
+SMEM_DEFAULT_LIMIT = 232448  # sm_90 (H100 / H200) opt-in maximum per block; also meta tensors
+
+
+def _smem_estimate(kind: str, c, args) -> int:
+    bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+    bd, es = args["BLOCK_D"], args["Q"].element_size()
+    st = max(c.num_stages - 1, 1)
+    if kind == "fwd":  # streams K^T, V (BLOCK_N x BLOCK_D); holds q, acc (BLOCK_M x BLOCK_D)
+        est = st * 2 * bn * bd * es + bn * bd * es + bm * bd * (es + 2)
+    elif kind == "dq":  # streams K^T, V^T; holds q, dO, dq
+        est = st * 2 * bn * bd * es + bn * bd * es + bm * bd * (es + 4)
+    else:  # dkdv: streams q^T, dO (BLOCK_M x BLOCK_D); holds k, v, dk, dv (BLOCK_N x BLOCK_D)
+        est = st * 2 * bm * bd * es + bm * bd * es + bn * bd * (2 * es + 4) + 1024
+    if args.get("MASK_KIND", 0):
+        est += st * bm * bn * 4
+    return est
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit_of(index: int) -> int:
+    try:  # what Triton checks at launch: CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        from triton.runtime import driver
+
+        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001  (the per-SM figure less the 1 KB the driver reserves)
+        try:
+            return int(torch.cuda.get_device_properties(index).shared_memory_per_multiprocessor) - 1024
+        except Exception:  # noqa: BLE001
+            return SMEM_DEFAULT_LIMIT
+
+
+def _smem_limit(t) -> int:
+    if isinstance(t, torch.Tensor) and t.is_cuda:
+        index = t.device.index
+        return _smem_limit_of(torch.cuda.current_device() if index is None else index)
+    return SMEM_DEFAULT_LIMIT
+
+
+def _pick(configs, wanted, kind=None, args=None):
     """The configs of ``wanted``, in its order of preference (the first is the one kept with
-    TRANSFORMER_FAST_AUTOTUNE=0)."""
+    TRANSFORMER_FAST_AUTOTUNE=0), less those whose shared memory (estimated for ``kind``) does
+    not fit the device; when none fits, the one with the smallest estimate."""
     by_key = {_key(c): c for c in configs}
     out = [by_key[w] for w in dict.fromkeys(wanted) if w in by_key]
+    if out and kind is not None:
+        limit = _smem_limit(args.get("Q"))
+        fits = [c for c in out if _smem_estimate(kind, c, args) <= limit]
+        out = fits or [min(out, key=lambda c: _smem_estimate(kind, c, args))]
     return first_config_unless_tuning(out or configs[:1])
 
 
 def _prune_fwd(configs, nargs, **kwargs):
     args = {**nargs, **kwargs}
     if _is_fp32(args):
-        return _pick(configs, _FP32_CONFIGS["fwd"])
+        return _pick(configs, _FP32_CONFIGS["fwd"], "fwd", args)
     wanted = list(_FWD_CONFIGS[_dclass(args["BLOCK_D"])])
     lq = args["LQ_KEY"]
     if lq < 128:
         wanted = [r for r in wanted + _FWD_SMALL_M if r[0] <= max(16, lq)]
         if args["BLOCK_D"] > 128:
             wanted = [r for r in wanted if r[0] * r[1] <= 64 * 64]
-    return _pick(configs, wanted)
+    return _pick(configs, wanted, "fwd", args)
 
 
 def _prune_dkdv(configs, nargs, **kwargs):
@@ -802,7 +855,7 @@ def _prune_dkdv(configs, nargs, **kwargs):
     wanted = _FP32_CONFIGS["dkdv"] if _is_fp32(args) else _DKDV_CONFIGS[_dclass(args["BLOCK_D"])]
     lk = args["LK_KEY"]
     small = [r for r in wanted if r[1] <= max(32, lk)]
-    return _pick(configs, small or wanted)
+    return _pick(configs, small or wanted, "dkdv", args)
 
 
 def _prune_dq(configs, nargs, **kwargs):
@@ -810,7 +863,7 @@ def _prune_dq(configs, nargs, **kwargs):
     wanted = _FP32_CONFIGS["dq"] if _is_fp32(args) else _DQ_CONFIGS[_dclass(args["BLOCK_D"])]
     lq = args["LQ_KEY"]
     small = [r for r in wanted if r[0] <= max(32, lq)]
-    return _pick(configs, small or wanted)
+    return _pick(configs, small or wanted, "dq", args)
 
 
 _TUNE_KEY = ["LQ_KEY", "LK_KEY", "HEAD_DIM", "IS_CAUSAL", "MASK_KIND", "HAS_KPM", "HAS_DROPOUT", "IEEE",

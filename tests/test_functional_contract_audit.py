@@ -847,7 +847,7 @@ def test_expanded_cache_that_would_be_written_is_rejected(which):
 def test_float32_mask_keeps_its_precision_with_half_queries(backend, dtype):
     """torch's SDPA adds a float32 mask to half-precision scores without rounding it to the
     query's dtype; ours too (it was rounded: 0.12 off at a 1000 bias in fp16, NaN at 7e4)."""
-    require_backend(backend)
+    device = _ready(backend)  # triton: CUDA tensors where a GPU is (CPU ones only interpreted)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     q, k, v = (torch.randn(2, 2, n, 16, generator=g) for n in (5, 7, 7))
     mask = 1000 + torch.rand(5, 7, generator=g)
@@ -857,10 +857,14 @@ def test_float32_mask_keeps_its_precision_with_half_queries(backend, dtype):
     truth = tf.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), mask.double(), key_padding_mask=kpm.double(),
         backend="reference")
+    to = lambda t: t.to(device)  # noqa: E731
     got = tf.functional.scaled_dot_product_attention(
-        q.to(dtype), k.to(dtype), v.to(dtype), mask, key_padding_mask=kpm, backend=backend)
+        to(q.to(dtype)), to(k.to(dtype)), to(v.to(dtype)), to(mask), key_padding_mask=to(kpm),
+        backend=backend)
+    assert got.dtype == dtype and got.device.type == torch.device(device).type
     tol = 4e-3 if dtype == torch.float16 else 3e-2  # one rounding of O(1) outputs
-    assert (got.double() - truth).abs().max() < tol
+    err = (got.cpu().double() - truth).abs().max()
+    assert err < tol, f"max error {float(err):.3g} >= {tol} ({backend}, {dtype}, {device})"
 
 
 def test_float_key_padding_mask_needing_grad_is_refused_by_fused_backends():
@@ -890,14 +894,17 @@ def test_zero_heads():
 def test_gqa_on_3d_inputs_reads_dim_0_as_heads(backend):
     """torch's SDPA with enable_gqa reads dim -3 of 3-D inputs as the heads (key/value heads
     repeat_interleave'd over the query's): the same numbers and gradients here."""
-    require_backend(backend)
+    device = _ready(backend)  # triton: CUDA tensors where a GPU is (CPU ones only interpreted)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     q = torch.randn(6, 5, 16, generator=g, requires_grad=True)
     k = torch.randn(2, 7, 16, generator=g, requires_grad=True)
     v = torch.randn(2, 7, 16, generator=g, requires_grad=True)
     mask = torch.randn(6, 5, 7, generator=g)
-    got = tf.functional.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend=backend)
+    # Differentiable moves: the gradients land on the CPU leaves, next to torch's CPU result.
+    got = tf.functional.scaled_dot_product_attention(
+        q.to(device), k.to(device), v.to(device), mask.to(device), enable_gqa=True, backend=backend)
+    assert got.device.type == torch.device(device).type
     want = TF.scaled_dot_product_attention(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), mask)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
     for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -107,3 +107,36 @@ def test_opcheck(device):
     q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 1, 5, 7, 16, torch.float32, device))
     mask = (torch.rand(1, 1, 5, 7, device=device) < 0.8).expand(1, 2, 5, 7)
     torch.library.opcheck(op.attention_fwd, (q, k, v, mask, None, True, 0.25, 0.0, None, False, "triton"))
+
+
+@pytest.mark.parametrize("tune", ["0", "1"])
+def test_kept_configs_fit_shared_memory(monkeypatch, tune):
+    """The configs the autotune pruning keeps fit sm_90's shared memory by the launcher's estimate
+    (an upper bound of Triton's allocation), so that TRANSFORMER_FAST_AUTOTUNE=0, which runs the
+    first one alone, never launches one that raises OutOfResources.  The first GPU run (H200)
+    failed every head-dim-256 case with Lq < 32 in fp16 / bf16: the forward kept (16, 128, 4, 3),
+    274432 bytes (Triton 3.8's metadata.shared; the limit is 232448).  Plain Python: no GPU."""
+    from transformer_fast.kernels import attention as A
+
+    monkeypatch.setenv("TRANSFORMER_FAST_AUTOTUNE", tune)
+    lists = {
+        "fwd": (A._prune_fwd, A._all_configs(A._FWD_CONFIGS, A._FWD_SMALL_M + A._FP32_CONFIGS["fwd"])),
+        "dq": (A._prune_dq, A._all_configs(A._DQ_CONFIGS, A._FP32_CONFIGS["dq"])),
+        "dkdv": (A._prune_dkdv, A._all_configs(A._DKDV_CONFIGS, A._FP32_CONFIGS["dkdv"])),
+    }
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        q = torch.empty(1, dtype=dtype)
+        for block_d in (16, 32, 64, 128, 256):
+            for length in (1, 8, 16, 32, 64, 128, 1024):
+                for mask_kind in (0, 1, 2):
+                    args = dict(BLOCK_D=block_d, LQ_KEY=length, LK_KEY=length, MASK_KIND=mask_kind)
+                    for kind, (prune, configs) in lists.items():
+                        kept = prune(configs, {"Q": q}, **args)
+                        assert kept and (len(kept) == 1 or tune == "1")
+                        for c in kept:
+                            est = A._smem_estimate(kind, c, {"Q": q, **args})
+                            assert est <= A.SMEM_DEFAULT_LIMIT, (kind, dtype, args, A._key(c), est)
+    # The configuration that failed, and what the forward keeps instead.
+    args = dict(BLOCK_D=256, LQ_KEY=8, LK_KEY=32, MASK_KIND=0)
+    first = A._key(A._prune_fwd(lists["fwd"][1], {"Q": torch.empty(1, dtype=torch.float16)}, **args)[0])
+    assert first != (16, 128, 4, 3) and first[0] == 16

@@ -151,22 +151,23 @@ def test_encoder_layer_forward_copies_and_syncs(backend, batch_first, norm_first
     CPU SDPA with dropout runs its math path, which copies q/k internally; the triton kernels
     (through the interpreter) take dropout 0.1 with the same single copy.  Torch's own layer
     makes at least as many copies."""
-    if backend != "auto":
-        require_backend(backend)
+    # triton: CUDA tensors where a GPU is (CPU tensors run only through the interpreter).
+    device = "cpu" if backend == "auto" else require_backend(backend)
     p = 0.0 if backend == "auto" else 0.1
     layer = M.TransformerEncoderLayer(E, H, FF, dropout=p, batch_first=batch_first,
-                                      norm_first=norm_first).train(training)
-    x = torch.randn((N, L, E) if batch_first else (L, N, E), requires_grad=training)
-    kpm = _padding(torch.Generator().manual_seed(0), L)
-    with transformer_fast.use_backend(backend), _CountOps() as ops:
+                                      norm_first=norm_first, device=device).train(training)
+    x = torch.randn((N, L, E) if batch_first else (L, N, E), device=device, requires_grad=training)
+    kpm = _padding(torch.Generator().manual_seed(0), L).to(device)
+    with transformer_fast.use_backend(backend), resolved_backends() as seen, _CountOps() as ops:
         layer(x, src_key_padding_mask=kpm)
-    assert ops.syncs() == {}
-    assert ops.copies() == ({"clone": 1} if backend == "auto" else {}), ops.counts
+    what = f"ops seen on {device}: {dict(ops.counts)}; functional ops resolved: {seen}"
+    assert ops.syncs() == {}, f"host syncs {ops.syncs()}; {what}"
+    assert ops.copies() == ({"clone": 1} if backend == "auto" else {}), f"copies {ops.copies()}; {what}"
     theirs = torch.nn.TransformerEncoderLayer(E, H, FF, dropout=p, batch_first=batch_first,
-                                             norm_first=norm_first).train(training)
+                                             norm_first=norm_first, device=device).train(training)
     with _CountOps() as torch_ops:
         theirs(x, src_key_padding_mask=kpm)
-    assert sum(torch_ops.copies().values()) >= sum(ops.copies().values())
+    assert sum(torch_ops.copies().values()) >= sum(ops.copies().values()), (torch_ops.counts, ops.counts)
 
 
 def test_copy_counter_sees_copies():

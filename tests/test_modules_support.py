@@ -133,7 +133,9 @@ def module_parity(torch_module, our_module, args, kwargs=None, dtype=torch.float
             **{n: _cast(v, torch.float64) for n, v in kwargs.items()},
         ))
     g = fresh_generator()
-    upstream = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in probe]
+    # On the outputs' device: autograd.grad refuses CPU grad_outputs for CUDA outputs
+    # ("invalid gradient at index 0 - expected device cuda:0 but got cpu").
+    upstream = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device) for o in probe]
     if not grads:
         for m in (ref64_mod, reflp_mod, ours):
             m.requires_grad_(False)
