@@ -354,7 +354,9 @@ def test_skipped_tiles_are_never_read():
 
 def test_padding_skip_matches_dense_mask():
     """A key_padding_mask (tile skipping) and the same mask as a bool attn_mask (no skipping)
-    give bitwise the same results."""
+    give the same results: bitwise under the interpreter (one block config); on a GPU the two mask
+    kinds may be given different autotuned block shapes (another summation order), so there they
+    agree to fp32 rounding and the fully padded batch row is exactly zero in both."""
     torch.manual_seed(8)
     B, H, Lq, Lk, D = 3, 2, 40, 70, 32
     q, k, v = make_qkv(B, H, 1, Lq, Lk, D, F32)
@@ -369,8 +371,13 @@ def test_padding_skip_matches_dense_mask():
     for args in ((None, kpm), (am, None)):
         out, lse = attention.attention_fwd(q, k, v, *args, True, 0.2, 0.0, None, False)
         res.append((out, lse, *attention.attention_bwd(do, q, k, v, out, lse, *args, True, 0.2, 0.0, None, False)))
-    for a, b in zip(*res):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *res):
+        if attention._INTERPRET:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for out in (res[0][0], res[1][0]):
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
 @pytest.mark.parametrize("cfg,split,off64", [
