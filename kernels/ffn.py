@@ -34,9 +34,17 @@ config under the interpreter).  Its epilogue is one of
 ``_act_bwd_kernel`` is the same dact epilogue as an elementwise pass (and, with nothing to
 multiply, the column-sum kernel for dbias = sum(dy)).
 
+fp32.  Exact fp32 (torch's allow_tf32 off) sums each K step's products from zero (Triton's
+ieee dot: FMAs in K order) and adds the step sums with Kahan compensation: one fp32 chain over
+all of K drifted past the oracle's bound against cuBLAS (split-K / gemv) at M = 1 and at K =
+1000 rows (first GPU run, H200).  tf32 rounds the operand tiles to the nearest tf32 first
+(_round_tf32): the tensor core truncates them otherwise.
+
 Why pre is stored (gelu) instead of recomputed: see benchmarks/NOTES.md (FFN section).
 """
 from __future__ import annotations
+
+import collections
 
 import torch
 import triton
@@ -81,6 +89,20 @@ def _tanh_sech2(u):
     t = tl.where(u < 0.0, -t, t)
     sech2 = 4.0 * e / ((1.0 + e) * (1.0 + e))
     return t, sech2
+
+
+@triton.jit
+def _round_tf32(x):
+    """fp32 -> the nearest tf32 (10-bit mantissa; ties away from zero, as cvt.rna.tf32.f32),
+    kept in fp32.  Triton feeds fp32 tiles to the tf32 MMA (wgmma from shared memory, mma.sync
+    from registers) as they are, and the tensor core ignores the low 13 mantissa bits: a
+    truncation, biased toward zero, whose error sums coherently over K (dW over the rows:
+    ~3x the error of torch's tf32 matmul, past the oracle's 2x).  Rounded here, the MMA's
+    truncation is exact.  Integer ops only (the interpreter runs them too); NaN passes as is
+    (CUDA's 0x7fffffff would otherwise carry into the sign bit)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (((bits + 0x1000) >> 13) << 13).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded)
 
 
 @triton.jit
@@ -161,6 +183,9 @@ def _gemm_configs():
         # fp32 (tf32 or exact FMA): smaller K steps fit shared memory.
         cfg(128, 128, 32, 8, 3),
         cfg(64, 64, 32, 4, 3),
+        # Exact fp32 (FMA dot + Kahan step sums, _IEEE_MAX_PER_THREAD): the tiles that do not spill.
+        cfg(128, 64, 32, 8, 3),
+        cfg(64, 64, 32, 8, 3),
     ]
 
 
@@ -174,6 +199,14 @@ _SMEM_BUDGET = 200 * 1024
 # --resources): 128x256 / 8 warps (128 per thread) with dropout spilled ~4 KB per thread.
 _HEAVY_EPILOGUE_MAX_PER_THREAD = 64
 
+# The compiled exact-fp32 loop holds the accumulator, its Kahan compensation and the step's
+# FMA-dot sum, plus the dot's operand fragments: measured with ptxas for sm_90 (compile_check
+# --resources, Triton 3.8), 128x128 / 8 warps (64 per thread) spilled 80-208 bytes and
+# 64x64 / 4 warps 8 bytes at 16-aligned shapes; 128x64 / 8 warps did not (up to 104 bytes at
+# unaligned ones, N = 70) and 64x64 / 8 warps (<= 142 registers) at most 8.
+_IEEE_MAX_PER_THREAD = 32
+_IEEE_WARPS = 8
+
 
 def _prune_configs(configs, named_args, **kwargs):
     """Keep configs whose tiles are not much larger than the problem, whose pipeline fits
@@ -181,10 +214,13 @@ def _prune_configs(configs, named_args, **kwargs):
     m, n = named_args["M"], named_args["N"]
     esize = named_args["A"].element_size()
     heavy = bool(kwargs.get("HAS_DROPOUT", False)) or kwargs.get("EPILOGUE", EPI_FWD) == EPI_DACT
+    ieee = esize == 4 and bool(kwargs.get("IEEE", False)) and not is_interpreting()
     kept = []
     for c in configs:
         bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
         if heavy and bm * bn // (32 * c.num_warps) > _HEAVY_EPILOGUE_MAX_PER_THREAD:
+            continue
+        if ieee and (c.num_warps != _IEEE_WARPS or bm * bn // (32 * c.num_warps) > _IEEE_MAX_PER_THREAD):
             continue
         if bm > max(32, triton.next_power_of_2(m)) or bn > max(64, triton.next_power_of_2(n)):
             continue
@@ -240,6 +276,7 @@ def _gemm_kernel(
     a_ptrs = A + rm64[:, None] * stride_am + rk[None, :].to(tl.int64) * stride_ak  # (BM, BK)
     b_ptrs = B + rk[:, None].to(tl.int64) * stride_bk + rn64[None, :] * stride_bn  # (BK, BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # Kahan compensation (compiled IEEE)
     for k in range(0, K, BLOCK_K):
         k_ok = rk < K - k
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -249,7 +286,22 @@ def _gemm_kernel(
             # sequential fp32 matmul drifted past the oracle's bound on dW (e.g. 1.06x, CI); the
             # GPU compiles the branch below.
             acc = acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+        elif IEEE:
+            # Exact fp32 on the GPU: Triton lowers an ieee fp32 dot to FMAs in K order, so
+            # dot(a, b, acc) would chain all K products through one fp32 accumulator (error
+            # ~sqrt(K) ulps: modelled at 3-5x a split-K / gemv sum, as cuBLAS runs M = 1 or
+            # K = 1000 rows, past the oracle's 2x bound).  Each K step's BLOCK_K products are summed from zero, and the
+            # step sums are added with Kahan compensation.  (Plain ``acc + tl.dot(a, b)`` would
+            # not do: Triton's combine pass folds it back into dot(a, b, acc).)
+            part = tl.dot(a, b, input_precision="ieee")
+            y = part - comp
+            t = acc + y
+            comp = (t - acc) - y
+            acc = t
         else:
+            if a.dtype == tl.float32:  # tf32 (fp32 with torch's allow_tf32)
+                a = _round_tf32(a)
+                b = _round_tf32(b)
             acc = dot(a, b, acc, DOT_FP32, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -367,6 +419,29 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
             STORE_AUX=store_aux, HAS_PART=part is not None,
             DOT_FP32=dot_fp32, IEEE=ieee, INTERPRET=is_interpreting(),
         )
+    # For failure reports (recent_gemm_launches): the autotuner's pick for this launch.
+    _RECENT_LAUNCHES.append((m, n, k, epilogue, act, has_dropout, a.dtype, ieee,
+                             getattr(_gemm_kernel, "best_config", None)))
+
+
+# The last GEMM launches (a failing numerics test prints them: which config computed what).
+_RECENT_LAUNCHES = collections.deque(maxlen=16)
+
+
+def recent_gemm_launches() -> str:
+    """One line per recent _gemm_kernel launch, oldest first: shape, epilogue, precision
+    (ieee = exact fp32, tf32, or the 16-bit dtype) and the config the autotuner ran."""
+    lines = []
+    for m, n, k, epi, act, drop, dtype, ieee, cfg in _RECENT_LAUNCHES:
+        prec = "ieee" if ieee else ("tf32" if dtype == torch.float32 else str(dtype).replace("torch.", ""))
+        if cfg is None:
+            desc = "config ?"
+        else:
+            desc = " ".join(f"{key}={v}" for key, v in cfg.kwargs.items())
+            desc += f" warps={cfg.num_warps} stages={cfg.num_stages}"
+        lines.append(f"  M={m} N={n} K={k} {'fwd' if epi == EPI_FWD else 'dact'} act={act} "
+                     f"dropout={int(drop)} {prec}: {desc}")
+    return "\n".join(lines)
 
 
 # The launch's BLOCK_M is chosen by the autotuner, so the column-sum partials of the dact

@@ -55,6 +55,20 @@ def _keep(rows, cols, p, seed, device):
     return philox.dropout_keep_mask(philox.new_rng(device), (rows, cols), p)
 
 
+def _assert_oracle(backend, results, context):
+    """reference.assert_oracle, and for triton the GEMM configs that ran (a GPU failure then
+    says which tile / precision path computed the failing output)."""
+    try:
+        reference.assert_oracle(results, context)
+    except AssertionError as exc:
+        if backend != "triton":
+            raise
+        from transformer_fast.kernels import ffn as K
+
+        raise AssertionError(f"{exc}\nrecent triton GEMM launches (forward, then backward):\n"
+                             f"{K.recent_gemm_launches()}") from None
+
+
 def check_feed_forward(backend, x, w1, b1, w2, b2, activation, dropout_p=0.0, seed=1234, view=None):
     """Oracle over out and the gradients of x, w1, b1, w2, b2.  ``view`` maps the leaf x to the
     tensor actually passed (e.g. a non-contiguous view)."""
@@ -78,7 +92,7 @@ def check_feed_forward(backend, x, w1, b1, w2, b2, activation, dropout_p=0.0, se
     if b2 is not None:
         inputs["b2"] = b2
     results = reference.run_oracle(kernel, ref, inputs, list(inputs))
-    reference.assert_oracle(results, f"{backend} feed_forward {tuple(x.shape)} {w1.shape[0]}->"
+    _assert_oracle(backend, results, f"{backend} feed_forward {tuple(x.shape)} {w1.shape[0]}->"
                                      f"{w2.shape[0]} {x.dtype} {activation} p={dropout_p}")
     return results
 
@@ -100,7 +114,7 @@ def check_linear_bias_act(backend, x, w, b, activation, dropout_p=0.0, seed=99):
 
     inputs = {"x": x, "w": w} if b is None else {"x": x, "w": w, "b": b}
     results = reference.run_oracle(kernel, ref, inputs, list(inputs))
-    reference.assert_oracle(results, f"{backend} linear_bias_act {tuple(x.shape)}->{w.shape[0]} "
+    _assert_oracle(backend, results, f"{backend} linear_bias_act {tuple(x.shape)}->{w.shape[0]} "
                                      f"{x.dtype} {activation} p={dropout_p}")
 
 

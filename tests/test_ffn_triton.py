@@ -159,3 +159,99 @@ def test_gpu_config_pruning(K):
             assert any(c.kwargs["BLOCK_M"] >= 128 for c in kept)
         if m == 1:
             assert all(c.kwargs["BLOCK_M"] <= 32 for c in kept)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32 precision paths (the first GPU run failed the fp32 oracle here: see kernels/ffn.py's
+# _round_tf32 and the compiled IEEE branch of _gemm_kernel)
+
+
+def _tf32_rna(t):
+    """cvt.rna.tf32.f32 on the host: round the magnitude to 10 mantissa bits, ties away."""
+    bits = t.float().cpu().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = (((bits + 0x1000) >> 13) << 13) & 0xFFFFFFFF
+    out = torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32).view(torch.float32)
+    return torch.where(t.cpu().isnan(), t.cpu(), out).to(t.device)
+
+
+def test_tf32_path_rounds_the_operands_to_nearest(K):
+    """allow_tf32: the GEMM sees its fp32 operands rounded to the nearest tf32 (not truncated,
+    as the tensor core would read them): the result is the exact product of rounded operands."""
+    m, k, n = 37, 150, 70
+    x, w, b = _rand(m, k), _rand(n, k, scale=k ** -0.5), _rand(n)
+    with reference.poisoned_outputs():
+        y, pre = K.linear_fwd(x, w, b, "none", 0.0, None, True, True)
+    want = _tf32_rna(x).double() @ _tf32_rna(w).double().t() + b.double()
+    exact = x.double() @ w.double().t() + b.double()
+    assert _err(pre, want) <= 2e-5
+    assert _err(y, want) <= 2e-5
+    assert _err(pre, exact) > 1e-4  # tf32 did happen (else this test checks nothing)
+    trunc = lambda t: (t.float().cpu().view(torch.int32) & ~0x1FFF).view(torch.float32).to(t.device)
+    assert _err(pre, trunc(x).double() @ trunc(w).double().t() + b.double()) > 2 * _err(pre, want)
+
+
+def test_tf32_rounding_edge_values(K):
+    """Ties round away from zero, overflow rounds to inf, inf stays, NaN (CUDA's 0x7fffffff
+    included) stays NaN; 16-bit and exact-fp32 launches are not rounded."""
+    vals = torch.tensor([1.0 + 2**-11, -(1.0 + 2**-11), 1.0 + 2**-11 - 2**-23, 3.4028235e38, float("inf"),
+                         -float("inf"), 0.0, -0.0, 1e-40], dtype=torch.float32)
+    nan_bits = torch.tensor([0x7FFFFFFF, 0x7FC00000, -1], dtype=torch.int32).view(torch.float32)
+    col = torch.cat([vals, nan_bits]).to(_device())
+    x = col[:, None]  # (rows, 1) @ (1, 1) identity: y = round(x) * 1
+    w = torch.ones(1, 1, device=col.device)
+    y, _ = K.linear_fwd(x, w, None, "none", 0.0, None, False, True)
+    got = y[:, 0].cpu()
+    want = _tf32_rna(col).cpu()
+    assert torch.equal(got[:len(vals)], want[:len(vals)])
+    assert got[0] == 1.0 + 2**-10 and got[1] == -(1.0 + 2**-10) and got[2] == 1.0
+    assert got[3] == float("inf")
+    assert got[len(vals):].isnan().all()
+    y, _ = K.linear_fwd(x, w, None, "none", 0.0, None, False, False)  # exact fp32: untouched
+    assert torch.equal(y[:len(vals), 0].cpu(), col[:len(vals)].cpu())
+
+
+def test_compiled_ieee_branch_sums_k_steps_with_compensation(K, monkeypatch):
+    """The GPU's exact-fp32 loop (per-step dot from zero + Kahan), run by the interpreter with
+    INTERPRET off: dW over 1000 rows (the shape class the first GPU run failed) within the
+    oracle's bound against torch's own fp32 matmul."""
+    monkeypatch.setattr(K, "is_interpreting", lambda: False)
+    m, n, k = 1000, 40, 24
+    dy, x = _rand(m, n, scale=0.5), _rand(m, k)
+    dw, _ = K.linear_wgrad(dy, x, False, False)
+    want = dy.double().t() @ x.double()
+    bound = 2 * _err(dy.t() @ x, want) + 1e-6
+    assert _err(dw, want) <= bound
+    # The compensation itself: 1 + 100 K steps of 2^-25 each (below half an ulp of 1, so a
+    # plain fp32 running sum stays at 1.0); exact 1 + 25 * 2^-23 is an fp32 value.
+    rows = torch.zeros(64 * 101, 1)
+    rows[0] = 1.0
+    rows[64::64] = 2.0 ** -25
+    dw, _ = K.linear_wgrad(rows.to(_device()), torch.ones(64 * 101, 1, device=_device()), False, False)
+    assert dw.item() == 1.0 + 25 * 2.0 ** -23, dw.item()
+
+
+def test_ieee_configs_fit_registers(K):
+    """Compiled exact fp32 keeps only the tiles measured not to spill (8 warps, <= 32
+    accumulators per thread); tf32 and 16-bit keep their first configs."""
+    from unittest import mock
+
+    with mock.patch.object(K, "is_interpreting", return_value=False):
+        configs = K._gemm_configs()
+        f32 = torch.empty(1, dtype=torch.float32)
+        for m, n in ((1000, 2048), (100, 64), (4096, 4096)):
+            kept = K._prune_configs(configs, {"M": m, "N": n, "A": f32}, IEEE=True)
+            assert kept
+            for c in kept:
+                per_thread = c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
+                assert c.num_warps == K._IEEE_WARPS and per_thread <= K._IEEE_MAX_PER_THREAD, c
+        kept = K._prune_configs(configs, {"M": 4096, "N": 4096, "A": f32}, IEEE=False)
+        assert (kept[0].kwargs["BLOCK_M"], kept[0].kwargs["BLOCK_N"]) == (128, 128)
+        kept = K._prune_configs(configs, {"M": 1, "N": 2048, "A": f32}, IEEE=True)
+        assert all(c.kwargs["BLOCK_M"] <= 32 for c in kept)
+
+
+def test_recent_gemm_launches_names_the_config(K):
+    x, w = _rand(9, 8), _rand(12, 8)
+    K.linear_fwd(x, w, None, "relu", 0.0, None, False, False)
+    last = K.recent_gemm_launches().splitlines()[-1]
+    assert "M=9 N=12 K=8 fwd" in last and "ieee" in last and "BLOCK_M=" in last

@@ -908,3 +908,30 @@ def test_gqa_on_3d_inputs_reads_dim_0_as_heads(backend):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
     for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["default", "legacy", "new", "global", "matmul_precision"])
+def test_tf32_switch_read_like_torch(how):
+    """The fused backends use tf32 for fp32 dots exactly when torch's own matmuls would, however
+    the program set it (the legacy allow_tf32 flag raises when read after the new API is used)."""
+    from transformer_fast import functional as F_
+
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.fp32_precision, torch.backends.fp32_precision, torch.get_float32_matmul_precision())
+    try:
+        if how == "legacy":
+            matmul.allow_tf32 = True
+        elif how == "new":
+            matmul.fp32_precision = "tf32"
+        elif how == "global":
+            torch.backends.fp32_precision = "tf32"
+        elif how == "matmul_precision":
+            torch.set_float32_matmul_precision("high")
+        assert F_._allow_tf32(torch.float32) is (how != "default")
+        assert F_._allow_tf32(torch.float16) is False
+    finally:
+        torch.backends.fp32_precision = saved[1]
+        matmul.fp32_precision = saved[0]
+        torch.set_float32_matmul_precision(saved[2])
+        if saved[0] == "none":
+            matmul.fp32_precision = "none"

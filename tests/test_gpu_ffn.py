@@ -14,7 +14,7 @@ from transformer_fast import philox, reference
 from transformer_fast import functional as F
 
 from conftest import backend_params, require_backend
-from test_ffn import _make, check_feed_forward, check_linear_bias_act
+from test_ffn import _assert_oracle, _make, check_feed_forward, check_linear_bias_act
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +61,7 @@ def test_tf32_path(backend):
 
         results = reference.run_oracle(kernel, ref, dict(x=x, w1=w1, b1=b1, w2=w2, b2=b2),
                                        ["x", "w1", "b1", "w2", "b2"], atol=reference.TF32_ATOL)
-        reference.assert_oracle(results, f"{backend} tf32")
+        _assert_oracle(backend, results, f"{backend} tf32")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 

@@ -408,8 +408,21 @@ for _name in ("cpu", "cuda"):
 
 
 def _allow_tf32(dtype: torch.dtype) -> bool:
-    """fp32 attention may use tf32 dots only where PyTorch's own matmuls may."""
-    return dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    """fp32 attention may use tf32 dots only where PyTorch's own matmuls may.
+
+    Read through ``fp32_precision`` where torch has it: reading the legacy ``allow_tf32`` raises
+    once a program has set the new API (torch 2.9+); the legacy setters and
+    ``set_float32_matmul_precision`` update ``fp32_precision`` too, and "none" inherits the
+    global ``torch.backends.fp32_precision``."""
+    if dtype != torch.float32:
+        return False
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
 
 
 def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale, key_padding_mask):
