@@ -1,0 +1,44 @@
+"""benchmarks/gpu_suite.sh runs on a lent GPU machine only a few times; these checks run it here
+(no GPU) so a broken script is caught before a lease is spent on it: step selection by exact
+name or 'prefix*', per-step budgets, and the steps that need no GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
+
+
+def _run_suite(tmp_path, steps: str, **env):
+    out = tmp_path / "out"
+    full = dict(os.environ, PYTHON=sys.executable, OUT=str(out), STEPS=steps, TRANSFORMER_FAST_COMMIT="test", **env)
+    proc = subprocess.run(["bash", str(SUITE)], cwd=ROOT, env=full, capture_output=True, text=True, timeout=600)
+    summary = (out / "summary.txt").read_text()
+    return proc, summary, out
+
+
+def test_script_parses():
+    subprocess.run(["bash", "-n", str(SUITE)], check=True)
+
+
+def test_exact_step_names_and_the_exceptions_diagnostic(tmp_path):
+    proc, summary, out = _run_suite(tmp_path, "info exceptions")
+    steps = [line.split()[0] for line in summary.splitlines()]
+    assert steps == ["info", "exceptions"], summary
+    assert all("rc=0" in line for line in summary.splitlines()), summary + proc.stdout[-2000:]
+    logs = (out / "logs.txt").read_text()
+    assert "--- cpu: exit 0: RAISED True" in logs  # a C++ error reaches Python as RuntimeError
+    assert (out / "meta.json").is_file()
+
+
+def test_prefix_star_and_step_budget(tmp_path):
+    # "verify" alone must not select verify_wgmma (it did by prefix once, and ate a lease); a
+    # word ending in '*' selects by prefix.  The diagnostic takes seconds: a 1 s budget kills it.
+    proc, summary, _ = _run_suite(tmp_path, "exc*", STEP_TIMEOUT_exceptions="1")
+    lines = summary.splitlines()
+    assert [line.split()[0] for line in lines] == ["exceptions"], summary
+    assert "rc=124" in lines[0], summary
+    assert proc.returncode != 0
