@@ -290,9 +290,10 @@ def _gemm_kernel(
             # Exact fp32 on the GPU: Triton lowers an ieee fp32 dot to FMAs in K order, so
             # dot(a, b, acc) would chain all K products through one fp32 accumulator (error
             # ~sqrt(K) ulps: modelled at 3-5x a split-K / gemv sum, as cuBLAS runs M = 1 or
-            # K = 1000 rows, past the oracle's 2x bound).  Each K step's BLOCK_K products are summed from zero, and the
-            # step sums are added with Kahan compensation.  (Plain ``acc + tl.dot(a, b)`` would
-            # not do: Triton's combine pass folds it back into dot(a, b, acc).)
+            # K = 1000 rows, past the oracle's 2x bound).  Each K step's BLOCK_K products are
+            # summed from zero, and the step sums are added with Kahan compensation.  (Plain
+            # ``acc + tl.dot(a, b)`` would not do: Triton's combine pass folds it back into
+            # dot(a, b, acc).)
             part = tl.dot(a, b, input_precision="ieee")
             y = part - comp
             t = acc + y
