@@ -407,15 +407,15 @@ for _name in ("cpu", "cuda"):
     backends.register("masked_softmax", _name, _cxx_masked_softmax_support(_name))
 
 
-def _allow_tf32(dtype: torch.dtype) -> bool:
-    """fp32 attention may use tf32 dots only where PyTorch's own matmuls may.
+@torch.compiler.assume_constant_result
+def _tf32_matmul_enabled() -> bool:
+    """Whether torch's own fp32 matmuls may use tf32.
 
     Read through ``fp32_precision`` where torch has it: reading the legacy ``allow_tf32`` raises
     once a program has set the new API (torch 2.9+); the legacy setters and
     ``set_float32_matmul_precision`` update ``fp32_precision`` too, and "none" inherits the
-    global ``torch.backends.fp32_precision``."""
-    if dtype != torch.float32:
-        return False
+    global ``torch.backends.fp32_precision``.  torch.compile cannot trace that getter, so a
+    compiled graph takes the value at trace time as a constant."""
     matmul = torch.backends.cuda.matmul
     precision = getattr(matmul, "fp32_precision", None)
     if precision is None:
@@ -423,6 +423,11 @@ def _allow_tf32(dtype: torch.dtype) -> bool:
     if precision == "none":
         precision = getattr(torch.backends, "fp32_precision", "none")
     return precision == "tf32"
+
+
+def _allow_tf32(dtype: torch.dtype) -> bool:
+    """fp32 attention and GEMMs may use tf32 dots only where PyTorch's own matmuls may."""
+    return dtype == torch.float32 and _tf32_matmul_enabled()
 
 
 def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale, key_padding_mask):
