@@ -22,7 +22,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention_device.cuh"  // the repo's (copied by build.sh; its attention_cuda.h is the stub)
+// The repo's (copied by build.sh, with a torch-free attention_cuda.h cut from the real one).
+#include "attention_device.cuh"
 #include "fwd_dense.cuh"
 
 namespace transformer_fast {

@@ -7,7 +7,16 @@ REPO="${REPO:-$(cd "$HERE/../.." && pwd)}"
 GEN="$HERE/gen"
 mkdir -p "$GEN"
 cp "$REPO/csrc/attention_device.cuh" "$REPO/csrc/philox.h" "$REPO/csrc/attention_wgmma.cuh" "$GEN/"
-cp "$HERE/stub/attention_cuda.h" "$GEN/"
+# A torch-free attention_cuda.h: the mask enum and AttentionParams taken from the repo's header
+# (the rest of it needs ATen), so the harness compiles against the kernels' real Params.
+{
+  printf '#pragma once\n#include <cstdint>\n#include "philox.h"\nnamespace transformer_fast {\n'
+  grep -E '^enum AttnMaskType' "$REPO/csrc/attention_cuda.h"
+  awk '/^template <typename E>$/{t=$0; next} /^struct AttentionParams \{/{print t; f=1} f{print} f&&/^\};/{exit}' \
+      "$REPO/csrc/attention_cuda.h"
+  printf '}  // namespace transformer_fast\n'
+} > "$GEN/attention_cuda.h"
+grep -q "struct AttentionParams" "$GEN/attention_cuda.h" || { echo "AttentionParams extraction failed"; exit 1; }
 awk '/^constexpr int kThreads = 128;/{f=1} f{print} /#include "attention_wgmma.cuh"/{if(f) exit}' \
     "$REPO/csrc/attention_cuda.cu" > "$GEN/fwd_extract.inc"
 grep -q "fwd_kernel" "$GEN/fwd_extract.inc" || { echo "extraction failed"; exit 1; }
