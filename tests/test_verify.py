@@ -26,3 +26,46 @@ def test_a_failure_is_reported_not_hidden(monkeypatch):
     rows = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["torch"],
                          log=lambda *a: None)
     assert rows[0].status == "FAIL" and "kernel exploded" in rows[0].detail
+
+
+def test_parallel_rows_equal_serial_rows():
+    """--jobs runs the cases in spawned processes; each case seeds its own draws, so the rows
+    (errors included) are those of a serial run with the same seed."""
+    kw = dict(ops=["masked_softmax", "add_layer_norm"], dtypes=[torch.float32, torch.bfloat16],
+              backend_names=["torch", "cpu"], log=lambda *a: None, seed=int(torch.randint(0, 2**31, ())))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' share; torch's CPU reductions depend on the count
+    try:
+        serial = verify.verify("cpu", jobs=1, **kw)
+        parallel = verify.verify("cpu", jobs=2, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert [r.status for r in serial].count("PASS") >= 2
+    fields = lambda rows: [(r.op, r.backend, r.dtype, r.status, r.cases, r.ratio, r.worst, r.detail) for r in rows]
+    assert fields(parallel) == fields(serial)
+
+
+def crash_on_task_2(*task):
+    """A stand-in for verify._run_case whose task 2 kills its process (as a segfault would)."""
+    import os
+
+    if task[0] == 2:
+        os._exit(3)
+    return ("ok", [task[0]]), 0.0
+
+
+def test_a_process_that_dies_fails_its_case_only():
+    done = {}
+    verify._run_pool([(i,) for i in range(5)], 2, lambda t, outcome, s: done.update({t[0]: outcome}),
+                     fn=crash_on_task_2)
+    assert sorted(done) == [0, 1, 2, 3, 4]
+    assert done[2][0] == "fail" and "died" in done[2][1]
+    assert all(done[i] == ("ok", [i]) for i in (0, 1, 3, 4))
+
+
+def test_cli_jobs(capsys):
+    from transformer_fast.__main__ import main
+
+    assert main(["verify", "--device", "cpu", "--op", "masked_softmax", "--backend", "torch",
+                 "--dtype", "float32", "--jobs", "2", "--seed", "7"]) == 0
+    assert "| masked_softmax | torch | float32 | PASS | 3 |" in capsys.readouterr().out

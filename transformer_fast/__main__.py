@@ -51,7 +51,8 @@ def cmd_verify(args) -> int:
     seed = args.seed if args.seed is not None else torch.seed() % 2**31
     torch.manual_seed(seed)
     print(f"verify on {device}: {_device_name(device)} (--seed {seed} replays these draws)")
-    rows = verify.verify(device, ops=args.op, dtypes=dtypes, backend_names=args.backend)
+    jobs = args.jobs or (min(os.cpu_count() or 1, 16) if device == "cuda" else 1)
+    rows = verify.verify(device, ops=args.op, dtypes=dtypes, backend_names=args.backend, jobs=jobs, seed=seed)
     table = verify.markdown_table(rows)
     print()
     print(table)
@@ -95,6 +96,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--output", help="also write the table as markdown to this file")
     p.add_argument("--seed", type=int, help="seed of the random inputs (default: a fresh one, printed)")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="run the cases in this many processes (default: one per CPU core, at most "
+                   "16, on CUDA, where compiling the Triton kernels dominates; 1 on the CPU)")
     from .models import demo
 
     p = sub.add_parser("train-demo", help="train a small Seq2SeqTransformer on copy/reverse/sort "

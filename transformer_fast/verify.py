@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
 from typing import Callable, Iterator
 
 import torch
@@ -287,8 +288,74 @@ class Row:
     seconds: float = 0.0
 
 
-def verify(device: str, ops=None, dtypes=DTYPES, backend_names=None, log=print) -> list[Row]:
-    rows = []
+def _case_seed(seed: int, op: str, dtype: str, index: int) -> int:
+    """The seed of one case's draws: a function of the run's seed and the case alone, so a case
+    draws the same inputs whatever ran before it, in one process or in a pool (--jobs)."""
+    return zlib.crc32(f"{seed}/{op}/{dtype}/{index}".encode()) & 0x7FFFFFFF
+
+
+def _run_case(device: str, op: str, backend: str, dtype_name: str, index: int, seed: int):
+    """Run case ``index`` of (op, dtype) on ``backend``: ("ok", oracle results), ("skip", why)
+    for a BackendError, ("fail", message) for any other exception; and the seconds it took."""
+    dtype = getattr(torch, dtype_name)
+    case = list(CASES[op](device, dtype))[index]
+    torch.manual_seed(_case_seed(seed, op, dtype_name, index))
+    start = time.perf_counter()
+    try:
+        outcome = ("ok", case.run(backend))
+    except backends.BackendError as exc:
+        outcome = ("skip", str(exc))
+    except Exception as exc:  # a crash is a failure, reported not raised
+        outcome = ("fail", f"{case.name}: {type(exc).__name__}: {exc}")
+    return outcome, time.perf_counter() - start
+
+
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run_pool(tasks, jobs: int, on_done, fn=_run_case) -> None:
+    """Run ``fn(*task)`` (by default _run_case) for each of ``tasks`` in ``jobs`` spawned processes (CUDA cannot be
+    forked), calling ``on_done(task, outcome, seconds)`` as each finishes.  A process that dies
+    (a segfault, a CUDA error that kills the context) breaks the pool: the tasks it took down are
+    rerun one at a time in fresh one-process pools, so the one that crashes is named."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    threads = max(1, torch.get_num_threads() // jobs)
+    broken = []
+    with cf.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as pool:
+        futures = {pool.submit(fn, *t): t for t in tasks}
+        for fut in cf.as_completed(futures):
+            try:
+                outcome, seconds = fut.result()
+            except cf.process.BrokenProcessPool:
+                broken.append(futures[fut])
+                continue
+            on_done(futures[fut], outcome, seconds)
+    for t in sorted(broken, key=tasks.index):
+        with cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_init,
+                                    initargs=(torch.get_num_threads(),)) as pool:
+            try:
+                outcome, seconds = pool.submit(fn, *t).result()
+            except cf.process.BrokenProcessPool:
+                outcome, seconds = ("fail", "the process running this case died (a crash; "
+                                            "--jobs 1 shows it)"), 0.0
+        on_done(t, outcome, seconds)
+
+
+def verify(device: str, ops=None, dtypes=DTYPES, backend_names=None, log=print, jobs: int = 1,
+           seed: int | None = None) -> list[Row]:
+    """One Row per op x backend x dtype.  ``jobs`` > 1 runs the cases in that many processes
+    (on a GPU most of verify's time is compiling Triton kernels, one case at a time in one
+    process); the rows are the same as with ``jobs=1`` for the same ``seed`` (default: drawn from
+    torch's generator), as each case seeds its own draws."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**31, ()))
+    rows: list[Row] = []
+    names: dict[tuple, str] = {}
+    plan: dict[int, list[tuple]] = {}  # row index -> its cases' tasks, in case order
     for op, make_cases in CASES.items():
         if ops and op not in ops:
             continue
@@ -301,33 +368,67 @@ def verify(device: str, ops=None, dtypes=DTYPES, backend_names=None, log=print) 
                 log(f"  {op:<30} {backend:<8} SKIP  {why}")
                 continue
             for dtype in dtypes:
-                row = Row(op, backend, str(dtype).replace("torch.", ""), "PASS")
-                start = time.perf_counter()
-                for case in make_cases(device, dtype):
-                    if case.philox_dropout and backend not in PHILOX_BACKENDS:
-                        continue
-                    try:
-                        results = case.run(backend)
-                    except backends.BackendError as exc:
-                        row.status, row.detail = "SKIP", str(exc)
-                        break
-                    except Exception as exc:  # a crash is a failure, reported not raised
-                        row.status, row.detail = "FAIL", f"{case.name}: {type(exc).__name__}: {exc}"
-                        break
-                    row.cases += 1
-                    for r in results:
-                        ratio = r.error / r.bound if r.bound > 0 else (0.0 if r.ok else float("inf"))
-                        if ratio > row.ratio or row.worst == "":
-                            row.ratio, row.worst = ratio, f"{case.name} {r.name}"
-                        if not r.ok:
-                            row.status = "PEER-OUTSIDE" if backend in PEER_BACKENDS else "FAIL"
-                            row.detail += f"[{case.name} {r.name}: err {r.error:.2e} > {r.bound:.2e}] "
-                row.seconds = time.perf_counter() - start
-                rows.append(row)
-                log(
-                    f"  {op:<30} {backend:<8} {row.dtype:<9} {row.status}  cases={row.cases} "
-                    f"worst err/bound={row.ratio:.3f} ({row.worst}) {row.detail}"
-                )
+                dtype_name = str(dtype).replace("torch.", "")
+                plan[len(rows)] = []
+                for i, case in enumerate(make_cases(device, dtype)):
+                    if not (case.philox_dropout and backend not in PHILOX_BACKENDS):
+                        plan[len(rows)].append((device, op, backend, dtype_name, i, seed))
+                        names[plan[len(rows)][-1]] = case.name
+                rows.append(Row(op, backend, dtype_name, "PASS"))
+
+    outcomes: dict[tuple, tuple] = {}
+    row_of = {t: r for r, ts in plan.items() for t in ts}
+    left = {r: len(ts) for r, ts in plan.items()}
+
+    def finish(r: int) -> None:
+        row = rows[r]
+        for t in plan[r]:
+            (kind, value), seconds = outcomes[t]
+            row.seconds += seconds
+            if kind == "skip":
+                row.status, row.detail = "SKIP", value
+                break
+            if kind == "fail":
+                row.status, row.detail = "FAIL", value
+                break
+            row.cases += 1
+            name = names[t]
+            for res in value:
+                ratio = res.error / res.bound if res.bound > 0 else (0.0 if res.ok else float("inf"))
+                if ratio > row.ratio or row.worst == "":
+                    row.ratio, row.worst = ratio, f"{name} {res.name}"
+                if not res.ok:
+                    row.status = "PEER-OUTSIDE" if row.backend in PEER_BACKENDS else "FAIL"
+                    row.detail += f"[{name} {res.name}: err {res.error:.2e} > {res.bound:.2e}] "
+        log(f"  {row.op:<30} {row.backend:<8} {row.dtype:<9} {row.status}  cases={row.cases} "
+            f"worst err/bound={row.ratio:.3f} ({row.worst}) {row.detail}")
+
+    def on_done(t: tuple, outcome, seconds: float) -> None:
+        outcomes[t] = (outcome, seconds)
+        r = row_of[t]
+        left[r] -= 1
+        if left[r] == 0:
+            finish(r)
+
+    for r, ts in plan.items():
+        if not ts:
+            finish(r)
+    tasks = [t for ts in plan.values() for t in ts]
+    if jobs > 1 and len(tasks) > 1:
+        # Triton and CUDA rows first: their first cases compile kernels (the long poles).
+        order = {"triton": 0, "cuda": 1}
+        tasks.sort(key=lambda t: order.get(t[2], 2))
+        _run_pool(tasks, min(jobs, len(tasks)), on_done)
+    else:
+        stopped = set()  # rows that met a skip or failure: their later cases are not run
+        for t in tasks:
+            if row_of[t] in stopped:
+                on_done(t, ("skip", "not run"), 0.0)  # never read: the row ends at the earlier one
+                continue
+            outcome, seconds = _run_case(*t)
+            if outcome[0] != "ok":
+                stopped.add(row_of[t])
+            on_done(t, outcome, seconds)
     return rows
 
 
