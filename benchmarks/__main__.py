@@ -10,6 +10,7 @@ $OUT when set (as benchmarks/gpu_suite.sh), else benchmarks/results/<device-slug
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's own choice; 1 with the smoke test)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--compile-jobs", type=int, default=0,
+                   help="before timing, call the compiling providers (triton, torch.compile) of every "
+                   "op case once in this many processes, so that the timed run finds its kernels "
+                   "compiled (default: one per CPU core, at most 16, on CUDA; 0 or 1: none)")
     args = p.parse_args(argv)
     args.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     if args.providers:
@@ -120,6 +125,15 @@ def main(argv=None) -> int:
                               load=load if device.type == "cpu" else None, malloc_note=malloc_note)
 
     op_cases = [c for op in selected if op in ops.OPS for c in ops.cases(op, device, dtypes, args.mode)]
+    jobs = args.compile_jobs if args.compile_jobs else (min(os.cpu_count() or 1, 16) if device.type == "cuda" else 1)
+    if jobs > 1:
+        warm_start = time.perf_counter()
+        tasks = [(op, args.mode, common.dtype_name(dt), i, providers, device.type)
+                 for op in selected if op in ops.OPS for dt in dtypes
+                 for i in range(len(ops.cases(op, device, [dt], args.mode)))]
+        common.warm_in_processes(ops.warm_case, tasks, jobs)
+        common.log(f"compiled ahead in {jobs} processes: {len(tasks)} cases in "
+                   f"{time.perf_counter() - warm_start:.0f} s")
     for case in common.progress(op_cases, "ops"):
         rows += ops.run_case(case, providers, device, args.mode, peaks, skip)
         write_results()

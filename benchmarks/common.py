@@ -43,6 +43,33 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _warm_worker_init() -> None:
+    torch.set_num_threads(1)
+
+
+def warm_in_processes(fn, tasks, jobs: int) -> None:
+    """``fn(*task)`` for every task in ``jobs`` spawned processes (CUDA cannot be forked), each
+    result logged; for their side effects only (compilation caches on disk).  A process that
+    dies ends the warm-up early: the timed run then compiles what is left itself."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(min(jobs, max(len(tasks), 1)), mp_context=ctx,
+                                initializer=_warm_worker_init) as pool:
+        futures = [pool.submit(fn, *t) for t in tasks]
+        for fut in cf.as_completed(futures):
+            try:
+                log(f"  warm: {fut.result()}")
+            except cf.process.BrokenProcessPool:
+                log("  warm: a process died; the timed run compiles what is left")
+                for other in futures:
+                    other.cancel()
+                return
+            except Exception as exc:  # noqa: BLE001
+                log(f"  warm: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
+
+
 def log(msg: str) -> None:
     """Messages go to stderr so they do not tear the progress bar (tqdm writes there too)."""
     try:

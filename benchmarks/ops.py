@@ -519,6 +519,38 @@ def _forward_backward(case: Case, inputs: dict, provider: str, upstream):
     return [out], list(grads)
 
 
+# Providers whose first call compiles (Triton's autotuner compiles every config it times;
+# inductor): warm_case runs them once so that their compilations are cached on disk.
+COMPILING_PROVIDERS = ("triton", "torch.compile")
+
+
+def warm_case(op: str, mode: str, dtype: str, index: int, providers, device_type: str) -> str:
+    """Call the compiling providers of case ``index`` of ``cases(op, device, [dtype], mode)`` once
+    (forward and backward), results discarded: run in parallel processes before the timed run
+    (``--compile-jobs``), this leaves every kernel the timed run needs in Triton's and
+    inductor's on-disk caches, so that its first calls (autotuning included) compile nothing.
+    Returns a line for the log."""
+    device = torch.device(device_type)
+    case = cases(op, device, [common.DTYPES[dtype]], mode)[index]
+    g = Draw(int(torch.randint(0, 2**31 - 1, ())), device)
+    inputs = case.make(g)
+    for name in case.grad_names:
+        inputs[name].requires_grad_(True)
+    done = []
+    for provider in providers:
+        if provider not in COMPILING_PROVIDERS or provider_reasons(provider, case, inputs, device):
+            continue
+        try:
+            with torch.set_grad_enabled(case.backward):
+                out = _call(case, inputs, provider)
+                if case.backward:
+                    torch.autograd.grad(out, _leaves(inputs, case.grad_names), torch.ones_like(out))
+            done.append(provider)
+        except Exception as exc:  # noqa: BLE001  (the timed run reports it in its row)
+            done.append(f"{provider} failed ({type(exc).__name__})")
+    return f"{op} {common._shape_text(case.shape)} {case.mask} {case.shape['pass']}: {', '.join(done) or '-'}"
+
+
 def _default_ref64(case: Case, inputs: dict, upstream):
     cast = {}
     for k, v in inputs.items():

@@ -241,3 +241,29 @@ def test_cpu_peak_memory_sees_a_temporary():
     if peak is None:
         pytest.skip("no /proc/self/clear_refs here")
     assert 60 <= peak < 200, peak
+
+
+def test_warm_case_calls_the_compiling_providers_forward_and_backward(monkeypatch):
+    """--compile-jobs runs ops.warm_case per case in spawned processes (on CUDA by default).
+    The compiling providers (triton, torch.compile) do not run on a CPU here, so "torch" stands
+    in for them: it must be called once with its backward."""
+    calls = []
+    real = ops._call
+    monkeypatch.setattr(ops, "_call", lambda case, inputs, provider: calls.append(provider) or real(case, inputs, provider))
+    monkeypatch.setattr(ops, "COMPILING_PROVIDERS", ("torch",))
+    cases = ops.cases("scaled_dot_product_attention", torch.device("cpu"), [torch.float32], "smoke")
+    index = next(i for i, c in enumerate(cases) if c.backward)
+    line = ops.warm_case("scaled_dot_product_attention", "smoke", "float32", index, ("reference", "torch"), "cpu")
+    assert calls == ["torch"] and line.endswith(": torch") and "fwd+bwd" in line
+
+
+def exit_on_task_1(i):
+    if i == 1:
+        os._exit(3)
+    return f"task {i}"
+
+
+def test_warm_in_processes_logs_and_survives_a_dead_process(capsys):
+    common.warm_in_processes(exit_on_task_1, [(0,), (1,), (2,)], 2)
+    err = capsys.readouterr().err
+    assert "a process died" in err
