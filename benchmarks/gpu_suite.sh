@@ -11,9 +11,8 @@
 #   BENCH_ARGS  arguments for the benchmark step instead of --quick (e.g. "" for the full sweep)
 #   STEPS     run only these steps: each word is a step name, or a prefix ending in '*'
 #             ("sanitizer*" runs every sanitizer step; "verify" runs verify, not verify_wgmma),
-#             e.g. STEPS="build install info exceptions recheck pytest_gpu" in one device call
-#             and STEPS="verify verify_wgmma sanitizer_memcheck benchmarks" in the next: one
-#             device call may run 10 minutes, and all of it may not fit
+#             (benchmarks/results/README.md has the two calls planned for 15 minutes of device
+#             time; one device call may run 10 minutes, and all of it may not fit)
 #   PYTEST_PAR  pytest's flags for the gpu tests (default "-n 16 -vv --timeout=120" when
 #             pytest-xdist is importable: the lent machines' image has it; elsewhere wheels
 #             carried in .gpu_wheels/ by scripts/fetch_gpu_wheels.sh are installed first).
@@ -131,12 +130,14 @@ if [ -n "$RECHECK" ]; then
     step recheck $NO_TUNE $PY -m pytest -q -p no:cacheprovider -m "" $PYTEST_PAR $RECHECK
     set +f
 fi
+# Every op x backend x dtype against the oracle, its cases in parallel processes (verify --jobs,
+# one per core up to 16 on CUDA): the widest coverage per second, so before the long test run.
+step verify $NO_TUNE $PY -m transformer_fast verify --output "$OUT/verify.md"
 # The test files the last run did not reach go first (benchmarks/gpu_first.txt, TF_TEST_FIRST).
 TF_TEST_FIRST=$(grep -v '^#' benchmarks/gpu_first.txt 2>/dev/null | paste -sd, -)
 export TF_TEST_FIRST
 # shellcheck disable=SC2086
 step pytest_gpu $NO_TUNE $PY -m pytest tests -m "gpu or triton" -q -p no:cacheprovider $PYTEST_PAR
-step verify $NO_TUNE $PY -m transformer_fast verify --output "$OUT/verify.md"
 # The opt-in sm_90a wgmma forward (csrc/attention_wgmma.cuh) on a Hopper; its table goes to logs.txt.
 step verify_wgmma $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=1 $PY -m transformer_fast verify \
     --op scaled_dot_product_attention --backend cuda
