@@ -151,8 +151,15 @@ for tool in memcheck racecheck initcheck; do
     step "sanitizer_wgmma_$tool" $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=1 compute-sanitizer \
         --tool "$tool" --error-exitcode 1 $PY benchmarks/sanitize_kernels.py --backend cuda --only sdpa
 done
-step sanitizer_memcheck_triton $NO_TUNE compute-sanitizer --tool memcheck --error-exitcode 1 \
-    $PY benchmarks/sanitize_kernels.py --backend triton
+# Triton: the cases run first in 16 processes without the sanitizer (sanitize_kernels.py --shard),
+# so that the sanitized run loads every kernel from Triton's cache instead of compiling them one
+# at a time (the first run's memcheck over Triton was killed at 240 s).
+step sanitizer_memcheck_triton $NO_TUNE env PY="$PY" bash -c '
+    for i in $(seq 0 15); do
+        "$PY" benchmarks/sanitize_kernels.py --backend triton --shard "$i/16" > /dev/null 2>&1 &
+    done
+    wait
+    exec compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" benchmarks/sanitize_kernels.py --backend triton'
 # The torch-free CUDA attention forward harness (benchmarks/cuda_attn: the current kernels and the
 # drafted dense fast paths, timed and checked; one ncu pass where ncu works); output to logs.txt.
 step cuda_attn bash -c 'OUT=/tmp/tf_cuda_attn bash benchmarks/cuda_attn/run.sh > /dev/null 2>&1;

@@ -2,17 +2,30 @@
 compute-sanitizer (memcheck, racecheck, initcheck, synccheck) sees each kernel.  Used by
 benchmarks/gpu_suite.sh; exits non-zero if a result is not finite."""
 import argparse
+import itertools
 import sys
 
 import torch
 
 from transformer_fast import functional as F
 
+# --shard i/n: this process runs cases i, i + n, i + 2n, ... of the whole sequence (the case
+# generators ask _take() before computing a case).  gpu_suite.sh runs the Triton cases in 16
+# shards without the sanitizer first, so that the sanitized run finds every kernel compiled.
+_SHARD = [0, 1]
+_COUNTER = itertools.count()
+
+
+def _take() -> bool:
+    return next(_COUNTER) % _SHARD[1] == _SHARD[0]
+
 
 def layer_norm_cases(backend, device):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for m, n in ((1, 1), (3, 7), (5, 127), (17, 1000), (2, 4097), (1, 65536), (3, 65537)):
             for affine, prenorm, p in ((True, False, 0.0), (False, True, 0.1)):
+                if not _take():
+                    continue
                 x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
                 r = torch.randn(m, n, device=device, dtype=dtype, requires_grad=True)
                 w = torch.randn(n, device=device, dtype=dtype, requires_grad=True) if affine else None
@@ -27,6 +40,8 @@ def attention_cases(backend, device):
     """Odd shapes for the attention kernels (skipped by backends that do not implement them)."""
     for dtype in (torch.bfloat16, torch.float32):
         for b, h, hkv, lq, lk, d in ((1, 2, 1, 1, 1, 16), (2, 4, 2, 7, 33, 80), (1, 2, 2, 129, 67, 256)):
+            if not _take():
+                continue
             q = torch.randn(b, h, lq, d, device=device, dtype=dtype, requires_grad=True)
             k = torch.randn(b, hkv, lk, d, device=device, dtype=dtype, requires_grad=True)
             v = torch.randn(b, hkv, lk, d, device=device, dtype=dtype, requires_grad=True)
@@ -47,6 +62,8 @@ def masked_softmax_cases(backend, device):
             pad = torch.rand(b, lk, device=device) < 0.3
             pad[-1] = True  # batch b-1: every key padded, all its rows dead
             for view in ("contiguous", "misaligned"):
+                if not _take():
+                    continue
                 base = torch.randn(b * h * lq * (lk + 1) + 1, device=device, dtype=dtype)
                 if view == "contiguous":
                     scores = base[: b * h * lq * lk].view(b, h, lq, lk)
@@ -72,6 +89,8 @@ def kv_cache_cases(backend, device):
         for b, h, hkv, l_new, l_max, d, dv in shapes:
             dv = d if backend == "triton" else dv  # the Triton kernels need Dv == D
             for with_new, splits in ((True, None), (True, "3"), (False, "2")):
+                if not _take():
+                    continue
                 if splits is None:
                     os.environ.pop("TRANSFORMER_FAST_KV_SPLITS", None)
                 else:
@@ -107,6 +126,8 @@ def sdpa_cases(backend, device):
             float_mask[:, :, 0] = float("-inf")
             for kw in (dict(dropout_p=0.1, is_causal=True, key_padding_mask=pad),
                        dict(attn_mask=bool_mask), dict(attn_mask=float_mask)):
+                if not _take():
+                    continue
                 q.grad = k.grad = v.grad = None
                 out = F.scaled_dot_product_attention(q, k, v, enable_gqa=h != hkv, backend=backend, **kw)
                 out.backward(torch.randn_like(out))
@@ -120,6 +141,8 @@ def ffn_cases(backend, device):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for m, d_model, d_ff, d_out in shapes:
             for act, p, biases in (("relu", 0.0, True), ("gelu", 0.1, False), ("gelu_tanh", 0.1, True)):
+                if not _take():
+                    continue
                 x = torch.randn(d_model, m, device=device, dtype=dtype).t().requires_grad_(True)
                 w1 = torch.randn(d_ff, d_model, device=device, dtype=dtype, requires_grad=True)
                 w2 = torch.randn(d_out, d_ff, device=device, dtype=dtype, requires_grad=True)
@@ -139,7 +162,16 @@ def main():
     parser.add_argument("--device", default="cuda", help="cpu: a dry run (triton under TRITON_INTERPRET=1)")
     parser.add_argument("--only", default=None, choices=["sdpa"],
                         help="sdpa: the scaled_dot_product_attention cases alone (cuda / cpu)")
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th")
+    parser.add_argument("--verbose", action="store_true", help="print each case's name")
     args = parser.parse_args()
+    try:
+        index, count = (int(x) for x in args.shard.split("/"))
+        if not 0 <= index < count:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--shard: expected i/n with 0 <= i < n; got {args.shard!r}")
+    _SHARD[:] = [index, count]
     bad = 0
     cases = [layer_norm_cases(args.backend, args.device), ffn_cases(args.backend, args.device)]
     if args.backend == "triton":
@@ -154,10 +186,12 @@ def main():
     for name, tensors in (case for group in cases for case in group):
         if args.device == "cuda":
             torch.cuda.synchronize()
+        if args.verbose:
+            print(name, flush=True)
         if not all(torch.isfinite(t).all() for t in tensors if t is not None):
             print(f"non-finite result: {args.backend} {name}")
             bad += 1
-    print(f"{args.backend}: done, {bad} bad")
+    print(f"{args.backend}: done{'' if count == 1 else f' (shard {args.shard})'}, {bad} bad")
     return 1 if bad else 0
 
 

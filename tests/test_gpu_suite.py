@@ -42,3 +42,23 @@ def test_prefix_star_and_step_budget(tmp_path):
     assert [line.split()[0] for line in lines] == ["exceptions"], summary
     assert "rc=124" in lines[0], summary
     assert proc.returncode != 0
+
+
+def _sanitize_case_names(*args):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sanitize_kernels.py"), "--backend", "cpu",
+                           "--device", "cpu", "--verbose", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout.splitlines()[:-1]
+
+
+def test_sanitize_kernels_shards_cover_every_case_once():
+    """gpu_suite.sh compiles the Triton sanitizer cases in 16 shards first (--shard i/n): the
+    shards together must be exactly the whole run."""
+    whole = _sanitize_case_names()
+    shards = [_sanitize_case_names("--shard", f"{i}/3") for i in range(3)]
+    assert len(whole) > 50 and all(shards)
+    assert sorted(sum(shards, [])) == sorted(whole)
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sanitize_kernels.py"), "--shard", "3/3"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--shard" in bad.stderr
