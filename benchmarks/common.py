@@ -356,7 +356,8 @@ def _r(x: float) -> float:
 def row_group(row: dict) -> tuple:
     """Rows that measure the same work (for the speedup columns)."""
     return (row["op"], row["dtype"], row["mask"],
-            json.dumps({k: v for k, v in row["shape"].items() if k not in ("note", "tokens_per_s", "timer")}, sort_keys=True))
+            json.dumps({k: v for k, v in row["shape"].items() if k not in ("note", "tokens_per_s", "timer", "tuned")},
+                       sort_keys=True))
 
 
 def fill_speedups(rows: list[dict], reference_name: str = "reference", torch_names=("torch", "torch.nn")) -> None:
@@ -460,9 +461,44 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def triton_autotuners() -> dict:
+    """{name: Autotuner} of our Triton kernels (module.attribute), for recording the configs the
+    autotuner chose in a benchmark row."""
+    try:
+        import importlib
+
+        from triton.runtime.autotuner import Autotuner
+    except Exception:  # noqa: BLE001  (no Triton: nothing to record)
+        return {}
+    found = {}
+    for mod in ("attention", "decode", "ffn", "layer_norm", "masked_softmax"):
+        try:
+            module = importlib.import_module(f"transformer_fast.kernels.{mod}")
+        except Exception:  # noqa: BLE001
+            continue
+        for name, obj in vars(module).items():
+            if isinstance(obj, Autotuner):
+                found[f"{mod}.{name.lstrip('_')}"] = obj
+    return found
+
+
+def tuned_configs(tuners: dict) -> str:
+    """The configs ``tuners`` ran last, e.g. "attention.fwd 128x64 w8 s3; ..." (those that ran
+    since their best_config was cleared)."""
+    parts = []
+    for name, tuner in tuners.items():
+        cfg = getattr(tuner, "best_config", None)
+        if cfg is None:
+            continue
+        kw = cfg.kwargs
+        tile = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in kw)
+        parts.append(f"{name} {tile} w{cfg.num_warps} s{cfg.num_stages}")
+    return "; ".join(parts)
+
+
 def _shape_text(shape: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in shape.items()
-                    if k not in ("note", "pass", "timer", "config", "tokens_per_s"))
+                    if k not in ("note", "pass", "timer", "config", "tokens_per_s", "tuned"))
 
 
 # glibc malloc: give freed memory back to the OS never, and take blocks of up to 32 MiB (its
@@ -533,6 +569,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str],
             s = r["shape"]
             spread = "—" if r["p20_ms"] is None else f"{_fmt(r['p20_ms'])}–{_fmt(r['p80_ms'])}"
             note = s.get("note", "")
+            if s.get("tuned"):
+                note = (note + "; " if note else "") + f"tuned: {s['tuned']}"
             if "tokens_per_s" in s:
                 note = (f"{s['tokens_per_s']:.4g} tokens/s; " + note).rstrip("; ")
             lines.append(

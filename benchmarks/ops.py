@@ -642,13 +642,19 @@ def _run_case(case: Case, providers, device: torch.device, mode: str, peaks: dic
                 with torch.set_grad_enabled(case.backward):
                     return _forward_backward(case, inputs, provider, upstream)
 
+            tuners = common.triton_autotuners() if provider == "triton" and device.type == "cuda" else {}
+            for tuner in tuners.values():
+                tuner.best_config = None
             timing = common.bench(step, device, mode, cudagraph=case.cudagraph and provider != "reference")
+            tuned = common.tuned_configs(tuners)
             mem = common.peak_memory_mb(lambda: _forward_backward(case, first, provider, upstreams[0]), device)
             shape = dict(case.shape)
             if timing[3] not in ("do_bench", "torch.utils.benchmark"):
                 shape["timer"] = timing[3]
             if ref_note:
                 shape["note"] = ref_note
+            if tuned:
+                shape["tuned"] = tuned
             rows.append(common.make_row(
                 case.op, provider, case.dtype, case.mask, shape, timing, flops=case.flops,
                 bytes_moved=bytes_moved, peaks=peaks, error=error, peak_mem=mem))

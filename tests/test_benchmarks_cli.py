@@ -267,3 +267,21 @@ def test_warm_in_processes_logs_and_survives_a_dead_process(capsys):
     common.warm_in_processes(exit_on_task_1, [(0,), (1,), (2,)], 2)
     err = capsys.readouterr().err
     assert "a process died" in err
+
+
+def test_tuned_configs_are_recorded_apart_from_the_shape():
+    """Triton rows on a GPU carry the configs the autotuner ran (shape["tuned"]): shown in the
+    note column, kept out of the shape text and of the speedup grouping."""
+    import types
+
+    import triton
+
+    cfg = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
+    tuners = {"attention.fwd": types.SimpleNamespace(best_config=cfg),
+              "attention.dq": types.SimpleNamespace(best_config=None)}
+    assert common.tuned_configs(tuners) == "attention.fwd 128x64 w8 s3"
+    shape = {"pass": "fwd", "B": 1, "tuned": "attention.fwd 128x64 w8 s3"}
+    assert "tuned" not in common._shape_text(shape)
+    a = {"op": "x", "dtype": "bf16", "mask": "none", "shape": shape}
+    b = {"op": "x", "dtype": "bf16", "mask": "none", "shape": {"pass": "fwd", "B": 1}}
+    assert common.row_group(a) == common.row_group(b)
