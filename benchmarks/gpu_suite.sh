@@ -16,8 +16,9 @@
 #   PYTEST_PAR  pytest's flags for the gpu tests (default "-n 16 -vv --timeout=120" when
 #             pytest-xdist is importable: the lent machines' image has it; elsewhere wheels
 #             carried in .gpu_wheels/ by scripts/fetch_gpu_wheels.sh are installed first).
-#             Each failure's traceback is appended to logs.txt as it happens (TF_FAILURE_LOG,
-#             tests/conftest.py), so a step killed at its time limit still reports them
+#             Each failure's traceback, and each test slower than TF_SLOW_LOG_S (default 10 s),
+#             is appended to logs.txt as it happens (TF_FAILURE_LOG, tests/conftest.py), so a
+#             step killed at its time limit still reports them
 #   STEP_TIMEOUT  seconds per step before it is killed (default 420 for build, pytest_gpu and
 #             benchmarks, 240 for the others); STEP_TIMEOUT_<step> sets one step's budget
 # What lands in OUT stays small enough to copy back from a lent machine (at most 8 files, a few

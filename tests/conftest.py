@@ -104,6 +104,7 @@ def _seed_per_test(request):
 
 
 FAILURE_LOG_ENV = "TF_FAILURE_LOG"
+SLOW_LOG_ENV = "TF_SLOW_LOG_S"  # with TF_FAILURE_LOG: also log tests slower than this (s)
 
 
 def pytest_runtest_logreport(report):
@@ -111,10 +112,16 @@ def pytest_runtest_logreport(report):
     (once, from the xdist controller): a run killed at its time limit on a lent GPU machine
     keeps the tracebacks that pytest would print only at the end."""
     path = os.environ.get(FAILURE_LOG_ENV)
-    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not report.failed:
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+    if report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+    elif report.when == "call" and report.duration >= float(os.environ.get(SLOW_LOG_ENV, "10")):
+        # Where a lease's test time goes (pytest's --durations prints only at the end, which a
+        # run killed at its limit never reaches).
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"slow test: {report.duration:6.1f} s {report.nodeid}\n")
 
 
 def pytest_runtest_makereport(item, call):

@@ -62,3 +62,27 @@ def test_sanitize_kernels_shards_cover_every_case_once():
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sanitize_kernels.py"), "--shard", "3/3"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "--shard" in bad.stderr
+
+
+def test_failure_log_gets_failures_and_slow_tests(tmp_path, monkeypatch):
+    """TF_FAILURE_LOG (set by gpu_suite.sh) receives each failure's traceback and each test
+    slower than TF_SLOW_LOG_S as they happen, from the controller only."""
+    import types
+
+    import conftest
+
+    log = tmp_path / "log.txt"
+    monkeypatch.setenv("TF_FAILURE_LOG", str(log))
+    monkeypatch.setenv("TF_SLOW_LOG_S", "5")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    rep = lambda **kw: types.SimpleNamespace(**{"nodeid": "t::x", "when": "call", "failed": False,
+                                                "duration": 0.1, "longreprtext": "", **kw})
+    conftest.pytest_runtest_logreport(rep(failed=True, longreprtext="AssertionError: boom"))
+    conftest.pytest_runtest_logreport(rep(nodeid="t::slow", duration=7.25))
+    conftest.pytest_runtest_logreport(rep(nodeid="t::fast", duration=1.0))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    conftest.pytest_runtest_logreport(rep(nodeid="t::worker", duration=70.0))
+    text = log.read_text()
+    assert "=== t::x (call)\nAssertionError: boom" in text
+    assert "slow test:    7.2 s t::slow" in text or "slow test:    7.3 s t::slow" in text
+    assert "t::fast" not in text and "t::worker" not in text
