@@ -315,34 +315,36 @@ def _worker_init(threads: int) -> None:
 
 
 def _run_pool(tasks, jobs: int, on_done, fn=_run_case) -> None:
-    """Run ``fn(*task)`` (by default _run_case) for each of ``tasks`` in ``jobs`` spawned processes (CUDA cannot be
-    forked), calling ``on_done(task, outcome, seconds)`` as each finishes.  A process that dies
-    (a segfault, a CUDA error that kills the context) breaks the pool: the tasks it took down are
-    rerun one at a time in fresh one-process pools, so the one that crashes is named."""
+    """Run ``fn(*task)`` (by default _run_case) for each of ``tasks`` in ``jobs`` spawned
+    processes (CUDA cannot be forked), calling ``on_done(task, outcome, seconds)`` as each
+    finishes.  A process that dies (a segfault, a CUDA error that kills the context) breaks the
+    pool and every task not finished with it: those run again in a fresh pool, and after three
+    broken rounds one at a time, where the task that kills its process is the first unfinished
+    one and is reported as failed."""
     import concurrent.futures as cf
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    threads = max(1, torch.get_num_threads() // jobs)
-    broken = []
-    with cf.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as pool:
-        futures = {pool.submit(fn, *t): t for t in tasks}
-        for fut in cf.as_completed(futures):
-            try:
-                outcome, seconds = fut.result()
-            except cf.process.BrokenProcessPool:
-                broken.append(futures[fut])
-                continue
-            on_done(futures[fut], outcome, seconds)
-    for t in sorted(broken, key=tasks.index):
-        with cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_init,
-                                    initargs=(torch.get_num_threads(),)) as pool:
-            try:
-                outcome, seconds = pool.submit(fn, *t).result()
-            except cf.process.BrokenProcessPool:
-                outcome, seconds = ("fail", "the process running this case died (a crash; "
-                                            "--jobs 1 shows it)"), 0.0
-        on_done(t, outcome, seconds)
+    pending, rounds = list(tasks), 0
+    while pending:
+        workers = min(jobs, len(pending)) if rounds < 3 else 1
+        rounds += 1
+        threads = max(1, torch.get_num_threads() // workers)
+        broken = []
+        with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                                    initargs=(threads,)) as pool:
+            futures = {pool.submit(fn, *t): t for t in pending}
+            for fut in cf.as_completed(futures):
+                try:
+                    outcome, seconds = fut.result()
+                except cf.process.BrokenProcessPool:
+                    broken.append(futures[fut])
+                    continue
+                on_done(futures[fut], outcome, seconds)
+        pending = sorted(broken, key=tasks.index)
+        if pending and workers == 1:  # one process runs them in order: the first one killed it
+            on_done(pending.pop(0), ("fail", "the process running this case died (a crash; "
+                                             "--jobs 1 shows it)"), 0.0)
 
 
 def verify(device: str, ops=None, dtypes=DTYPES, backend_names=None, log=print, jobs: int = 1,
