@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
 
@@ -86,3 +88,19 @@ def test_failure_log_gets_failures_and_slow_tests(tmp_path, monkeypatch):
     assert "=== t::x (call)\nAssertionError: boom" in text
     assert "slow test:    7.2 s t::slow" in text or "slow test:    7.3 s t::slow" in text
     assert "t::fast" not in text and "t::worker" not in text
+
+
+def test_cuda_attention_harness_builds_from_the_current_csrc():
+    """benchmarks/cuda_attn (gpu_suite's cuda_attn step) extracts the forward kernels and
+    AttentionParams from csrc/ at build time: it must still build when csrc changes, or the next
+    lease loses the step.  Compiles for sm_90a with nvcc (no GPU needed)."""
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc here")
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "cuda_attn" / "build.sh")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ptxas = (ROOT / "benchmarks" / "cuda_attn" / "ptxas.txt").read_text()
+    for kernel in ("fwd_kernel", "fwd_wgmma_kernel", "fwd_dense_kernel", "fwd_wgmma_dense_kernel"):
+        assert kernel in ptxas, kernel

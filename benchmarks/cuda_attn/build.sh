@@ -23,4 +23,3 @@ grep -q "fwd_kernel" "$GEN/fwd_extract.inc" || { echo "extraction failed"; exit 
 NVCC="${NVCC:-nvcc}"
 "$NVCC" -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -I"$GEN" -I"$HERE" \
     -Xptxas -v "$HERE/attn_bench.cu" -o "$HERE/attn_bench" 2> "$HERE/ptxas.txt" || { cat "$HERE/ptxas.txt"; exit 1; }
-grep -A1 -E "Compiling entry.*(fwd_kernel|fwd_wgmma|fwd_dense)" "$HERE/ptxas.txt" | grep -E "entry|Used|spill" | sed 's/_ZN[^ ]*//' || true
