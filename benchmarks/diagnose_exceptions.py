@@ -73,7 +73,8 @@ def main() -> int:
             crashed = True
             gdb = shutil.which("cuda-gdb") or shutil.which("gdb")
             if gdb:
-                rc2, bt = _run([gdb, "-batch", "-ex", "run", "-ex", "bt 40", "--args", sys.executable, "-c", code], 300)
+                limit = float(os.environ.get("DIAG_GDB_TIMEOUT", "300"))
+                rc2, bt = _run([gdb, "-batch", "-ex", "run", "-ex", "bt 40", "--args", sys.executable, "-c", code], limit)
                 print("\n".join(bt.splitlines()[-60:]))
     return 1 if crashed else 0
 

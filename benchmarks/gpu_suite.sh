@@ -87,6 +87,8 @@ step() {  # step NAME COMMAND...: run (output straight into $LOGS, so a killed c
 ARCH=$($PY -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}.{n}' + ('a' if m == 9 else ''))" 2>/dev/null || echo "9.0a")
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH}
 export TRANSFORMER_FAST_CUDA=1
+# A step killed at its budget keeps what it printed (Python block-buffers a redirected stdout).
+export PYTHONUNBUFFERED=1
 
 $PY - > "$OUT/meta.json" <<PYEOF
 import json, datetime, platform, subprocess, torch
@@ -166,7 +168,7 @@ step sanitizer_memcheck_triton $NO_TUNE env PY="$PY" bash -c '
 step cuda_attn env OUT=/tmp/tf_cuda_attn bash benchmarks/cuda_attn/run.sh
 # Writes results.json, results.md, ops.png and end_to_end.png into OUT.
 # shellcheck disable=SC2086
-step benchmarks env PYTHONUNBUFFERED=1 $PY -m benchmarks ${BENCH_ARGS---quick} --output "$OUT"
+step benchmarks $PY -m benchmarks ${BENCH_ARGS---quick} --output "$OUT"
 
 echo; echo "=== summary ($OUT)"; cat "$SUMMARY"
 exit $FAILED
