@@ -157,12 +157,14 @@ done
 # Triton: the cases run first in 16 processes without the sanitizer (sanitize_kernels.py --shard),
 # so that the sanitized run loads every kernel from Triton's cache instead of compiling them one
 # at a time (the first run's memcheck over Triton was killed at 240 s).
-step sanitizer_memcheck_triton $NO_TUNE env PY="$PY" bash -c '
-    for i in $(seq 0 15); do
-        "$PY" benchmarks/sanitize_kernels.py --backend triton --shard "$i/16" > /dev/null 2>&1 &
-    done
-    wait
-    exec compute-sanitizer --tool memcheck --error-exitcode 1 "$PY" benchmarks/sanitize_kernels.py --backend triton'
+for tool in memcheck racecheck initcheck; do
+    step "sanitizer_${tool}_triton" $NO_TUNE env PY="$PY" TOOL="$tool" bash -c '
+        for i in $(seq 0 15); do
+            "$PY" benchmarks/sanitize_kernels.py --backend triton --shard "$i/16" > /dev/null 2>&1 &
+        done
+        wait
+        exec compute-sanitizer --tool "$TOOL" --error-exitcode 1 "$PY" benchmarks/sanitize_kernels.py --backend triton'
+done
 # The torch-free CUDA attention forward harness (benchmarks/cuda_attn: the current kernels and the
 # drafted dense fast paths, timed and checked; one ncu pass where ncu works); output to logs.txt.
 step cuda_attn env OUT=/tmp/tf_cuda_attn bash benchmarks/cuda_attn/run.sh
