@@ -1,0 +1,91 @@
+"""Every config the Triton attention autotuners can choose, run on a GPU and checked against the
+float64 oracle (gpu).
+
+The other gpu tests, verify and compute-sanitizer run with TRANSFORMER_FAST_AUTOTUNE=0: the
+first config of each pruned list.  With tuning on (the benchmarks, and users by default) the
+autotuner may pick any config its pruning keeps, and each is a differently compiled kernel.
+Here the pruning's choice is forced to the index-th kept config (clamped to the list), for the
+forward, dq and dk/dv kernels at once, on shapes with partial tiles and the masked, padded and
+few-query paths; the configs that ran are named in a failure."""
+import pytest
+import torch
+
+from transformer_fast import functional as F
+from transformer_fast import reference
+
+from _functional_helpers import dt_id, make_masks, oracle_atol
+
+# (B, H, Hkv, Lq, Lk, mask kind): causal with ragged blocks; padding (every tile masked, skipped
+# padding blocks); a bool mask with few queries (the small-BLOCK_M forward configs).
+CASES = [(2, 2, 2, 200, 200, "causal"), (2, 4, 2, 130, 200, "kpm"), (1, 2, 1, 40, 200, "bool_b1")]
+MAX_CONFIGS = 7  # the longest list (the forward's at D = 128, 16-bit)
+
+
+def _list_lengths(dtype, head_dim):
+    from transformer_fast.kernels import attention as A
+
+    if dtype == torch.float32:
+        return [len(v) for v in A._FP32_CONFIGS.values()]
+    d = A._dclass(head_dim)
+    return [len(A._FWD_CONFIGS[d]), len(A._FWD_SMALL_M), len(A._DQ_CONFIGS[d]), len(A._DKDV_CONFIGS[d])]
+
+
+@pytest.fixture
+def forced_config(monkeypatch):
+    from transformer_fast.kernels import attention as A
+
+    tuners = (A._fwd, A._dq, A._dkdv)
+
+    def force(index):
+        monkeypatch.setattr(A, "first_config_unless_tuning",
+                            lambda configs: [configs[min(index, len(configs) - 1)]])
+        for t in tuners:
+            t.cache.clear()
+
+    yield force, tuners
+    for t in tuners:
+        t.cache.clear()
+
+
+def test_the_index_range_covers_every_list():
+    from transformer_fast.kernels import attention as A
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for head_dim in (16, 64, 128, 256):
+            assert max(_list_lengths(dtype, head_dim)) <= MAX_CONFIGS
+    assert set(A._FWD_CONFIGS) == set(A._DQ_CONFIGS) == set(A._DKDV_CONFIGS) == {64, 128, 256}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(MAX_CONFIGS))
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128),
+                                             (torch.bfloat16, 256), (torch.float16, 128),
+                                             (torch.float32, 64)], ids=lambda v: dt_id(v) if isinstance(v, torch.dtype) else str(v))
+def test_each_kept_config_passes_the_oracle(forced_config, dtype, head_dim, index):
+    if index >= max(_list_lengths(dtype, head_dim)):
+        pytest.skip("past every list's end: the same configs as the last index")
+    force, tuners = forced_config
+    force(index)
+    g = torch.Generator().manual_seed(1000 * head_dim + index)
+    for b, h, hkv, lq, lk, kind in CASES:
+        masks = make_masks(kind, b, h, lq, lk, dtype, g)
+        masks = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in masks.items()}
+        inputs = {
+            "query": torch.randn(b, h, lq, head_dim, generator=g).to("cuda", dtype),
+            "key": torch.randn(b, hkv, lk, head_dim, generator=g).to("cuda", dtype),
+            "value": torch.randn(b, hkv, lk, head_dim, generator=g).to("cuda", dtype),
+        }
+
+        def kernel(query, key, value):
+            return F.scaled_dot_product_attention(query, key, value, enable_gqa=h != hkv,
+                                                  backend="triton", **masks)
+
+        def ref(query, key, value):
+            return reference.scaled_dot_product_attention(
+                query, key, value, masks["attn_mask"], 0.0, masks["is_causal"], None, h != hkv,
+                key_padding_mask=masks["key_padding_mask"])
+
+        results = reference.run_oracle(kernel, ref, inputs, list(inputs), atol=oracle_atol("triton", dtype),
+                                       seed=index)
+        ran = "; ".join(f"{t.fn.__name__} {t.best_config}" for t in tuners)
+        reference.assert_oracle(results, f"{kind} {b}x{h}x{hkv}x{lq}x{lk}x{head_dim} {dtype} with {ran}")
