@@ -1,5 +1,5 @@
-"""Every config the Triton attention autotuners can choose, run on a GPU and checked against the
-float64 oracle (gpu).
+"""Every config the Triton autotuners of attention and of the FFN GEMM can choose, run on a GPU
+and checked against the float64 oracle (gpu).
 
 The other gpu tests, verify and compute-sanitizer run with TRANSFORMER_FAST_AUTOTUNE=0: the
 first config of each pruned list.  With tuning on (the benchmarks, and users by default) the
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from transformer_fast import functional as F
-from transformer_fast import reference
+from transformer_fast import reference, verify
 
 from _functional_helpers import dt_id, make_masks, oracle_atol
 
@@ -89,3 +89,36 @@ def test_each_kept_config_passes_the_oracle(forced_config, dtype, head_dim, inde
                                        seed=index)
         ran = "; ".join(f"{t.fn.__name__} {t.best_config}" for t in tuners)
         reference.assert_oracle(results, f"{kind} {b}x{h}x{hkv}x{lq}x{lk}x{head_dim} {dtype} with {ran}")
+
+
+def _gemm_list_length(dtype):
+    from transformer_fast.kernels import ffn as FF
+
+    # The pruning keeps 64-wide K blocks for 16-bit inputs and 32-wide ones for fp32.
+    return len([c for c in FF._gemm_configs() if (c.kwargs["BLOCK_K"] >= 64) == (dtype != torch.float32)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(9))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dt_id)
+def test_each_kept_gemm_config_passes_the_oracle(monkeypatch, dtype, index):
+    """feed_forward forward and backward (every GEMM epilogue: bias + gelu + Philox dropout,
+    the activation-gradient one, the plain ones) with the pruning forced to its index-th kept
+    config, at M, d_model and d_ff that leave partial tiles."""
+    from transformer_fast.kernels import ffn as FF
+
+    if index >= _gemm_list_length(dtype):
+        pytest.skip("past the list's end: the same configs as the last index")
+    monkeypatch.setattr(FF, "first_config_unless_tuning", lambda configs: [configs[min(index, len(configs) - 1)]])
+    FF._gemm_kernel.cache.clear()
+    try:
+        torch.manual_seed(index)
+        for activation, dropout_p in (("gelu", 0.1), ("relu", 0.0)):
+            results = verify._feed_forward_runner((300, 136, 520), dtype, "cuda", activation, dropout_p)("triton")
+            reference.assert_oracle(results, f"{activation} p={dropout_p} {dtype}\n{FF.recent_gemm_launches()}")
+    finally:
+        FF._gemm_kernel.cache.clear()
+
+
+def test_the_gemm_index_range_covers_the_list():
+    assert max(_gemm_list_length(torch.bfloat16), _gemm_list_length(torch.float32)) <= 9
