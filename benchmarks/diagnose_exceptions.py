@@ -63,6 +63,7 @@ def main() -> int:
     _build_facts()
     import torch
 
+    print("TORCH_* in the environment:", {k: v for k, v in os.environ.items() if k.startswith("TORCH_")})
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     crashed = False
     for device in devices:
@@ -71,6 +72,14 @@ def main() -> int:
         print(f"--- {device}: exit {rc}: {out.strip().splitlines()[-1] if out.strip() else ''}")
         if rc < 0 or rc == 139:
             crashed = True
+            # Whether the C++ backtrace torch attaches to the error is involved: libtorch_python
+            # symbolizes it for the Python message when TORCH_SHOW_CPP_STACKTRACES is set.
+            for var, value in (("TORCH_SHOW_CPP_STACKTRACES", "0"), ("TORCH_SHOW_CPP_STACKTRACES", "1"),
+                               ("TORCH_DISABLE_ADDR2LINE", "1")):
+                env = dict(os.environ, **{var: value})
+                p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+                last = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
+                print(f"--- {device} with {var}={value}: exit {p.returncode}: {last[0]}")
             gdb = shutil.which("cuda-gdb") or shutil.which("gdb")
             if gdb:
                 limit = float(os.environ.get("DIAG_GDB_TIMEOUT", "300"))
