@@ -57,38 +57,39 @@ def test_the_index_range_covers_every_list():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[-1])
 @pytest.mark.parametrize("index", range(MAX_CONFIGS))
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128),
                                              (torch.bfloat16, 256), (torch.float16, 128),
                                              (torch.float32, 64)], ids=lambda v: dt_id(v) if isinstance(v, torch.dtype) else str(v))
-def test_each_kept_config_passes_the_oracle(forced_config, dtype, head_dim, index):
+def test_each_kept_config_passes_the_oracle(forced_config, dtype, head_dim, index, case):
     if index >= max(_list_lengths(dtype, head_dim)):
         pytest.skip("past every list's end: the same configs as the last index")
     force, tuners = forced_config
     force(index)
     g = torch.Generator().manual_seed(1000 * head_dim + index)
-    for b, h, hkv, lq, lk, kind in CASES:
-        masks = make_masks(kind, b, h, lq, lk, dtype, g)
-        masks = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in masks.items()}
-        inputs = {
-            "query": torch.randn(b, h, lq, head_dim, generator=g).to("cuda", dtype),
-            "key": torch.randn(b, hkv, lk, head_dim, generator=g).to("cuda", dtype),
-            "value": torch.randn(b, hkv, lk, head_dim, generator=g).to("cuda", dtype),
-        }
+    b, h, hkv, lq, lk, kind = case  # one case per test: each compiles its own kernels
+    masks = make_masks(kind, b, h, lq, lk, dtype, g)
+    masks = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in masks.items()}
+    inputs = {
+        "query": torch.randn(b, h, lq, head_dim, generator=g).to("cuda", dtype),
+        "key": torch.randn(b, hkv, lk, head_dim, generator=g).to("cuda", dtype),
+        "value": torch.randn(b, hkv, lk, head_dim, generator=g).to("cuda", dtype),
+    }
 
-        def kernel(query, key, value):
-            return F.scaled_dot_product_attention(query, key, value, enable_gqa=h != hkv,
-                                                  backend="triton", **masks)
+    def kernel(query, key, value):
+        return F.scaled_dot_product_attention(query, key, value, enable_gqa=h != hkv,
+                                              backend="triton", **masks)
 
-        def ref(query, key, value):
-            return reference.scaled_dot_product_attention(
-                query, key, value, masks["attn_mask"], 0.0, masks["is_causal"], None, h != hkv,
-                key_padding_mask=masks["key_padding_mask"])
+    def ref(query, key, value):
+        return reference.scaled_dot_product_attention(
+            query, key, value, masks["attn_mask"], 0.0, masks["is_causal"], None, h != hkv,
+            key_padding_mask=masks["key_padding_mask"])
 
-        results = reference.run_oracle(kernel, ref, inputs, list(inputs), atol=oracle_atol("triton", dtype),
-                                       seed=index)
-        ran = "; ".join(f"{t.fn.__name__} {t.best_config}" for t in tuners)
-        reference.assert_oracle(results, f"{kind} {b}x{h}x{hkv}x{lq}x{lk}x{head_dim} {dtype} with {ran}")
+    results = reference.run_oracle(kernel, ref, inputs, list(inputs), atol=oracle_atol("triton", dtype),
+                                   seed=index)
+    ran = "; ".join(f"{t.fn.__name__} {t.best_config}" for t in tuners)
+    reference.assert_oracle(results, f"{kind} {b}x{h}x{hkv}x{lq}x{lk}x{head_dim} {dtype} with {ran}")
 
 
 def _gemm_list_length(dtype):
@@ -99,12 +100,14 @@ def _gemm_list_length(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation, dropout_p", [("gelu", 0.1), ("relu", 0.0)])
 @pytest.mark.parametrize("index", range(9))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dt_id)
-def test_each_kept_gemm_config_passes_the_oracle(monkeypatch, dtype, index):
+def test_each_kept_gemm_config_passes_the_oracle(monkeypatch, dtype, index, activation, dropout_p):
     """feed_forward forward and backward (every GEMM epilogue: bias + gelu + Philox dropout,
     the activation-gradient one, the plain ones) with the pruning forced to its index-th kept
-    config, at M, d_model and d_ff that leave partial tiles."""
+    config, at M, d_model and d_ff that leave partial tiles.  (One activation per test: exact
+    fp32 GEMMs take seconds each to compile.)"""
     from transformer_fast.kernels import ffn as FF
 
     if index >= _gemm_list_length(dtype):
@@ -113,9 +116,8 @@ def test_each_kept_gemm_config_passes_the_oracle(monkeypatch, dtype, index):
     FF._gemm_kernel.cache.clear()
     try:
         torch.manual_seed(index)
-        for activation, dropout_p in (("gelu", 0.1), ("relu", 0.0)):
-            results = verify._feed_forward_runner((300, 136, 520), dtype, "cuda", activation, dropout_p)("triton")
-            reference.assert_oracle(results, f"{activation} p={dropout_p} {dtype}\n{FF.recent_gemm_launches()}")
+        results = verify._feed_forward_runner((300, 136, 520), dtype, "cuda", activation, dropout_p)("triton")
+        reference.assert_oracle(results, f"{activation} p={dropout_p} {dtype}\n{FF.recent_gemm_launches()}")
     finally:
         FF._gemm_kernel.cache.clear()
 
