@@ -154,17 +154,23 @@ for tool in memcheck racecheck initcheck; do
     step "sanitizer_wgmma_$tool" $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=1 compute-sanitizer \
         --tool "$tool" --error-exitcode 1 $PY benchmarks/sanitize_kernels.py --backend cuda --only sdpa
 done
-# Triton: the cases run first in 16 processes without the sanitizer (sanitize_kernels.py --shard),
-# so that the sanitized run loads every kernel from Triton's cache instead of compiling them one
-# at a time (the first run's memcheck over Triton was killed at 240 s).
+# Triton: before the first sanitized run, the cases run once in 16 processes without the sanitizer
+# (sanitize_kernels.py --shard), so that every sanitized run loads its kernels from Triton's cache
+# instead of compiling them one at a time (the first run's memcheck over Triton was killed at
+# 240 s).  The marker keeps the later tools from repeating that warm-up.
+TRITON_WARM_MARK="${TMPDIR:-/tmp}/tf_sanitize_triton_warm.$$"
 for tool in memcheck racecheck initcheck; do
-    step "sanitizer_${tool}_triton" $NO_TUNE env PY="$PY" TOOL="$tool" bash -c '
-        for i in $(seq 0 15); do
-            "$PY" benchmarks/sanitize_kernels.py --backend triton --shard "$i/16" > /dev/null 2>&1 &
-        done
-        wait
+    step "sanitizer_${tool}_triton" $NO_TUNE env PY="$PY" TOOL="$tool" MARK="$TRITON_WARM_MARK" bash -c '
+        if [ ! -e "$MARK" ]; then
+            for i in $(seq 0 15); do
+                "$PY" benchmarks/sanitize_kernels.py --backend triton --shard "$i/16" > /dev/null 2>&1 &
+            done
+            wait
+            touch "$MARK"
+        fi
         exec compute-sanitizer --tool "$TOOL" --error-exitcode 1 "$PY" benchmarks/sanitize_kernels.py --backend triton'
 done
+rm -f "$TRITON_WARM_MARK"
 # The torch-free CUDA attention forward harness (benchmarks/cuda_attn: the current kernels and the
 # drafted dense fast paths, timed and checked; one ncu pass where ncu works); output to logs.txt.
 step cuda_attn env OUT=/tmp/tf_cuda_attn bash benchmarks/cuda_attn/run.sh
