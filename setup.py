@@ -92,6 +92,15 @@ def _cublaslt_link_args(cuda_home):
     raise RuntimeError("cuBLASLt (libcublasLt.so) not found in the nvidia wheels or the CUDA toolkit")
 
 
+# An explicit -lstdc++, before the compiler driver's own: a driver that links libstdc++
+# statically (-static-libstdc++, as the g++ wrapper in one GPU image did) then finds every symbol
+# already resolved by libstdc++.so.6, the copy torch itself uses.  With a static copy inside _C,
+# the first TORCH_CHECK message that formatted a shape crashed (SIGSEGV in std::ostream code
+# mixing the two copies' locale data) instead of raising.  tests/test_csrc_smoke.py checks that
+# _C carries no copy.
+SHARED_LIBSTDCXX = ["-lstdc++"]
+
+
 def _extensions():
     if _env_flag("TRANSFORMER_FAST_NO_EXT"):
         return [], {}
@@ -133,7 +142,7 @@ def _extensions():
             include_dirs=include_dirs + _nvidia_wheel_includes(),
             define_macros=define_macros + [("TF_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-            extra_link_args=["-fopenmp"] + _cublaslt_link_args(cuda_home),
+            extra_link_args=["-fopenmp"] + SHARED_LIBSTDCXX + _cublaslt_link_args(cuda_home),
         )
     else:
         ext = cpp_extension.CppExtension(
@@ -142,7 +151,7 @@ def _extensions():
             include_dirs=include_dirs,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp"] + SHARED_LIBSTDCXX,
         )
     print(f"transformer_fast: building _C with CUDA={'yes (' + cuda_home + ')' if use_cuda else 'no'}")
     cmdclass = {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}

@@ -146,3 +146,25 @@ def test_deterministic_backward():
     for o in outs[1:]:
         for a, c in zip(outs[0][1:], o[1:]):
             assert torch.equal(a, c)
+
+
+# Members of libstdc++ that only a copy of the library itself defines (std::locale::classic(),
+# std::ostream::_M_insert<long>): an extension linked with -static-libstdc++ exports them.
+_LIBSTDCXX_OWN_SYMBOLS = ("_ZNSt6locale7classicEv", "_ZNSo9_M_insertIlEERSoT_")
+
+
+def test_extension_uses_the_shared_libstdcxx():
+    """_C must use the libstdc++.so torch uses, not a static copy: on the GPU image whose g++
+    wrapper linked libstdc++ statically, every TORCH_CHECK that formatted a shape crashed the
+    process (SIGSEGV in ostream code) instead of raising.  setup.py's explicit -lstdc++ prevents
+    it; this reads the built library's dynamic symbols to check."""
+    import shutil
+    import subprocess
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    out = subprocess.run([nm, "-D", "--defined-only", _C.__file__], capture_output=True, text=True, check=True).stdout
+    defined = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    copied = [s for s in _LIBSTDCXX_OWN_SYMBOLS if s in defined]
+    assert not copied, f"{_C.__file__} carries its own libstdc++ (defines {copied}); link it with -lstdc++"
