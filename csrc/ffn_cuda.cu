@@ -17,10 +17,11 @@
 //            and dropout in one pass; dropout after a fused activation: `act_dropout_kernel` in
 //            place (Philox, philox.h).  fp32 keeps cuBLASLt's GELU out (its accuracy is not
 //            documented to fp32 level): BIAS + our kernel.
-//   dgrad    gelu_tanh 16-bit: DGELU_BGRAD (no dropout: d and db in the GEMM) or DGELU followed
-//            by our mask kernel; otherwise a plain GEMM followed by `dact_kernel` (act' from pre,
-//            or from y for relu, times the regenerated dropout mask), in place.
-//   wgrad    BGRADB epilogue: dW and db = column sums of dY in one GEMM.
+//   dgrad    gelu_tanh 16-bit: DGELU, then our mask kernel or column sum; otherwise a plain
+//            GEMM followed by `dact_kernel` (act' from pre, or from y for relu, times the
+//            regenerated dropout mask), in place.
+//   wgrad    fp32: BGRADB epilogue, dW and db = column sums of dY in one GEMM; 16-bit: plain
+//            GEMM and our column sum (cuBLASLt's 16-bit db rounds more than once).
 //   db       where no epilogue gave it: `colsum_partial_kernel` + `colsum_finish_kernel`
 //            (fixed-order two-stage sum in double, no atomics).
 // Any fused epilogue the cuBLASLt heuristic rejects for a shape/alignment falls back to the
@@ -559,18 +560,20 @@ Tensor2 ffn_linear_dgrad_cuda(const Tensor& dy_in, const Tensor& w_in, const std
          dy.const_data_ptr(), dy.stride(0), d.mutable_data_ptr(), N};
   bool done = false;
   if (act == FfnAct::kGeluTanh && is_half(dt) && N % 8 == 0) {
-    const bool bgrad = want_dbias && !dr.on;  // cuBLASLt's db would miss the dropout mask
-    if (bgrad) db = at::empty({N}, dy.options());
-    g.epilogue = bgrad ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
+    // Not DGELU_BGRAD: db from cuBLASLt's 16-bit bias-gradient epilogue carries more than one
+    // rounding (see ffn_linear_wgrad_cuda); our column sum adds in double and rounds once.
+    g.epilogue = CUBLASLT_EPILOGUE_DGELU;
     g.aux = const_cast<void*>(a.const_data_ptr());
     g.ld_aux = N;
-    g.bias = bgrad ? db.mutable_data_ptr() : nullptr;
     done = run_gemm(g, dt, allow_tf32, device, stream);
     if (done) {
-      if (dr.on) db = launch_dact(d, nullptr, d, 0, dr, want_dbias, stream);  // the mask, in place
+      if (dr.on) {
+        db = launch_dact(d, nullptr, d, 0, dr, want_dbias, stream);  // the mask, in place
+      } else if (want_dbias) {
+        db = launch_colsum(d, stream);
+      }
       return {d, db};
     }
-    db = want_dbias ? Tensor() : empty0(dy_in);
   }
   g.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   g.aux = nullptr;
@@ -602,9 +605,13 @@ Tensor2 ffn_linear_wgrad_cuda(const Tensor& dy_in, const Tensor& x_in, bool want
   // = column-major (N x M): transposed).
   Gemm g{CUBLAS_OP_N, CUBLAS_OP_T, K, N, M, x.const_data_ptr(), x.stride(0),
          dy.const_data_ptr(), dy.stride(0), dw.mutable_data_ptr(), K};
-  if (want_dbias) {
+  // BGRADB (db = column sums of dY, reduced over the GEMM's k) for fp32 only: on the H200 its
+  // fp16 db (M = 100, N = 256) was 2.3 ulps off the float64 sum, over the oracle's bound, where
+  // one rounding of an exact sum is at most half an ulp.  The column sum below rereads dY
+  // (2 bytes x M x N, a few microseconds at M = 16384) and adds in double.
+  if (want_dbias && dt == at::kFloat) {
     Tensor db = at::empty({N}, dy.options());
-    g.epilogue = CUBLASLT_EPILOGUE_BGRADB;  // db = column sums of dY, reduced over the GEMM's k
+    g.epilogue = CUBLASLT_EPILOGUE_BGRADB;
     g.bias = db.mutable_data_ptr();
     if (run_gemm(g, dt, allow_tf32, device, stream)) return {dw, db};
     g.epilogue = CUBLASLT_EPILOGUE_DEFAULT;

@@ -3,7 +3,7 @@
 No GPU here, so the file is compiled as host C++ (tests/cuda_emulation.py): our kernels
 (activation + dropout, activation gradient + dropout mask, the bias-gradient column sums) run as
 emulated CTAs, and the cuBLASLt GEMMs are replaced by a CPU GEMM in fp32 that applies the
-epilogues the way cuBLASLt documents them (BIAS, RELU_BIAS, GELU_AUX_BIAS, DGELU(_BGRAD), BGRADB).
+epilogues the way cuBLASLt documents them (BIAS, RELU_BIAS, GELU_AUX_BIAS, DGELU, BGRADB).
 With those epilogues switched off, every GEMM takes the plain path, as when cuBLASLt's heuristic
 rejects a fused epilogue, so both host-side branches of each primitive run.  The four primitives
 are then bound under transformer_fast.ops.ffn as if they were the `cuda` backend's, so the same

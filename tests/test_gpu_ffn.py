@@ -4,7 +4,7 @@ The cuda backend (cuBLASLt + our kernels) has never run on the machines that wro
 tests are its first check.  They run the float64 oracle at realistic sizes (the paper's 512/2048
 and the issue's benchmark width 1024/4096) for both GPU backends, the tf32 path with the
 bf16-level tolerance (DESIGN 6), the cuBLASLt fused epilogues (16-bit gelu_tanh: GELU_AUX_BIAS,
-DGELU, DGELU_BGRAD; BGRADB for db2) and their fallbacks (feature sizes that are not multiples of
+DGELU; fp32: BGRADB for db2) and their fallbacks (feature sizes that are not multiples of
 8), and that every backend drops exactly the elements of transformer_fast.philox's mask.
 """
 import pytest
