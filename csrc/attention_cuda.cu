@@ -31,6 +31,9 @@
 //   dq_kernel    one CTA per (b, h, 64 query rows), loops over 32-key tiles: dQ += dS K
 //                (K/V double-buffered with cp.async like the forward).
 //   delta = rowsum(dO * O) is computed with ATen before the two backward kernels.
+//   fwd_dense_kernel (attention_dense_fwd.cuh)  the forward without masks or dropout (causal
+//                allowed), D <= 128: fwd_kernel's tiles with the generic per-element code out of
+//                the loop (3.7x fwd_kernel's speed in benchmarks/cuda_attn on an H200).
 // Fully masked tiles beyond the causal diagonal are outside the loop bounds.
 //
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
@@ -190,10 +193,14 @@ __device__ __forceinline__ void load_a_global(uint32_t a[4], const uint16_t* bas
 // cols 2 (l % 4) + {0, 1}) of matrix m, or with .trans (rows 2 (l % 4) + {0, 1}, col l / 4).
 template <int N, bool TRANS>
 __device__ __forceinline__ void ldmatrix(uint32_t* r, const uint16_t* addr) {
-  static_assert((N == 4 && !TRANS) || N == 2, "instantiated forms only");
+  static_assert(N == 4 || N == 2, "instantiated forms only");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(addr));
-  if constexpr (N == 4) {
+  if constexpr (N == 4 && TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  } else if constexpr (N == 4) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
@@ -516,6 +523,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 }
 
 #include "attention_wgmma.cuh"  // fwd_wgmma_kernel: the sm_90a forward (opt-in, unverified)
+#include "attention_dense_fwd.cuh"  // fwd_dense_kernel: no masks, no dropout
 
 // ---------------------------------------------------------------------------------------------
 // Backward: dK, dV
@@ -850,6 +858,35 @@ void run_fwd_wgmma(const Params& p) {
   launch(fwd_wgmma_kernel<T, DP>, blocks, size_t{kWgBM + 4 * kWgBN} * DP * sizeof(uint16_t), p);
 }
 
+template <typename T, int DP>
+void run_fwd_dense(const Params& p) {
+  const int64_t blocks = int64_t{p.B} * p.H * ((p.Lq + kDenseBM - 1) / kDenseBM);
+  const size_t smem = size_t{4} * kDenseBN * (DP + kPad) * sizeof(uint16_t);
+  p.causal ? launch(fwd_dense_kernel<T, DP, true>, blocks, smem, p) : launch(fwd_dense_kernel<T, DP, false>, blocks, smem, p);
+}
+
+// Whether a forward may take fwd_dense_kernel: no attn_mask, key_padding_mask or dropout, every
+// q/k/v row 16-byte aligned with D % 8 == 0 (vec16), D <= 128, at least one key, and an output
+// whose element pairs are 4-byte aligned (always, for the out attention_fwd_cuda allocates).
+bool dense_forward_fits(const Params& p) {
+  const auto even = [](int64_t x) { return x % 2 == 0; };
+  return p.am_type == kMaskNone && p.kpm == nullptr && p.rng == nullptr && p.vec16 && p.D <= 128 &&
+         p.Lk >= 1 && reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && even(p.o_sb) && even(p.o_sh) &&
+         even(p.o_sm);
+}
+
+#ifndef TF_CUDA_EMULATE
+// TRANSFORMER_FAST_CUDA_DENSE=0 sends the forwards fwd_dense_kernel would take to fwd_kernel
+// (for A/B measurements and tests); read per call, like TRANSFORMER_FAST_CUDA_WGMMA.
+bool dense_forward_enabled() {
+  const char* env = std::getenv("TRANSFORMER_FAST_CUDA_DENSE");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}
+#else
+bool emulate_dense_forward = false;  // the emulation harness chooses (its older cases test fwd_kernel)
+bool dense_forward_enabled() { return emulate_dense_forward; }
+#endif
+
 #ifndef TF_CUDA_EMULATE
 // Whether the forward runs fwd_wgmma_kernel: only on request (TRANSFORMER_FAST_CUDA_WGMMA=1)
 // until it has run on a Hopper GPU, on compute capability 9.x, and where this build holds sm_90a
@@ -938,6 +975,14 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
       half ? run_fwd_wgmma<__half, 64>(p) : run_fwd_wgmma<__nv_bfloat16, 64>(p);
     } else {
       half ? run_fwd_wgmma<__half, 128>(p) : run_fwd_wgmma<__nv_bfloat16, 128>(p);
+    }
+    return {out, lse};
+  }
+  if (dense_forward_fits(p) && dense_forward_enabled()) {
+    if (head_dim_bucket(p.D) == 64) {
+      half ? run_fwd_dense<__half, 64>(p) : run_fwd_dense<__nv_bfloat16, 64>(p);
+    } else {
+      half ? run_fwd_dense<__half, 128>(p) : run_fwd_dense<__nv_bfloat16, 128>(p);
     }
     return {out, lse};
   }

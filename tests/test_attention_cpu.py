@@ -295,6 +295,9 @@ std::vector<at::Tensor> fwd(at::Tensor q, at::Tensor k, at::Tensor v, std::optio
 
 // Whether the fp16 / bf16 forward runs fwd_wgmma_kernel (attention_wgmma.cuh) or fwd_kernel.
 void set_wgmma(bool on) { transformer_fast::emulate_wgmma_forward = on; }
+// Whether the forwards that fit it run fwd_dense_kernel (attention_dense_fwd.cuh; on a GPU they
+// do unless TRANSFORMER_FAST_CUDA_DENSE=0) or, as in the other emulated cases, fwd_kernel.
+void set_dense(bool on) { transformer_fast::emulate_dense_forward = on; }
 
 std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
                             at::Tensor lse, std::optional<at::Tensor> mask, std::optional<at::Tensor> kpm,
@@ -309,8 +312,9 @@ std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Ten
 @pytest.fixture(scope="module")
 def cuda_emulation():
     return cuda_emulation_build("tf_attention_cuda_emu", _EMU_HARNESS,
-                                ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_wgmma.cuh", "attention_cuda.h",
-                                 "attention_device.cuh", "ops.h", "philox.h"), ("fwd", "bwd", "set_wgmma"))
+                                ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_wgmma.cuh",
+                                 "attention_dense_fwd.cuh", "attention_cuda.h", "attention_device.cuh", "ops.h",
+                                 "philox.h"), ("fwd", "bwd", "set_wgmma", "set_dense"))
 
 
 _EMU_CASES = [  # B, H, Hkv, Lq, Lk, D, dtype, mask kind, dropout
@@ -489,6 +493,60 @@ def test_cuda_wgmma_forward_matches_mma_sync_emulated(cuda_emulation, d, dtype):
     with _wgmma_forward(cuda_emulation):
         got = cuda_emulation.fwd(*args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# The dense forward (csrc/attention_dense_fwd.cuh; the default on a GPU for forwards without
+# masks or dropout): both head-dim buckets and head dims below them, causal or not, Lq / Lk that
+# are not multiples of the 64-row tiles (and Lq != Lk, causal top-left), one query row, GQA,
+# packed (B, L, 3, H, D) views.  The backward of these runs is the usual one.
+_EMU_DENSE_CASES = [
+    (1, 2, 2, 128, 128, 128, torch.bfloat16, "none", 0.0),
+    (1, 2, 1, 130, 67, 64, torch.float16, "causal", 0.0),
+    (2, 4, 2, 70, 200, 128, torch.float16, "none", 0.0),
+    (1, 2, 2, 200, 70, 96, torch.bfloat16, "causal", 0.0),
+    (1, 2, 2, 1, 129, 40, torch.bfloat16, "none", 0.0),
+    (1, 2, 2, 64, 64, 16, torch.float16, "causal", 0.0),
+    (2, 2, 2, 37, 37, 64, torch.bfloat16, "packed+causal", 0.0),
+]
+
+
+@contextlib.contextmanager
+def _dense_forward(emu):
+    emu.set_dense(True)
+    try:
+        yield
+    finally:
+        emu.set_dense(False)
+
+
+@pytest.mark.parametrize("case", [_EMU_DENSE_CASES[1], _EMU_DENSE_CASES[3]], ids=_emu_id)
+def test_cuda_dense_forward_emulated_quick(cuda_emulation, case):
+    with _dense_forward(cuda_emulation):
+        _run_emulated(cuda_emulation, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _EMU_DENSE_CASES, ids=_emu_id)
+def test_cuda_dense_forward_emulated(cuda_emulation, case):
+    with _dense_forward(cuda_emulation):
+        _run_emulated(cuda_emulation, case)
+
+
+@pytest.mark.parametrize("case", ["nan-in-query", "inf-in-key", "nan-in-value", "huge-logits"])
+def test_cuda_dense_forward_hostile_emulated(cuda_emulation, case):
+    """The dense forward (emulated) gives what fwd_kernel gives for NaN / Inf inputs and huge
+    logits: NaN where the reference has NaN, finite elsewhere (its running max skips NaN scores,
+    which then reach the row through p)."""
+    q, k, v = (randn(2, 2, n, 64, dtype=torch.bfloat16) for n in (5, 7, 7))
+    q, k, v, _ = _HOSTILE[case](q.float(), k.float(), v.float())
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    want = cuda_emulation.fwd(q, k, v, None, None, False, 0.125, 0.0, None)
+    with _dense_forward(cuda_emulation):
+        got = cuda_emulation.fwd(q, k, v, None, None, False, 0.125, 0.0, None)
+    assert torch.equal(got[0].isnan(), want[0].isnan()) and torch.equal(got[1].isnan(), want[1].isnan())
+    assert torch.isfinite(got[0][~want[0].isnan()]).all()
+    ok = ~want[0].isnan()
+    torch.testing.assert_close(got[0][ok].float(), want[0][ok].float(), rtol=0, atol=2e-2)
 
 
 _HOSTILE = {  # name: (q, k, v) -> (q, k, v, attn_mask); hostile values as tests/test_hostile_inputs.py

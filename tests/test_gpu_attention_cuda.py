@@ -131,3 +131,51 @@ def test_wgmma_forward_packed_views_and_dropout(wgmma, monkeypatch):
     torch.manual_seed(7)
     want = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True, backend="cuda")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+# ---- The dense forward (csrc/attention_dense_fwd.cuh): the default for fp16 / bf16 forwards with
+# no attn_mask, key_padding_mask or dropout (is_causal allowed), 16-byte aligned rows, D <= 128;
+# TRANSFORMER_FAST_CUDA_DENSE=0 sends them to fwd_kernel.
+
+DENSE_ENV = "TRANSFORMER_FAST_CUDA_DENSE"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_dense_forward_runs_where_it_fits(device, monkeypatch, causal):
+    """The dense kernel is what runs for an unmasked 16-bit forward, and fwd_kernel what runs
+    with a mask or with the switch off."""
+    monkeypatch.delenv(DENSE_ENV, raising=False)
+    q = torch.randn(1, 2, 64, 64, device=device, dtype=torch.bfloat16)
+    call = lambda **kw: F.scaled_dot_product_attention(q, q, q, is_causal=causal, backend="cuda", **kw)  # noqa: E731
+    assert any("fwd_dense_kernel" in n for n in _kernel_names(call))
+    kpm = torch.zeros(1, 64, dtype=torch.bool, device=device)
+    masked = _kernel_names(lambda: call(key_padding_mask=kpm))
+    assert not any("fwd_dense_kernel" in n for n in masked) and any("fwd_kernel" in n for n in masked)
+    monkeypatch.setenv(DENSE_ENV, "0")
+    assert not any("fwd_dense_kernel" in n for n in _kernel_names(call))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d", [16, 40, 64, 96, 128])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 517), (1, 2, 2, 1, 129), (2, 2, 1, 256, 64), (1, 4, 4, 1024, 1024)],
+                         ids=lambda s: "B{}H{}kv{}q{}k{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_dense_forward_oracle(device, dtype, d, shape, causal):
+    b, h, hkv, lq, lk = shape
+    g = generator()
+    q, k, v = base._qkv(b, h, hkv, lq, lk, d, dtype, device, g)
+    check_sdpa("cuda", q, k, v, is_causal=causal, enable_gqa=True, context=f"dense d={d} {shape}")
+
+
+def test_dense_forward_packed_views_match_fwd_kernel(device, monkeypatch):
+    """q/k/v as views of one packed projection: the dense forward reads them through their
+    strides and agrees with fwd_kernel (same math, base-2 exponent: rounding differences only)."""
+    b, l, h, d = 2, 197, 4, 128
+    qkv = torch.randn(b, l, 3, h, d, device=device, dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check_sdpa("cuda", q, k, v, is_causal=True, context="dense, packed views")
+    monkeypatch.delenv(DENSE_ENV, raising=False)
+    got = F.scaled_dot_product_attention(q, k, v, is_causal=True, backend="cuda")
+    monkeypatch.setenv(DENSE_ENV, "0")
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, backend="cuda")
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

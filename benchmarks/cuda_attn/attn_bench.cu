@@ -31,6 +31,7 @@ namespace {
 using namespace attn_device;
 #include "fwd_extract.inc"  // csrc/attention_cuda.cu from kThreads to the wgmma include, unchanged
 #include "wgmma_dense.inc"  // draft: the wgmma kernel with change 1 only
+#include "attention_dense_fwd.cuh"  // the package's port of fwd_dense.cuh (4 warps, 2 CTAs/SM)
 }  // namespace
 }  // namespace transformer_fast
 
@@ -150,6 +151,10 @@ int main(int argc, char** argv) {
        [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_wgmma_kernel<__nv_bfloat16, 128>, p, blocks, 128, smem, s); }},
       {"wgmma dense (change 1 only)", (const void*)fwd_wgmma_dense_kernel<128>, 128, 64, smem_wg, true, false,
        [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_wgmma_dense_kernel<128>, p, blocks, 128, smem, s); }},
+      {"repo fwd_dense_kernel", (const void*)fwd_dense_kernel<__nv_bfloat16, 128, false>, 128, 64, smem_repo, true, false,
+       [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_dense_kernel<__nv_bfloat16, 128, false>, p, blocks, 128, smem, s); }},
+      {"repo fwd_dense_kernel causal", (const void*)fwd_dense_kernel<__nv_bfloat16, 128, true>, 128, 64, smem_repo, true, true,
+       [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_dense_kernel<__nv_bfloat16, 128, true>, p, blocks, 128, smem, s); }},
       {"dense 4w minB2", (const void*)tfperf::fwd_dense_kernel<128, 4, 2, false>, 128, 64, smem_dense, true, false, DENSE(4, 2, false)},
       {"dense 4w minB3", (const void*)tfperf::fwd_dense_kernel<128, 4, 3, false>, 128, 64, smem_dense, true, false, DENSE(4, 3, false)},
       {"dense 8w (BM128)", (const void*)tfperf::fwd_dense_kernel<128, 8, 1, false>, 256, 128, smem_dense, true, false, DENSE(8, 1, false)},

@@ -1,12 +1,14 @@
 #!/bin/bash
-# Builds attn_bench against the repo's csrc/ forward kernels (extracted unchanged) + fwd_dense.cuh.
+# Builds attn_bench against the repo's csrc/ forward kernels (extracted unchanged, and the
+# package's attention_dense_fwd.cuh) + the draft fwd_dense.cuh it was ported from.
 # Usage: REPO=/path/to/repo ./build.sh   (default REPO: two levels up, i.e. benchmarks/cuda_attn/..)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="${REPO:-$(cd "$HERE/../.." && pwd)}"
 GEN="$HERE/gen"
 mkdir -p "$GEN"
-cp "$REPO/csrc/attention_device.cuh" "$REPO/csrc/philox.h" "$REPO/csrc/attention_wgmma.cuh" "$GEN/"
+cp "$REPO/csrc/attention_device.cuh" "$REPO/csrc/philox.h" "$REPO/csrc/attention_wgmma.cuh" \
+   "$REPO/csrc/attention_dense_fwd.cuh" "$GEN/"
 # A torch-free attention_cuda.h: the mask enum and AttentionParams taken from the repo's header
 # (the rest of it needs ATen), so the harness compiles against the kernels' real Params.
 {

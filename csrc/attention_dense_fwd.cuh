@@ -1,0 +1,226 @@
+// The dense fast path of the fp16 / bf16 forward: no attn_mask, no key_padding_mask, no dropout
+// (is_causal allowed), 16-byte aligned rows, head dim <= 128.  Included by attention_cuda.cu
+// inside its anonymous namespace (it uses that file's Params, Traits, ldmatrix and cp.async
+// helpers); attention_fwd_cuda sends every other forward to fwd_kernel.
+//
+// Same algorithm and tiles as fwd_kernel (one CTA of 4 warps per (b, h, 64 query rows), 16 rows
+// per warp, 64-key K/V tiles double-buffered by cp.async, mma.sync m16n8k16, P kept in
+// registers), with what is per element and run-time generic taken out of the loop:
+//   * no mask / dropout code per element: the 32 scores a thread owns per tile are straight-line
+//     code; the only per-element test (causal diagonal, keys past Lk) sits behind a warp-uniform
+//     branch taken by the diagonal / last tile alone;
+//   * scores scaled once by scale * log2(e) and exponentiated with ex2.approx.ftz (the running
+//     max is kept in base-2 units; lse is converted back to the natural log at the end);
+//   * ldmatrix.x4 for K and V (two n-tiles or two k-slabs per instruction), Q staged through
+//     shared memory by cp.async + ldmatrix instead of two-byte global loads;
+//   * copy addresses computed once per CTA (one add per tile), O written as packed 4-byte pairs;
+//   * causal: the CTAs with the most key tiles are scheduled first.
+// Measured before it was ported (benchmarks/cuda_attn, the same kernel outside the package,
+// NVIDIA H200, bf16, D = 128): 0.544 ms (252 TFLOP/s) at B16 H16 L1024 against fwd_kernel's
+// 2.04 ms (67), 2.01 ms (273) at B4 H16 L4096; causal 211-254 TFLOP/s; 216 registers, no
+// spills, 2 CTAs per SM (benchmarks/NOTES.md, second GPU run).  As ported here (fp16 too, head
+// dims below the bucket, ragged Lq / Lk) it has run in the CPU emulation only.
+
+constexpr int kDenseBM = 16 * kThreads / 32;  // 64 query rows per CTA
+constexpr int kDenseBN = 64;                   // keys per tile
+
+// ex2.approx.ftz: the softmax's exponent in base 2 (one MUFU instruction, no range fix-up).
+__device__ __forceinline__ float exp2_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::exp2(x);
+#endif
+}
+
+// ROWS rows of a (rows, DP) tile into shared memory (row pitch DP + kPad): this thread copies
+// the 16-byte chunk at column c0 of rows r0, r0 + kRowsPerPass, ...; `src` points at its row r0,
+// chunk c0, rows `ld` elements apart.  Rows >= nrows and columns >= D (col_ok false) are zero
+// filled without being read (cp.async with source size 0, from the always valid `base`).
+template <int ROWS, int DP>
+__device__ __forceinline__ void dense_copy_rows(uint16_t* dst, const uint16_t* src, const uint16_t* base,
+                                                int64_t ld, int r0, int nrows, bool col_ok) {
+  constexpr int kRowsPerPass = kThreads / (DP / 8);
+#pragma unroll
+  for (int i = 0; i < ROWS / kRowsPerPass; ++i) {
+    const bool valid = col_ok && r0 + i * kRowsPerPass < nrows;
+    cp_async16(dst + i * kRowsPerPass * (DP + kPad), valid ? src + i * kRowsPerPass * ld : base, valid);
+  }
+}
+
+template <typename T, int DP, bool kCausal>
+__global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) {
+  constexpr int BM = kDenseBM, BN = kDenseBN, PITCH = DP + kPad;
+  constexpr int kBuf = 2 * BN * PITCH;  // K then V of one buffer (halves)
+  constexpr int kCh = DP / 8, kRowsPerPass = kThreads / kCh;
+  static_assert(BM <= 2 * BN, "Q is staged in the second K/V buffer");
+  static_assert(kThreads % kCh == 0 && BN % kRowsPerPass == 0 && BM % kRowsPerPass == 0, "copy mapping");
+  extern __shared__ __align__(16) uint16_t smem[];
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int nmb = (p.Lq + BM - 1) / BM;
+  const int bh = blockIdx.x / nmb;
+  int mb = blockIdx.x % nmb;
+  if (kCausal) mb = nmb - 1 - mb;  // longest rows first
+  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
+  const int m0 = mb * BM;
+
+  // This thread's copy coordinates: chunk column c0 of rows r0 + i * kRowsPerPass.
+  const int r0 = tid / kCh, c0 = (tid % kCh) * 8;
+  const bool col_ok = c0 < p.D;  // D % 8 == 0 (vec16): a chunk is wholly in or out
+  const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
+  const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
+  const uint16_t* ksrc = kh + static_cast<int64_t>(r0) * p.k_sm + c0;
+  const uint16_t* vsrc = vh + static_cast<int64_t>(r0) * p.v_sm + c0;
+  const int64_t k_tile = BN * p.k_sm, v_tile = BN * p.v_sm;
+  uint16_t* const sdst = smem + r0 * PITCH + c0;  // + buffer * kBuf (+ BN * PITCH for V)
+
+  const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
+  const int ntiles = (n_end + BN - 1) / BN;
+
+  // Prologue: Q into buffer 1, key tile 0 into buffer 0, as one group.
+  dense_copy_rows<BM, DP>(sdst + kBuf, qh + static_cast<int64_t>(m0 + r0) * p.q_sm + c0, qh, p.q_sm,
+                          r0, p.Lq - m0, col_ok);
+  dense_copy_rows<BN, DP>(sdst, ksrc, kh, p.k_sm, r0, p.Lk, col_ok);
+  dense_copy_rows<BN, DP>(sdst + BN * PITCH, vsrc, vh, p.v_sm, r0, p.Lk, col_ok);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  uint32_t qf[DP / 16][4];
+  {
+    const uint16_t* qs = smem + kBuf + (warp * 16 + (lane % 8) + 8 * ((lane / 8) & 1)) * PITCH + 8 * (lane / 16);
+#pragma unroll
+    for (int kc = 0; kc < DP / 16; ++kc) ldmatrix<4, false>(qf[kc], qs + kc * 16);
+  }
+  __syncthreads();  // buffer 1 is free for tile 1
+
+  float o[DP / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.0f, 0.0f};  // base-2 running max, sums
+  const float scale2 = p.scale * 1.4426950408889634f;           // scale * log2(e)
+  const int row_a = m0 + warp * 16 + g;                          // this thread's rows: row_a, row_a + 8
+
+  // ldmatrix lane offsets (elements) inside a tile: K as four 8-column slabs of 8 keys, V as
+  // two 8-key halves x two 8-column groups (transposed).
+  const int k_lane = (lane % 8) * PITCH + 8 * (lane / 8);
+  const int v_lane = ((lane % 8) + 8 * ((lane / 8) & 1)) * PITCH + 8 * (lane / 16);
+
+  for (int it = 0; it < ntiles; ++it) {
+    const uint16_t* Ks = smem + (it & 1) * kBuf;
+    const uint16_t* Vs = Ks + BN * PITCH;
+    const int n0 = it * BN;
+    if (it + 1 < ntiles) {  // buffer (it+1)&1 was released by the barrier ending iteration it-1
+      uint16_t* dn = sdst + ((it + 1) & 1) * kBuf;
+      const int left = p.Lk - (n0 + BN);
+      dense_copy_rows<BN, DP>(dn, ksrc + (it + 1) * k_tile, kh, p.k_sm, r0, left, col_ok);
+      dense_copy_rows<BN, DP>(dn + BN * PITCH, vsrc + (it + 1) * v_tile, vh, p.v_sm, r0, left, col_ok);
+      cp_async_commit();
+      cp_async_wait<1>();  // this thread's copies of tile `it` have landed
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // tile `it` is visible to every warp
+
+    // S = Q K^T (raw dots)
+    float s[BN / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kc = 0; kc < DP / 16; kc += 2) {
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        uint32_t kb[4];
+        ldmatrix<4, false>(kb, Ks + k_lane + nt * 8 * PITCH + kc * 16);
+        Traits<T>::mma(s[nt], qf[kc], kb[0], kb[1]);
+        Traits<T>::mma(s[nt], qf[kc + 1], kb[2], kb[3]);
+      }
+    }
+
+    // Online softmax in base 2.  Masking (warp-uniform): the causal diagonal, keys past Lk.
+    const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[nt][e] * scale2;
+        if (edge) {
+          const int j = n0 + nt * 8 + 2 * t + (e & 1);
+          x = (j >= p.Lk || (kCausal && j > row_a + 8 * (e >> 1))) ? -INFINITY : x;
+        }
+        s[nt][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);  // a NaN score propagates through p, not the max
+      }
+    }
+    float m_use[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      float m = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float m_new = fmaxf(m_i[rh], m);
+      m_use[rh] = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet: exp2(-inf) = 0
+      const float alpha = exp2_approx(m_i[rh] - m_use[rh]);
+      m_i[rh] = m_new;
+      l_i[rh] *= alpha;
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; ++dt) {
+        o[dt][2 * rh] *= alpha;
+        o[dt][2 * rh + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = exp2_approx(s[nt][e] - m_use[e >> 1]);  // -inf -> +0
+        l_i[e >> 1] += pe;
+        s[nt][e] = pe;
+      }
+    }
+
+    // O += P V: P's accumulators of n-tiles 2kk, 2kk+1 form the A fragment of keys 16kk..16kk+15.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = Traits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = Traits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = Traits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = Traits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dt = 0; dt < DP / 8; dt += 2) {
+        uint32_t vb[4];
+        ldmatrix<4, true>(vb, Vs + v_lane + kk * 16 * PITCH + dt * 8);
+        Traits<T>::mma(o[dt], a, vb[0], vb[1]);
+        Traits<T>::mma(o[dt + 1], a, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with this buffer before it is refilled
+  }
+
+  // O / l; lse (natural log) = m * ln 2 + log(l); a row with nothing visible gets 0 and -inf.
+  uint16_t* oh = p.out + b * p.o_sb + h * p.o_sh;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    float l = l_i[rh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int i = row_a + 8 * rh;
+    if (i >= p.Lq) continue;  // no barrier or shuffle follows
+    const bool dead = l == 0.0f;
+    const float inv = dead ? 0.0f : 1.0f / l;
+    if (t == 0) {
+      p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] * 0.6931471805599453f + __logf(l);
+    }
+    uint16_t* orow = oh + static_cast<int64_t>(i) * p.o_sm + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      if (dt * 8 + 2 * t < p.D) {
+        *reinterpret_cast<uint32_t*>(orow + dt * 8) = Traits<T>::pack(o[dt][2 * rh] * inv, o[dt][2 * rh + 1] * inv);
+      }
+    }
+  }
+}
