@@ -160,12 +160,15 @@ def _lba_setup_context(ctx, inputs, output):
     y, pre = output
     aux = _aux(activation, y, pre)
     ctx.save_for_backward(x, w, aux, rng, b)
+    ctx.set_materialize_grads(False)  # pre never gets a gradient: no zero (M, N) tensor for it
     ctx.has_bias = b is not None
     ctx.activation, ctx.dropout_p, ctx.allow_tf32, ctx.backend = activation, dropout_p, allow_tf32, backend
 
 
 def _lba_backward(ctx, dy, dpre):
     x, w, aux, rng, b = ctx.saved_tensors
+    if dy is None:
+        return None, None, None, None, None, None, None, None
     if recording_backward():
         dx, dw, db = _recorded_ffn_grads(ctx, rng, (*x.shape[:-1], w.shape[0]), (x, w, b), dy,
                                          reference.linear_bias_act)
@@ -265,12 +268,17 @@ def _ff_setup_context(ctx, inputs, output):
     x, w1, b1, w2, b2, activation, dropout_p, rng, allow_tf32, backend = inputs
     _, hidden, pre = output
     ctx.save_for_backward(x, w1, w2, hidden, pre, rng, b1, b2)
+    # hidden and pre are saved for backward, never differentiated: without this, autograd would
+    # allocate and zero an (M, d_ff) gradient for each of them on every backward.
+    ctx.set_materialize_grads(False)
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.activation, ctx.dropout_p, ctx.allow_tf32, ctx.backend = activation, dropout_p, allow_tf32, backend
 
 
 def _ff_backward(ctx, dout, dhidden, dpre):
     x, w1, w2, hidden, pre, rng, b1, b2 = ctx.saved_tensors
+    if dout is None:
+        return None, None, None, None, None, None, None, None, None, None
     if recording_backward():
 
         def ref(x_, w1_, b1_, w2_, b2_, activation, p, keep):

@@ -81,6 +81,9 @@ def _setup_context(ctx, inputs, output):
     scores, mask, scale, is_causal, dropout_p, rng, backend = inputs
     out, probs = output
     ctx.save_for_backward(probs if dropout_p > 0.0 else out, rng)
+    # With dropout, probs (the size of the scores) is an output only for backward: no zero
+    # gradient of that size per backward (None reaches _backward instead).
+    ctx.set_materialize_grads(False)
     ctx.flags = (scale, dropout_p, backend)
 
 
@@ -102,6 +105,8 @@ def _recorded_backward(dout, dprobs, probs, rng, scale, dropout_p):
 def _backward(ctx, dout, dprobs):
     probs, rng = ctx.saved_tensors
     scale, dropout_p, backend = ctx.flags
+    if dout is None:  # only probs was differentiated (a second derivative through it)
+        dout = torch.zeros_like(probs)
     if recording_backward():
         return _recorded_backward(dout, dprobs, probs, rng, scale, dropout_p)
     dscores = call(masked_softmax_bwd, _masked_softmax_bwd_impl, dout, probs, scale, dropout_p, rng, backend)
