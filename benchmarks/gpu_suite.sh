@@ -9,6 +9,8 @@
 #   TRANSFORMER_FAST_COMMIT  the commit measured, where the tree has no .git (a copy sent to a lent
 #             GPU machine): e.g. TRANSFORMER_FAST_COMMIT=$(git rev-parse --short HEAD) in the command
 #   BENCH_ARGS  arguments for the benchmark step instead of --quick (e.g. "" for the full sweep)
+#   PROFILE_ARGS  arguments for the profile step (benchmarks/profile_ops.py; default: the FFN and
+#             attention cases, torch / triton / cuda)
 #   STEPS     run only these steps: each word is a step name, or a prefix ending in '*'
 #             ("sanitizer*" runs every sanitizer step; "verify" runs verify, not verify_wgmma),
 #             (benchmarks/results/README.md has the two calls planned for 15 minutes of device
@@ -177,6 +179,10 @@ step cuda_attn env OUT=/tmp/tf_cuda_attn bash benchmarks/cuda_attn/run.sh
 # Writes results.json, results.md, ops.png and end_to_end.png into OUT.
 # shellcheck disable=SC2086
 step benchmarks $PY -m benchmarks ${BENCH_ARGS---quick} --output "$OUT"
+# Host time against kernel time per call for the FFN and attention cases (benchmarks/profile_ops.py;
+# after the benchmarks, whose compiles it reuses from Triton's cache); output to logs.txt.
+# shellcheck disable=SC2086
+step profile $PY benchmarks/profile_ops.py ${PROFILE_ARGS---op feed_forward scaled_dot_product_attention --providers torch,triton,cuda}
 
 echo; echo "=== summary ($OUT)"; cat "$SUMMARY"
 exit $FAILED

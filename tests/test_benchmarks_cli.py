@@ -285,3 +285,22 @@ def test_tuned_configs_are_recorded_apart_from_the_shape():
     a = {"op": "x", "dtype": "bf16", "mask": "none", "shape": shape}
     b = {"op": "x", "dtype": "bf16", "mask": "none", "shape": {"pass": "fwd", "B": 1}}
     assert common.row_group(a) == common.row_group(b)
+
+
+def test_profile_ops_reports_host_and_device_time(capsys):
+    """benchmarks/profile_ops.py (gpu_suite's `profile` step): for each case and provider a line
+    with wall and host time per call (and the kernels' device time on a GPU), then the largest
+    host ops; a provider that cannot run says why."""
+    from benchmarks import profile_ops
+
+    assert profile_ops.main(["--smoke", "--iters", "2", "--op", "feed_forward", "--max-cases", "2",
+                             "--providers", "torch,cpu,cuda", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "wall" in ln and "ms/call" in ln]
+    assert len(lines) == 4, out  # 2 cases x (torch, cpu)
+    for ln in lines:
+        wall = float(ln.split("wall")[1].split()[0])
+        host = float(ln.split("host")[1].split()[0])
+        assert wall > 0 and host > 0
+    assert "cuda           skipped: the cuda backend runs on CUDA tensors" in out
+    assert any(ln.strip().startswith("host") for ln in out.splitlines())
