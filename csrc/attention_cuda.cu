@@ -33,7 +33,8 @@
 //   delta = rowsum(dO * O) is computed with ATen before the two backward kernels.
 //   fwd_dense_kernel (attention_dense_fwd.cuh)  the forward without masks or dropout (causal
 //                allowed), D <= 128: fwd_kernel's tiles with the generic per-element code out of
-//                the loop (3.7x fwd_kernel's speed in benchmarks/cuda_attn on an H200).
+//                the loop (3.7x fwd_kernel's speed in benchmarks/cuda_attn on an H200).  The
+//                backward kernels' kDense instantiations drop their mask and dropout code alike.
 // Fully masked tiles beyond the causal diagonal are outside the loop bounds.
 //
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
@@ -528,7 +529,33 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 // ---------------------------------------------------------------------------------------------
 // Backward: dK, dV
 
-template <typename T, int DP>
+// A backward kernel's score of (query i, key j) from its raw dot product.  kDense (no attn_mask,
+// no key_padding_mask, no dropout: attention_bwd_cuda's choice): scaled, -inf past Lk or past the
+// causal diagonal, tested only outside `plain` tiles; the compiler then has no mask or dropout
+// code in the loop (the forward's measured cost of that code: benchmarks/NOTES.md).  Rows i >= Lq
+// need no test: their lse is -inf, so p = 0.
+template <bool kDense>
+__device__ __forceinline__ float bwd_score(const Params& p, bool plain, int b, int h, int i, int j, float dot) {
+  if constexpr (kDense) {
+    const float s = dot * p.scale;
+    return plain || (j < p.Lk && !(p.causal && j > i)) ? s : -INFINITY;
+  } else {
+    return plain ? dot * p.scale : masked_score(p, b, h, i, j, dot);
+  }
+}
+
+// The dropout factor of a kept probability pe (0 where pe is 0); 1 when kDense.
+template <bool kDense>
+__device__ __forceinline__ float bwd_drop(const Params& p, float pe, uint64_t seed, uint64_t offset, int b, int h,
+                                          int i, int j) {
+  if constexpr (kDense) {
+    return 1.0f;
+  } else {
+    return pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
+  }
+}
+
+template <typename T, int DP, bool kDense>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   extern __shared__ __align__(16) uint16_t smem[];
   constexpr int pitch = DP + kPad;
@@ -629,10 +656,10 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
         for (int e = 0; e < 4; ++e) {
           const int j = n0 + key0 + g + 8 * (e >> 1);
           const int ii = nt * 8 + 2 * t + (e & 1), i = m0 + ii;
-          const float s = plain ? st[nt][e] * p.scale : masked_score(p, b, h, i, j, st[nt][e]);
+          const float s = bwd_score<kDense>(p, plain, b, h, i, j, st[nt][e]);
           const float l = lse_s[ii];
           const float pe = (s == -INFINITY || l == -INFINITY) ? 0.0f : __expf(s - l);
-          const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
+          const float z = bwd_drop<kDense>(p, pe, seed, offset, b, h, i, j);
           dpt[nt][e] = pe * (dpt[nt][e] * z - delta_s[ii]);
           st[nt][e] = pe * z;
         }
@@ -680,7 +707,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
 // ---------------------------------------------------------------------------------------------
 // Backward: dQ
 
-template <typename T, int DP>
+template <typename T, int DP, bool kDense>
 __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   extern __shared__ __align__(16) uint16_t smem[];
   constexpr int pitch = DP + kPad;
@@ -767,10 +794,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = row0 + g + 8 * (e >> 1), j = n0 + nt * 8 + 2 * t + (e & 1);
-        const float sc = plain ? s[nt][e] * p.scale : masked_score(p, b, h, i, j, s[nt][e]);
+        const float sc = bwd_score<kDense>(p, plain, b, h, i, j, s[nt][e]);
         const float l = lse_r[e >> 1];
         const float pe = (sc == -INFINITY || l == -INFINITY) ? 0.0f : __expf(sc - l);
-        const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
+        const float z = bwd_drop<kDense>(p, pe, seed, offset, b, h, i, j);
         s[nt][e] = pe * (dp[nt][e] * z - delta_r[e >> 1]);  // dS
       }
     }
@@ -876,15 +903,16 @@ bool dense_forward_fits(const Params& p) {
 }
 
 #ifndef TF_CUDA_EMULATE
-// TRANSFORMER_FAST_CUDA_DENSE=0 sends the forwards fwd_dense_kernel would take to fwd_kernel
-// (for A/B measurements and tests); read per call, like TRANSFORMER_FAST_CUDA_WGMMA.
-bool dense_forward_enabled() {
+// TRANSFORMER_FAST_CUDA_DENSE=0 sends the calls the dense kernels would take (fwd_dense_kernel,
+// the kDense backward kernels) to the generic ones (for A/B measurements and tests); read per
+// call, like TRANSFORMER_FAST_CUDA_WGMMA.
+bool dense_kernels_enabled() {
   const char* env = std::getenv("TRANSFORMER_FAST_CUDA_DENSE");
   return env == nullptr || std::strcmp(env, "0") != 0;
 }
 #else
 bool emulate_dense_forward = false;  // the emulation harness chooses (its older cases test fwd_kernel)
-bool dense_forward_enabled() { return emulate_dense_forward; }
+bool dense_kernels_enabled() { return emulate_dense_forward; }
 #endif
 
 #ifndef TF_CUDA_EMULATE
@@ -921,14 +949,14 @@ bool emulate_wgmma_forward = false;  // the emulation harness chooses the kernel
 bool wgmma_forward(const Tensor&) { return emulate_wgmma_forward; }
 #endif
 
-template <typename T, int DP>
+template <typename T, int DP, bool kDense = false>
 void run_bwd(const Params& pkv, const Params& pq) {
   const int64_t kv_blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kKvBN - 1) / kKvBN);
   const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (DP + kPad) * sizeof(uint16_t) +
                          size_t{4} * kKvBM * sizeof(float);
-  launch(dkdv_kernel<T, DP>, kv_blocks, kv_smem, pkv);
+  launch(dkdv_kernel<T, DP, kDense>, kv_blocks, kv_smem, pkv);
   const int64_t q_blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDqBM - 1) / kDqBM);
-  launch(dq_kernel<T, DP>, q_blocks, size_t{4} * kDqBN * (DP + kPad) * sizeof(uint16_t), pq);
+  launch(dq_kernel<T, DP, kDense>, q_blocks, size_t{4} * kDqBN * (DP + kPad) * sizeof(uint16_t), pq);
 }
 
 // An output the kernels can write: `want` itself when its stride along D is 1 (always for out,
@@ -978,7 +1006,7 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
     }
     return {out, lse};
   }
-  if (dense_forward_fits(p) && dense_forward_enabled()) {
+  if (dense_forward_fits(p) && dense_kernels_enabled()) {
     if (head_dim_bucket(p.D) == 64) {
       half ? run_fwd_dense<__half, 64>(p) : run_fwd_dense<__nv_bfloat16, 64>(p);
     } else {
@@ -1041,7 +1069,15 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     pkv.o2_sb = dv_.stride(0), pkv.o2_sh = dv_.stride(1), pkv.o2_sm = dv_.stride(2);
     set_out(pq, dq_);
     const bool half = q.scalar_type() == at::kHalf;
-    switch (head_dim_bucket(p.D)) {
+    // No masks, no dropout, D <= 128: the kernels without their mask and dropout code (as the
+    // forward's fwd_dense_kernel; the same switch turns both off).
+    const bool dense = p.am_type == kMaskNone && p.kpm == nullptr && p.rng == nullptr && p.D <= 128 &&
+                       dense_kernels_enabled();
+    if (dense && head_dim_bucket(p.D) == 64) {
+      half ? run_bwd<__half, 64, true>(pkv, pq) : run_bwd<__nv_bfloat16, 64, true>(pkv, pq);
+    } else if (dense) {
+      half ? run_bwd<__half, 128, true>(pkv, pq) : run_bwd<__nv_bfloat16, 128, true>(pkv, pq);
+    } else switch (head_dim_bucket(p.D)) {
       case 64: half ? run_bwd<__half, 64>(pkv, pq) : run_bwd<__nv_bfloat16, 64>(pkv, pq); break;
       case 128: half ? run_bwd<__half, 128>(pkv, pq) : run_bwd<__nv_bfloat16, 128>(pkv, pq); break;
       default: half ? run_bwd<__half, 256>(pkv, pq) : run_bwd<__nv_bfloat16, 256>(pkv, pq); break;

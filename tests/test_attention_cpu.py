@@ -498,7 +498,7 @@ def test_cuda_wgmma_forward_matches_mma_sync_emulated(cuda_emulation, d, dtype):
 # The dense forward (csrc/attention_dense_fwd.cuh; the default on a GPU for forwards without
 # masks or dropout): both head-dim buckets and head dims below them, causal or not, Lq / Lk that
 # are not multiples of the 64-row tiles (and Lq != Lk, causal top-left), one query row, GQA,
-# packed (B, L, 3, H, D) views.  The backward of these runs is the usual one.
+# packed (B, L, 3, H, D) views; and the backward kernels' kDense instantiations after it.
 _EMU_DENSE_CASES = [
     (1, 2, 2, 128, 128, 128, torch.bfloat16, "none", 0.0),
     (1, 2, 1, 130, 67, 64, torch.float16, "causal", 0.0),
@@ -530,6 +530,24 @@ def test_cuda_dense_forward_emulated_quick(cuda_emulation, case):
 def test_cuda_dense_forward_emulated(cuda_emulation, case):
     with _dense_forward(cuda_emulation):
         _run_emulated(cuda_emulation, case)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [40, 128])
+def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal):
+    """The backward kernels' kDense instantiations (no mask or dropout code) compute what the
+    generic ones compute, bit for bit, from the same forward (odd lengths, GQA)."""
+    g = generator()
+    q = randn(1, 4, 70, d, dtype=torch.bfloat16, g=g)
+    k, v = randn(1, 2, 131, d, dtype=torch.bfloat16, g=g), randn(1, 2, 131, d, dtype=torch.bfloat16, g=g)
+    do = randn(1, 4, 70, d, dtype=torch.bfloat16, g=g)
+    out, lse = cuda_emulation.fwd(q, k, v, None, None, causal, d ** -0.5, 0.0, None)
+    args = (do, q, k, v, out, lse, None, None, causal, d ** -0.5, 0.0, None)
+    want = cuda_emulation.bwd(*args)
+    with _dense_forward(cuda_emulation):
+        got = cuda_emulation.bwd(*args)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("case", ["nan-in-query", "inf-in-key", "nan-in-value", "huge-logits"])
