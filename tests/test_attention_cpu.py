@@ -459,12 +459,17 @@ _EMU_WGMMA_CASES = [
 
 
 @contextlib.contextmanager
-def _wgmma_forward(emu):
-    emu.set_wgmma(True)
+def _switched_on(setter):
+    """One of the emulation's kernel switches (set_wgmma, set_dense) on for the block."""
+    setter(True)
     try:
         yield
     finally:
-        emu.set_wgmma(False)
+        setter(False)
+
+
+def _wgmma_forward(emu):
+    return _switched_on(emu.set_wgmma)
 
 
 @pytest.mark.parametrize("case", [_EMU_WGMMA_CASES[2], _EMU_WGMMA_CASES[3]], ids=_emu_id)
@@ -510,13 +515,8 @@ _EMU_DENSE_CASES = [
 ]
 
 
-@contextlib.contextmanager
 def _dense_forward(emu):
-    emu.set_dense(True)
-    try:
-        yield
-    finally:
-        emu.set_dense(False)
+    return _switched_on(emu.set_dense)
 
 
 @pytest.mark.parametrize("case", [_EMU_DENSE_CASES[1], _EMU_DENSE_CASES[3]], ids=_emu_id)
