@@ -33,8 +33,9 @@
 //   delta = rowsum(dO * O) is computed with ATen before the two backward kernels.
 //   fwd_dense_kernel (attention_dense_fwd.cuh)  the forward without masks or dropout (causal
 //                allowed), D <= 128: fwd_kernel's tiles with the generic per-element code out of
-//                the loop (3.7x fwd_kernel's speed in benchmarks/cuda_attn on an H200).  The
-//                backward kernels' kDense instantiations drop their mask and dropout code alike.
+//                the loop (3.7x fwd_kernel's speed in benchmarks/cuda_attn on an H200).  For the
+//                same calls dkdv_kernel's kDense instantiation drops its mask and dropout code, and
+//                dq_dense_kernel (attention_dense_dq.cuh) is dq_kernel rewritten like the forward.
 // Fully masked tiles beyond the causal diagonal are outside the loop bounds.
 //
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
@@ -525,6 +526,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 
 #include "attention_wgmma.cuh"  // fwd_wgmma_kernel: the sm_90a forward (opt-in, unverified)
 #include "attention_dense_fwd.cuh"  // fwd_dense_kernel: no masks, no dropout
+#include "attention_dense_dq.cuh"   // dq_dense_kernel: the same calls' dQ
 
 // ---------------------------------------------------------------------------------------------
 // Backward: dK, dV
@@ -892,14 +894,19 @@ void run_fwd_dense(const Params& p) {
   p.causal ? launch(fwd_dense_kernel<T, DP, true>, blocks, smem, p) : launch(fwd_dense_kernel<T, DP, false>, blocks, smem, p);
 }
 
+// Whether the dense kernels may write p.out as 4-byte element pairs (always, for the outputs
+// attention_fwd_cuda / attention_bwd_cuda allocate).
+bool out_pairs_aligned(const Params& p) {
+  const auto even = [](int64_t x) { return x % 2 == 0; };
+  return reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && even(p.o_sb) && even(p.o_sh) && even(p.o_sm);
+}
+
 // Whether a forward may take fwd_dense_kernel: no attn_mask, key_padding_mask or dropout, every
 // q/k/v row 16-byte aligned with D % 8 == 0 (vec16), D <= 128, at least one key, and an output
-// whose element pairs are 4-byte aligned (always, for the out attention_fwd_cuda allocates).
+// written in pairs.
 bool dense_forward_fits(const Params& p) {
-  const auto even = [](int64_t x) { return x % 2 == 0; };
   return p.am_type == kMaskNone && p.kpm == nullptr && p.rng == nullptr && p.vec16 && p.D <= 128 &&
-         p.Lk >= 1 && reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && even(p.o_sb) && even(p.o_sh) &&
-         even(p.o_sm);
+         p.Lk >= 1 && out_pairs_aligned(p);
 }
 
 #ifndef TF_CUDA_EMULATE
@@ -955,6 +962,15 @@ void run_bwd(const Params& pkv, const Params& pq) {
   const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (DP + kPad) * sizeof(uint16_t) +
                          size_t{4} * kKvBM * sizeof(float);
   launch(dkdv_kernel<T, DP, kDense>, kv_blocks, kv_smem, pkv);
+  if constexpr (kDense) {
+    if (pq.vec16 && pq.Lk >= 1 && out_pairs_aligned(pq)) {  // dq_dense_kernel (attention_dense_dq.cuh)
+      const int64_t blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDenseBM - 1) / kDenseBM);
+      const size_t smem = size_t{4} * kDenseDqBN * (DP + kPad) * sizeof(uint16_t);
+      pq.causal ? launch(dq_dense_kernel<T, DP, true>, blocks, smem, pq)
+                : launch(dq_dense_kernel<T, DP, false>, blocks, smem, pq);
+      return;
+    }
+  }
   const int64_t q_blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDqBM - 1) / kDqBM);
   launch(dq_kernel<T, DP, kDense>, q_blocks, size_t{4} * kDqBN * (DP + kPad) * sizeof(uint16_t), pq);
 }
