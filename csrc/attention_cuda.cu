@@ -34,8 +34,9 @@
 //   fwd_dense_kernel (attention_dense_fwd.cuh)  the forward without masks or dropout (causal
 //                allowed), D <= 128: fwd_kernel's tiles with the generic per-element code out of
 //                the loop (3.7x fwd_kernel's speed in benchmarks/cuda_attn on an H200).  For the
-//                same calls dkdv_kernel's kDense instantiation drops its mask and dropout code, and
-//                dq_dense_kernel (attention_dense_dq.cuh) is dq_kernel rewritten like the forward.
+//                same calls dkdv_dense_kernel / dq_dense_kernel (attention_dense_{dkdv,dq}.cuh) are
+//                the backward kernels rewritten like it; where rows are not 16-byte aligned, the
+//                generic kernels' kDense instantiations (no mask or dropout code) run instead.
 // Fully masked tiles beyond the causal diagonal are outside the loop bounds.
 //
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
@@ -527,6 +528,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 #include "attention_wgmma.cuh"  // fwd_wgmma_kernel: the sm_90a forward (opt-in, unverified)
 #include "attention_dense_fwd.cuh"  // fwd_dense_kernel: no masks, no dropout
 #include "attention_dense_dq.cuh"   // dq_dense_kernel: the same calls' dQ
+#include "attention_dense_dkdv.cuh" // dkdv_dense_kernel: their dK / dV
 
 // ---------------------------------------------------------------------------------------------
 // Backward: dK, dV
@@ -961,7 +963,19 @@ void run_bwd(const Params& pkv, const Params& pq) {
   const int64_t kv_blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kKvBN - 1) / kKvBN);
   const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (DP + kPad) * sizeof(uint16_t) +
                          size_t{4} * kKvBM * sizeof(float);
-  launch(dkdv_kernel<T, DP, kDense>, kv_blocks, kv_smem, pkv);
+  if constexpr (kDense) {
+    const auto even = [](int64_t x) { return x % 2 == 0; };
+    const bool dv_pairs = reinterpret_cast<uintptr_t>(pkv.out2) % 4 == 0 && even(pkv.o2_sb) && even(pkv.o2_sh) &&
+                          even(pkv.o2_sm);
+    if (pkv.vec16 && out_pairs_aligned(pkv) && dv_pairs) {  // dkdv_dense_kernel (attention_dense_dkdv.cuh)
+      pkv.causal ? launch(dkdv_dense_kernel<T, DP, true>, kv_blocks, kv_smem, pkv)
+                 : launch(dkdv_dense_kernel<T, DP, false>, kv_blocks, kv_smem, pkv);
+    } else {
+      launch(dkdv_kernel<T, DP, true>, kv_blocks, kv_smem, pkv);
+    }
+  } else {
+    launch(dkdv_kernel<T, DP, false>, kv_blocks, kv_smem, pkv);
+  }
   if constexpr (kDense) {
     if (pq.vec16 && pq.Lk >= 1 && out_pairs_aligned(pq)) {  // dq_dense_kernel (attention_dense_dq.cuh)
       const int64_t blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDenseBM - 1) / kDenseBM);

@@ -313,7 +313,8 @@ std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Ten
 def cuda_emulation():
     return cuda_emulation_build("tf_attention_cuda_emu", _EMU_HARNESS,
                                 ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_wgmma.cuh",
-                                 "attention_dense_fwd.cuh", "attention_dense_dq.cuh", "attention_cuda.h", "attention_device.cuh", "ops.h",
+                                 "attention_dense_fwd.cuh", "attention_dense_dq.cuh", "attention_dense_dkdv.cuh",
+                                 "attention_cuda.h", "attention_device.cuh", "ops.h",
                                  "philox.h"), ("fwd", "bwd", "set_wgmma", "set_dense"))
 
 
@@ -535,9 +536,9 @@ def test_cuda_dense_forward_emulated(cuda_emulation, case):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [40, 128])
 def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal):
-    """From the same forward (odd lengths, GQA): dkdv_kernel's kDense instantiation (no mask or
-    dropout code) gives the generic dK / dV bit for bit; dq_dense_kernel (base-2 exponent, other
-    summation grouping) agrees with dq_kernel to bf16 rounding (the oracle cases check it too)."""
+    """From the same forward (odd lengths, GQA): dkdv_dense_kernel and dq_dense_kernel (base-2
+    exponent, their own fragment loads) agree with the generic kernels to bf16 rounding (the
+    oracle cases check them against float64 too)."""
     g = generator()
     q = randn(1, 4, 70, d, dtype=torch.bfloat16, g=g)
     k, v = randn(1, 2, 131, d, dtype=torch.bfloat16, g=g), randn(1, 2, 131, d, dtype=torch.bfloat16, g=g)
@@ -547,8 +548,8 @@ def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal)
     want = cuda_emulation.bwd(*args)
     with _dense_forward(cuda_emulation):
         got = cuda_emulation.bwd(*args)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("case", ["nan-in-query", "inf-in-key", "nan-in-value", "huge-logits"])

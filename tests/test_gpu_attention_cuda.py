@@ -184,8 +184,8 @@ def test_dense_forward_packed_views_match_fwd_kernel(device, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 @pytest.mark.parametrize("d", [40, 128])
 def test_dense_backward_matches_generic(device, monkeypatch, d, causal):
-    """From the same forward: dkdv_kernel's kDense instantiation gives the generic dK / dV bit
-    for bit, dq_dense_kernel agrees with dq_kernel to bf16 rounding (as in the CPU emulation)."""
+    """From the same forward: dkdv_dense_kernel and dq_dense_kernel agree with the generic
+    kernels to bf16 rounding (as in the CPU emulation)."""
     ops = torch.ops.transformer_fast_C
     g = generator()
     q = base._qkv(1, 4, 2, 300, 517, d, torch.bfloat16, device, g)  # (q, k, v)
@@ -196,5 +196,5 @@ def test_dense_backward_matches_generic(device, monkeypatch, d, causal):
     want = ops.attention_bwd(*args)
     monkeypatch.delenv(DENSE_ENV)
     got = ops.attention_bwd(*args)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
