@@ -223,6 +223,17 @@ __device__ __forceinline__ void ldmatrix(uint32_t* r, const uint16_t* addr) {
 #endif
 }
 
+// The A fragment (16 rows x 16 k) held by the m16n8 fp32 accumulators of n-tiles 2kk and 2kk+1
+// (rows x 8 columns each): the C layout of two adjacent n-tiles is the A layout of one 16-wide k
+// slab, so P (or dS) goes from one MMA's output to the next MMA's input without shared memory.
+template <typename T>
+__device__ __forceinline__ void acc_to_a(uint32_t a[4], const float (*acc)[4], int kk) {
+  a[0] = Traits<T>::pack(acc[2 * kk][0], acc[2 * kk][1]);
+  a[1] = Traits<T>::pack(acc[2 * kk][2], acc[2 * kk][3]);
+  a[2] = Traits<T>::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  a[3] = Traits<T>::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
 // A fragment of rows row0.., cols col0.. of a shared-memory tile (row pitch `pitch`, zero
 // padded): matrices (rows +0 / +8) x (cols +0 / +8) in the order a0..a3.
 __device__ __forceinline__ void load_a_smem(uint32_t a[4], const uint16_t* s, int pitch, int row0,
@@ -508,10 +519,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 #pragma unroll
     for (int kk = 0; kk < kFwdBN / 16; ++kk) {
       uint32_t a[4];
-      a[0] = Traits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = Traits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = Traits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = Traits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      acc_to_a<T>(a, s, kk);
 #pragma unroll
       for (int dt = 0; dt < DP / 8; ++dt) {
         uint32_t b0, b1;
@@ -672,14 +680,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
 #pragma unroll
       for (int kk = 0; kk < kKvBM / 16; ++kk) {
         uint32_t pa[4], sa[4];
-        pa[0] = Traits<T>::pack(st[2 * kk][0], st[2 * kk][1]);
-        pa[1] = Traits<T>::pack(st[2 * kk][2], st[2 * kk][3]);
-        pa[2] = Traits<T>::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-        pa[3] = Traits<T>::pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-        sa[0] = Traits<T>::pack(dpt[2 * kk][0], dpt[2 * kk][1]);
-        sa[1] = Traits<T>::pack(dpt[2 * kk][2], dpt[2 * kk][3]);
-        sa[2] = Traits<T>::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-        sa[3] = Traits<T>::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+        acc_to_a<T>(pa, st, kk);
+        acc_to_a<T>(sa, dpt, kk);
 #pragma unroll
         for (int dt = 0; dt < DP / 8; ++dt) {
           uint32_t b0, b1;
@@ -808,10 +810,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 #pragma unroll
     for (int kk = 0; kk < kDqBN / 16; ++kk) {
       uint32_t a[4];
-      a[0] = Traits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = Traits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = Traits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = Traits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      acc_to_a<T>(a, s, kk);
 #pragma unroll
       for (int dt = 0; dt < DP / 8; ++dt) {
         uint32_t b0, b1;

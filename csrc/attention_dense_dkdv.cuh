@@ -150,14 +150,8 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
       uint32_t pa[4], sa[4];
-      pa[0] = Traits<T>::pack(st[2 * kk][0], st[2 * kk][1]);
-      pa[1] = Traits<T>::pack(st[2 * kk][2], st[2 * kk][3]);
-      pa[2] = Traits<T>::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-      pa[3] = Traits<T>::pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-      sa[0] = Traits<T>::pack(dpt[2 * kk][0], dpt[2 * kk][1]);
-      sa[1] = Traits<T>::pack(dpt[2 * kk][2], dpt[2 * kk][3]);
-      sa[2] = Traits<T>::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-      sa[3] = Traits<T>::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+      acc_to_a<T>(pa, st, kk);
+      acc_to_a<T>(sa, dpt, kk);
 #pragma unroll
       for (int dt = 0; dt < DP / 8; dt += 2) {
         uint32_t ob[4], qb[4];

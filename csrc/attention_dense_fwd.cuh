@@ -186,10 +186,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t a[4];
-      a[0] = Traits<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = Traits<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = Traits<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = Traits<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      acc_to_a<T>(a, s, kk);
 #pragma unroll
       for (int dt = 0; dt < DP / 8; dt += 2) {
         uint32_t vb[4];
