@@ -23,12 +23,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
   extern __shared__ __align__(16) uint16_t smem[];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int nmb = (p.Lq + BM - 1) / BM;
-  const int bh = blockIdx.x / nmb;
-  int mb = blockIdx.x % nmb;
-  if (kCausal) mb = nmb - 1 - mb;  // longest rows first
-  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
-  const int m0 = mb * BM;
+  const auto [bh, b, h, hk, m0] = dense_query_block<kCausal>(p);
 
   const int r0 = tid / kCh, c0 = (tid % kCh) * 8;
   const bool col_ok = c0 < p.D;

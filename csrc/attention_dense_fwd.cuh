@@ -50,6 +50,20 @@ __device__ __forceinline__ void dense_copy_rows(uint16_t* dst, const uint16_t* s
   }
 }
 
+// Where a CTA of the dense kernels over query blocks (fwd_dense_kernel, dq_dense_kernel) works:
+// head (b, h) with its kv head hk, and its first query row m0.  Causal: the blocks with the most
+// key tiles are scheduled first.
+struct DenseQueryBlock {
+  int bh, b, h, hk, m0;
+};
+template <bool kCausal>
+__device__ __forceinline__ DenseQueryBlock dense_query_block(const Params& p) {
+  const int nmb = (p.Lq + kDenseBM - 1) / kDenseBM;
+  const int bh = blockIdx.x / nmb, h = bh % p.H;
+  const int mb = kCausal ? nmb - 1 - static_cast<int>(blockIdx.x % nmb) : static_cast<int>(blockIdx.x % nmb);
+  return {bh, bh / p.H, h, h / (p.H / p.Hkv), mb * kDenseBM};
+}
+
 template <typename T, int DP, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) {
   constexpr int BM = kDenseBM, BN = kDenseBN, PITCH = DP + kPad;
@@ -60,12 +74,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
   extern __shared__ __align__(16) uint16_t smem[];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int nmb = (p.Lq + BM - 1) / BM;
-  const int bh = blockIdx.x / nmb;
-  int mb = blockIdx.x % nmb;
-  if (kCausal) mb = nmb - 1 - mb;  // longest rows first
-  const int b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
-  const int m0 = mb * BM;
+  const auto [bh, b, h, hk, m0] = dense_query_block<kCausal>(p);
 
   // This thread's copy coordinates: chunk column c0 of rows r0 + i * kRowsPerPass.
   const int r0 = tid / kCh, c0 = (tid % kCh) * 8;
