@@ -149,6 +149,7 @@ def test_dense_forward_runs_where_it_fits(device, monkeypatch, causal):
     call = lambda **kw: F.scaled_dot_product_attention(q, q, q, is_causal=causal, backend="cuda", **kw)  # noqa: E731
     assert any("fwd_dense_kernel" in n for n in _kernel_names(call))
     kpm = torch.zeros(1, 64, dtype=torch.bool, device=device)
+    kpm[0, -1] = True  # one padded key: a mask no layer above could drop as empty
     masked = _kernel_names(lambda: call(key_padding_mask=kpm))
     assert not any("fwd_dense_kernel" in n for n in masked) and any("fwd_kernel" in n for n in masked)
     monkeypatch.setenv(DENSE_ENV, "0")
