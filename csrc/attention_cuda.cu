@@ -919,8 +919,8 @@ bool dense_kernels_enabled() {
   return env == nullptr || std::strcmp(env, "0") != 0;
 }
 #else
-bool emulate_dense_forward = false;  // the emulation harness chooses (its older cases test fwd_kernel)
-bool dense_kernels_enabled() { return emulate_dense_forward; }
+bool emulate_dense_kernels = false;  // the emulation harness chooses (its older cases test the generic kernels)
+bool dense_kernels_enabled() { return emulate_dense_kernels; }
 #endif
 
 #ifndef TF_CUDA_EMULATE

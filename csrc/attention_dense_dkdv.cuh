@@ -85,9 +85,8 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
 
   // ldmatrix lane offsets (elements): A fragments (16 rows x 16 cols), Q / dO rows as B^T (four
   // 8-column slabs of 8 queries), Q / dO as B (two 8-query halves x two 8-column groups, .trans).
-  const int a_lane = (warp * 16 + (lane % 8) + 8 * ((lane / 8) & 1)) * PITCH + 8 * (lane / 16);
-  const int bt_lane = (lane % 8) * PITCH + 8 * (lane / 8);
-  const int b_lane = ((lane % 8) + 8 * ((lane / 8) & 1)) * PITCH + 8 * (lane / 16);
+  const int a_lane = dense_a_lane<DP>(lane, warp * 16);
+  const int bt_lane = dense_bt_lane<DP>(lane), b_lane = dense_b_lane<DP>(lane);
 
   if (ntiles > 0) issue(0, 0);
   for (int it = 0; it < ntiles; ++it) {
@@ -121,13 +120,8 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
       }
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
-        uint32_t qb[4], ob[4];
-        ldmatrix<4, false>(qb, Qs + bt_lane + nt * 8 * PITCH + kc * 16);
-        Traits<T>::mma(st[nt], ka[0], qb[0], qb[1]);
-        Traits<T>::mma(st[nt], ka[1], qb[2], qb[3]);
-        ldmatrix<4, false>(ob, Os + bt_lane + nt * 8 * PITCH + kc * 16);
-        Traits<T>::mma(dpt[nt], va[0], ob[0], ob[1]);
-        Traits<T>::mma(dpt[nt], va[1], ob[2], ob[3]);
+        mma_rows_t<T>(st[nt], ka[0], ka[1], Qs + bt_lane + nt * 8 * PITCH + kc * 16);
+        mma_rows_t<T>(dpt[nt], va[0], va[1], Os + bt_lane + nt * 8 * PITCH + kc * 16);
       }
     }
 
@@ -152,16 +146,8 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
       uint32_t pa[4], sa[4];
       acc_to_a<T>(pa, st, kk);
       acc_to_a<T>(sa, dpt, kk);
-#pragma unroll
-      for (int dt = 0; dt < DP / 8; dt += 2) {
-        uint32_t ob[4], qb[4];
-        ldmatrix<4, true>(ob, Os + b_lane + kk * 16 * PITCH + dt * 8);
-        Traits<T>::mma(dv[dt], pa, ob[0], ob[1]);
-        Traits<T>::mma(dv[dt + 1], pa, ob[2], ob[3]);
-        ldmatrix<4, true>(qb, Qs + b_lane + kk * 16 * PITCH + dt * 8);
-        Traits<T>::mma(dk[dt], sa, qb[0], qb[1]);
-        Traits<T>::mma(dk[dt + 1], sa, qb[2], qb[3]);
-      }
+      mma_rows<T, DP>(dv, pa, Os + b_lane + kk * 16 * PITCH);
+      mma_rows<T, DP>(dk, sa, Qs + b_lane + kk * 16 * PITCH);
     }
     __syncthreads();  // every warp is done with buffer `buf` before it is refilled
   }
@@ -174,15 +160,7 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
   for (int rh = 0; rh < 2; ++rh) {
     const int j = key_a + 8 * rh;
     if (j >= p.Lk) continue;
-    uint16_t* krow = dkh + static_cast<int64_t>(j) * p.o_sm + 2 * t;
-    uint16_t* vrow = dvh + static_cast<int64_t>(j) * p.o2_sm + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      if (dt * 8 + 2 * t < p.D) {
-        *reinterpret_cast<uint32_t*>(krow + dt * 8) =
-            Traits<T>::pack(dk[dt][2 * rh] * p.scale, dk[dt][2 * rh + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(vrow + dt * 8) = Traits<T>::pack(dv[dt][2 * rh], dv[dt][2 * rh + 1]);
-      }
-    }
+    store_row_pairs<T, DP>(dkh + static_cast<int64_t>(j) * p.o_sm + 2 * t, dk, rh, p.scale, p.D, t);
+    store_row_pairs<T, DP>(dvh + static_cast<int64_t>(j) * p.o2_sm + 2 * t, dv, rh, 1.0f, p.D, t);
   }
 }

@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
   __syncthreads();
   uint32_t qf[DP / 16][4], dof[DP / 16][4];
   {
-    const int a_lane = (warp * 16 + (lane % 8) + 8 * ((lane / 8) & 1)) * PITCH + 8 * (lane / 16);
+    const int a_lane = dense_a_lane<DP>(lane, warp * 16);
 #pragma unroll
     for (int kc = 0; kc < DP / 16; ++kc) {
       ldmatrix<4, false>(qf[kc], smem + a_lane + kc * 16);
@@ -79,8 +79,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
 
   // ldmatrix lane offsets inside a tile: K / V rows as B^T (four 8-column slabs of 8 keys), K as
   // B (two 8-key halves x two 8-column groups, transposed).
-  const int bt_lane = (lane % 8) * PITCH + 8 * (lane / 8);
-  const int b_lane = ((lane % 8) + 8 * ((lane / 8) & 1)) * PITCH + 8 * (lane / 16);
+  const int bt_lane = dense_bt_lane<DP>(lane), b_lane = dense_b_lane<DP>(lane);
 
   for (int it = 0; it < ntiles; ++it) {
     const uint16_t* Ks = smem + (it & 1) * kBuf;
@@ -109,13 +108,8 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
     for (int kc = 0; kc < DP / 16; kc += 2) {
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
-        uint32_t kb[4], vb[4];
-        ldmatrix<4, false>(kb, Ks + bt_lane + nt * 8 * PITCH + kc * 16);
-        Traits<T>::mma(s[nt], qf[kc], kb[0], kb[1]);
-        Traits<T>::mma(s[nt], qf[kc + 1], kb[2], kb[3]);
-        ldmatrix<4, false>(vb, Vs + bt_lane + nt * 8 * PITCH + kc * 16);
-        Traits<T>::mma(dp[nt], dof[kc], vb[0], vb[1]);
-        Traits<T>::mma(dp[nt], dof[kc + 1], vb[2], vb[3]);
+        mma_rows_t<T>(s[nt], qf[kc], qf[kc + 1], Ks + bt_lane + nt * 8 * PITCH + kc * 16);
+        mma_rows_t<T>(dp[nt], dof[kc], dof[kc + 1], Vs + bt_lane + nt * 8 * PITCH + kc * 16);
       }
     }
 
@@ -125,11 +119,8 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[nt][e] * scale2;
-        if (edge) {
-          const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          x = (j >= p.Lk || (kCausal && j > row_a + 8 * (e >> 1))) ? -INFINITY : x;
-        }
+        const float x = dense_masked<kCausal>(s[nt][e] * scale2, edge, n0 + nt * 8 + 2 * t + (e & 1),
+                                              row_a + 8 * (e >> 1), p.Lk);
         const float pe = exp2_approx(x - lse2[e >> 1]);
         s[nt][e] = pe * (dp[nt][e] - delta_r[e >> 1]);
       }
@@ -140,13 +131,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t a[4];
       acc_to_a<T>(a, s, kk);
-#pragma unroll
-      for (int dt = 0; dt < DP / 8; dt += 2) {
-        uint32_t kb[4];
-        ldmatrix<4, true>(kb, Ks + b_lane + kk * 16 * PITCH + dt * 8);
-        Traits<T>::mma(dq[dt], a, kb[0], kb[1]);
-        Traits<T>::mma(dq[dt + 1], a, kb[2], kb[3]);
-      }
+      mma_rows<T, DP>(dq, a, Ks + b_lane + kk * 16 * PITCH);
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
@@ -156,13 +141,6 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
   for (int rh = 0; rh < 2; ++rh) {
     const int i = row_a + 8 * rh;
     if (i >= p.Lq) continue;
-    uint16_t* orow = dqh + static_cast<int64_t>(i) * p.o_sm + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      if (dt * 8 + 2 * t < p.D) {
-        *reinterpret_cast<uint32_t*>(orow + dt * 8) =
-            Traits<T>::pack(dq[dt][2 * rh] * p.scale, dq[dt][2 * rh + 1] * p.scale);
-      }
-    }
+    store_row_pairs<T, DP>(dqh + static_cast<int64_t>(i) * p.o_sm + 2 * t, dq, rh, p.scale, p.D, t);
   }
 }

@@ -39,6 +39,65 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // the 16-byte chunk at column c0 of rows r0, r0 + kRowsPerPass, ...; `src` points at its row r0,
 // chunk c0, rows `ld` elements apart.  Rows >= nrows and columns >= D (col_ok false) are zero
 // filled without being read (cp.async with source size 0, from the always valid `base`).
+// The MMA steps the dense kernels share (fwd_dense_kernel, dq_dense_kernel, dkdv_dense_kernel).
+// Lane offsets, in elements inside a tile of row pitch DP + kPad:
+//   dense_bt_lane: the tile's rows as B^T (B[k][n] = tile[n][k]), four 8-column slabs of 8 rows
+//                  per ldmatrix.x4, i.e. two 16-wide k slabs of one n-tile;
+//   dense_b_lane:  the tile as B (B[k][n] = tile[k][n]), two 8-row halves x two 8-column groups
+//                  per ldmatrix.x4.trans, i.e. one 16-row k slab of two n-tiles;
+//   dense_a_lane:  rows row0..row0+15 as an A fragment per ldmatrix.x4.
+template <int DP>
+__device__ __forceinline__ int dense_bt_lane(int lane) { return (lane % 8) * (DP + kPad) + 8 * (lane / 8); }
+template <int DP>
+__device__ __forceinline__ int dense_b_lane(int lane) {
+  return ((lane % 8) + 8 * ((lane / 8) & 1)) * (DP + kPad) + 8 * (lane / 16);
+}
+template <int DP>
+__device__ __forceinline__ int dense_a_lane(int lane, int row0) { return dense_b_lane<DP>(lane) + row0 * (DP + kPad); }
+
+// acc (one m16n8 tile) += A (16 x 32: the k slabs a0, a1) . B, B^T = the 8 tile rows at `rows`
+// (+ dense_bt_lane), columns from the slab pair's first.
+template <typename T>
+__device__ __forceinline__ void mma_rows_t(float acc[4], const uint32_t a0[4], const uint32_t a1[4],
+                                           const uint16_t* rows) {
+  uint32_t bf[4];
+  ldmatrix<4, false>(bf, rows);
+  Traits<T>::mma(acc, a0, bf[0], bf[1]);
+  Traits<T>::mma(acc, a1, bf[2], bf[3]);
+}
+
+// acc (DP / 8 m16n8 tiles) += A (16 x 16) . B, B = the 16 tile rows at `rows` (+ dense_b_lane).
+template <typename T, int DP>
+__device__ __forceinline__ void mma_rows(float (*acc)[4], const uint32_t a[4], const uint16_t* rows) {
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; dt += 2) {
+    uint32_t bf[4];
+    ldmatrix<4, true>(bf, rows + dt * 8);
+    Traits<T>::mma(acc[dt], a, bf[0], bf[1]);
+    Traits<T>::mma(acc[dt + 1], a, bf[2], bf[3]);
+  }
+}
+
+// Writes accumulator row half rh (this thread's columns 2t, 2t + 1 of each n-tile) times `mul`
+// to `row` (this thread's first column; unit stride) in 4-byte pairs, columns < D only.
+template <typename T, int DP>
+__device__ __forceinline__ void store_row_pairs(uint16_t* row, const float (*acc)[4], int rh, float mul, int D,
+                                                int t) {
+#pragma unroll
+  for (int dt = 0; dt < DP / 8; ++dt) {
+    if (dt * 8 + 2 * t < D) {
+      *reinterpret_cast<uint32_t*>(row + dt * 8) = Traits<T>::pack(acc[dt][2 * rh] * mul, acc[dt][2 * rh + 1] * mul);
+    }
+  }
+}
+
+// Score (times scale * log2 e) of key j for this thread's row of row half rh, -inf where the key
+// is past Lk or (causal) past the row; `edge` (warp-uniform) says whether the tile needs the test.
+template <bool kCausal>
+__device__ __forceinline__ float dense_masked(float x, bool edge, int j, int row, int Lk) {
+  return edge && (j >= Lk || (kCausal && j > row)) ? -INFINITY : x;
+}
+
 template <int ROWS, int DP>
 __device__ __forceinline__ void dense_copy_rows(uint16_t* dst, const uint16_t* src, const uint16_t* base,
                                                 int64_t ld, int r0, int nrows, bool col_ok) {
@@ -100,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
   __syncthreads();
   uint32_t qf[DP / 16][4];
   {
-    const uint16_t* qs = smem + kBuf + (warp * 16 + (lane % 8) + 8 * ((lane / 8) & 1)) * PITCH + 8 * (lane / 16);
+    const uint16_t* qs = smem + kBuf + dense_a_lane<DP>(lane, warp * 16);
 #pragma unroll
     for (int kc = 0; kc < DP / 16; ++kc) ldmatrix<4, false>(qf[kc], qs + kc * 16);
   }
@@ -115,8 +174,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
 
   // ldmatrix lane offsets (elements) inside a tile: K as four 8-column slabs of 8 keys, V as
   // two 8-key halves x two 8-column groups (transposed).
-  const int k_lane = (lane % 8) * PITCH + 8 * (lane / 8);
-  const int v_lane = ((lane % 8) + 8 * ((lane / 8) & 1)) * PITCH + 8 * (lane / 16);
+  const int k_lane = dense_bt_lane<DP>(lane), v_lane = dense_b_lane<DP>(lane);
 
   for (int it = 0; it < ntiles; ++it) {
     const uint16_t* Ks = smem + (it & 1) * kBuf;
@@ -142,10 +200,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
     for (int kc = 0; kc < DP / 16; kc += 2) {
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
-        uint32_t kb[4];
-        ldmatrix<4, false>(kb, Ks + k_lane + nt * 8 * PITCH + kc * 16);
-        Traits<T>::mma(s[nt], qf[kc], kb[0], kb[1]);
-        Traits<T>::mma(s[nt], qf[kc + 1], kb[2], kb[3]);
+        mma_rows_t<T>(s[nt], qf[kc], qf[kc + 1], Ks + k_lane + nt * 8 * PITCH + kc * 16);
       }
     }
 
@@ -156,11 +211,8 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[nt][e] * scale2;
-        if (edge) {
-          const int j = n0 + nt * 8 + 2 * t + (e & 1);
-          x = (j >= p.Lk || (kCausal && j > row_a + 8 * (e >> 1))) ? -INFINITY : x;
-        }
+        const float x = dense_masked<kCausal>(s[nt][e] * scale2, edge, n0 + nt * 8 + 2 * t + (e & 1),
+                                              row_a + 8 * (e >> 1), p.Lk);
         s[nt][e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);  // a NaN score propagates through p, not the max
       }
@@ -196,13 +248,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t a[4];
       acc_to_a<T>(a, s, kk);
-#pragma unroll
-      for (int dt = 0; dt < DP / 8; dt += 2) {
-        uint32_t vb[4];
-        ldmatrix<4, true>(vb, Vs + v_lane + kk * 16 * PITCH + dt * 8);
-        Traits<T>::mma(o[dt], a, vb[0], vb[1]);
-        Traits<T>::mma(o[dt + 1], a, vb[2], vb[3]);
-      }
+      mma_rows<T, DP>(o, a, Vs + v_lane + kk * 16 * PITCH);
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
@@ -221,12 +267,6 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
     if (t == 0) {
       p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] * 0.6931471805599453f + __logf(l);
     }
-    uint16_t* orow = oh + static_cast<int64_t>(i) * p.o_sm + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      if (dt * 8 + 2 * t < p.D) {
-        *reinterpret_cast<uint32_t*>(orow + dt * 8) = Traits<T>::pack(o[dt][2 * rh] * inv, o[dt][2 * rh + 1] * inv);
-      }
-    }
+    store_row_pairs<T, DP>(oh + static_cast<int64_t>(i) * p.o_sm + 2 * t, o, rh, inv, p.D, t);
   }
 }

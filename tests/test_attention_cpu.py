@@ -297,7 +297,7 @@ std::vector<at::Tensor> fwd(at::Tensor q, at::Tensor k, at::Tensor v, std::optio
 void set_wgmma(bool on) { transformer_fast::emulate_wgmma_forward = on; }
 // Whether the forwards that fit it run fwd_dense_kernel (attention_dense_fwd.cuh; on a GPU they
 // do unless TRANSFORMER_FAST_CUDA_DENSE=0) or, as in the other emulated cases, fwd_kernel.
-void set_dense(bool on) { transformer_fast::emulate_dense_forward = on; }
+void set_dense(bool on) { transformer_fast::emulate_dense_kernels = on; }
 
 std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
                             at::Tensor lse, std::optional<at::Tensor> mask, std::optional<at::Tensor> kpm,
