@@ -44,7 +44,9 @@
 // streamed tiles with cp.async (fwd / dq: K and V; dkdv: Q and dO); tiles that need no masking
 // (no masks, in bounds, below the causal diagonal) skip the mask code.  On sm_90a the forward
 // may instead run fwd_wgmma_kernel (attention_wgmma.cuh: warpgroup MMA; opt-in through
-// TRANSFORMER_FAST_CUDA_WGMMA=1, head dims <= 128).  Out of scope for this version
+// TRANSFORMER_FAST_CUDA_WGMMA=1, head dims <= 128), and the calls fwd_dense_kernel takes then run
+// fwd_wgmma_dense_kernel (attention_wgmma_dense.cuh: two warpgroups, 128 x 128 tiles, the
+// softmax of one tile overlapping the MMAs of the previous).  Out of scope for this version
 // (benchmarks/NOTES.md): deeper pipelines, TMA, a wgmma backward, padding-tile skipping.
 // It exists to be correct first; its speed has not been measured.
 //
@@ -537,6 +539,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 #include "attention_dense_fwd.cuh"  // fwd_dense_kernel: no masks, no dropout
 #include "attention_dense_dq.cuh"   // dq_dense_kernel: the same calls' dQ
 #include "attention_dense_dkdv.cuh" // dkdv_dense_kernel: their dK / dV
+#include "attention_wgmma_dense.cuh" // fwd_wgmma_dense_kernel: the dense calls on wgmma (opt-in, unverified)
 
 // ---------------------------------------------------------------------------------------------
 // Backward: dK, dV
@@ -867,12 +870,17 @@ void check_cuda_inputs(const Tensor& q) {
 }
 
 template <typename Kernel>
-void launch(Kernel kernel, int64_t blocks, size_t smem, const Params& p) {
+void launch_threads(Kernel kernel, int64_t blocks, int threads, size_t smem, const Params& p) {
   TORCH_CHECK(blocks < (int64_t{1} << 31), "attention (cuda): too many CTAs (", blocks, ")");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, size_t smem, const Params& p) {
+  launch_threads(kernel, blocks, kThreads, smem, p);
 }
 #endif  // TF_CUDA_EMULATE (the emulation provides check_cuda_inputs and launch)
 
@@ -886,6 +894,14 @@ template <typename T, int DP>
 void run_fwd_wgmma(const Params& p) {
   const int64_t blocks = int64_t{p.B} * p.H * ((p.Lq + kWgBM - 1) / kWgBM);
   launch(fwd_wgmma_kernel<T, DP>, blocks, size_t{kWgBM + 4 * kWgBN} * DP * sizeof(uint16_t), p);
+}
+
+template <typename T, int DP>
+void run_fwd_wgmma_dense(const Params& p) {
+  const int64_t blocks = int64_t{p.B} * p.H * ((p.Lq + kWdBM - 1) / kWdBM);
+  constexpr size_t smem = wgmma_dense_smem_bytes<DP>();
+  p.causal ? launch_threads(fwd_wgmma_dense_kernel<T, DP, true>, blocks, kWdThreads, smem, p)
+           : launch_threads(fwd_wgmma_dense_kernel<T, DP, false>, blocks, kWdThreads, smem, p);
 }
 
 template <typename T, int DP>
@@ -1028,6 +1044,14 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
   p.lse_out = lse.mutable_data_ptr<float>();
   const bool half = q.scalar_type() == at::kHalf;
   if (head_dim_bucket(p.D) <= 128 && wgmma_forward(q)) {
+    if (dense_forward_fits(p) && dense_kernels_enabled()) {
+      if (head_dim_bucket(p.D) == 64) {
+        half ? run_fwd_wgmma_dense<__half, 64>(p) : run_fwd_wgmma_dense<__nv_bfloat16, 64>(p);
+      } else {
+        half ? run_fwd_wgmma_dense<__half, 128>(p) : run_fwd_wgmma_dense<__nv_bfloat16, 128>(p);
+      }
+      return {out, lse};
+    }
     if (head_dim_bucket(p.D) == 64) {
       half ? run_fwd_wgmma<__half, 64>(p) : run_fwd_wgmma<__nv_bfloat16, 64>(p);
     } else {

@@ -92,6 +92,27 @@ __device__ __forceinline__ uint64_t wgmma_desc(const uint16_t* start, uint32_t l
                  "+f"(d[30]), "+f"(d[31])                                                       \
                : "l"(desc_a), "l"(desc_b), "r"(scale_d) : "memory")
 
+#define TF_WGMMA_SS_M64N128K16(TY)                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                        \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                       \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "            \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"    \
+               "}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                                 \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),           \
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),         \
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),     \
+                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),     \
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),     \
+                 "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),     \
+                 "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),     \
+                 "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),     \
+                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),     \
+                 "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),     \
+                 "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                                \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d) : "memory")
+
 #define TF_WGMMA_RS_M64N64K16(TY)                                                                  \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                        \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                        \
@@ -148,6 +169,15 @@ __device__ __forceinline__ void wgmma_wait_all() {
 #endif
 }
 
+// Waits until at most N of this warpgroup's committed wgmma groups are pending (they complete in
+// commit order, so every group but the last N is done).
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(TF_SM90A)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // Shared memory written through the generic proxy (stores, cp.async) becomes visible to the
 // async proxy that wgmma reads it through (each writing thread, before the barrier).
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -170,6 +200,23 @@ __device__ __forceinline__ void pin_registers(float (&r)[N]) {
   }
 }
 
+// The same for registers an in-flight wgmma reads as its A operand (P): kept alive and unchanged
+// until this point, so the compiler reuses none of them before the wait that precedes it.
+template <int N>
+__device__ __forceinline__ void pin_registers(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#if defined(__CUDA_ARCH__)
+      asm volatile("" : "+r"(r[i][j])::"memory");
+#else
+      (void)r[i][j];
+#endif
+    }
+  }
+}
+
 // d (64 x 64 fp32, accumulator layout) = A B (+ d if scale_d): A 64 x 16 and B 16 x 64 both
 // K-major in shared memory.
 template <typename T>
@@ -186,6 +233,24 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
                  std::is_same_v<T, __nv_bfloat16>);
 #else
   __trap();  // sm_90a only (the host runs fwd_wgmma_kernel only where it was built for it)
+#endif
+}
+
+// d (64 x 128 fp32) = A B (+ d if scale_d): A 64 x 16 and B 16 x 128 both K-major in shared memory.
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                    int scale_d) {
+#if defined(TF_SM90A)
+  if constexpr (std::is_same_v<T, __half>) {
+    TF_WGMMA_SS_M64N128K16("f16");
+  } else {
+    TF_WGMMA_SS_M64N128K16("bf16");
+  }
+#elif defined(TF_CUDA_EMULATE)
+  emulated_wgmma(d, 128, desc_a, nullptr, desc_b, /*b_mn_major=*/false, scale_d != 0,
+                 std::is_same_v<T, __nv_bfloat16>);
+#else
+  __trap();
 #endif
 }
 

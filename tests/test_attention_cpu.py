@@ -244,6 +244,8 @@ void check_cuda_inputs(const at::Tensor& q);
 // so argument-dependent lookup would not find them at instantiation).
 template <typename Kernel>
 void launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const AttentionParams<uint16_t>& p);
+template <typename Kernel>
+void launch_threads(Kernel kernel, int64_t blocks, int threads, size_t smem_bytes, const AttentionParams<uint16_t>& p);
 }  // namespace
 namespace attn_fp32 {
 namespace {
@@ -270,9 +272,13 @@ namespace {
 void check_cuda_inputs(const at::Tensor&) {}  // the device checks: none on the CPU
 
 template <typename Kernel>
-void launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const Params& p) {
-  emu::run_grid(EmuDim3{static_cast<unsigned>(blocks), 1, 1}, kThreads, smem, sizeof(smem), smem_bytes,
+void launch_threads(Kernel kernel, int64_t blocks, int threads, size_t smem_bytes, const Params& p) {
+  emu::run_grid(EmuDim3{static_cast<unsigned>(blocks), 1, 1}, threads, smem, sizeof(smem), smem_bytes,
                 [&] { kernel(p); });
+}
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, size_t smem_bytes, const Params& p) {
+  launch_threads(kernel, blocks, kThreads, smem_bytes, p);
 }
 }  // namespace
 namespace attn_fp32 {
@@ -312,7 +318,7 @@ std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Ten
 @pytest.fixture(scope="module")
 def cuda_emulation():
     return cuda_emulation_build("tf_attention_cuda_emu", _EMU_HARNESS,
-                                ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_wgmma.cuh",
+                                ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_wgmma.cuh", "attention_wgmma_dense.cuh",
                                  "attention_dense_fwd.cuh", "attention_dense_dq.cuh", "attention_dense_dkdv.cuh",
                                  "attention_cuda.h", "attention_device.cuh", "ops.h",
                                  "philox.h"), ("fwd", "bwd", "set_wgmma", "set_dense"))
@@ -533,6 +539,55 @@ def test_cuda_dense_forward_emulated(cuda_emulation, case):
         _run_emulated(cuda_emulation, case)
 
 
+# The two-warpgroup wgmma forward (csrc/attention_wgmma_dense.cuh): the dense calls when the wgmma
+# forward is on.  128-row CTAs over 128-key tiles: one tile (the peeled first and last steps
+# only), two, and four or more (the steady-state loop with two MMA groups in flight), ragged
+# Lq / Lk, causal with Lq != Lk, both head-dim buckets and head dims below them, GQA, packed views.
+_EMU_WGMMA_DENSE_CASES = [
+    (1, 2, 2, 128, 128, 128, torch.bfloat16, "none", 0.0),
+    (1, 2, 1, 130, 200, 64, torch.float16, "causal", 0.0),
+    (1, 2, 2, 300, 520, 128, torch.bfloat16, "none", 0.0),
+    (1, 2, 2, 520, 300, 96, torch.float16, "causal", 0.0),
+    (2, 4, 2, 70, 600, 40, torch.bfloat16, "none", 0.0),
+    (1, 2, 2, 1, 129, 128, torch.float16, "none", 0.0),
+    (1, 2, 2, 260, 260, 64, torch.bfloat16, "packed+causal", 0.0),
+]
+
+
+def _wgmma_dense_forward(emu):
+    stack = contextlib.ExitStack()
+    stack.enter_context(_switched_on(emu.set_wgmma))
+    stack.enter_context(_switched_on(emu.set_dense))
+    return stack
+
+
+@pytest.mark.parametrize("case", [_EMU_WGMMA_DENSE_CASES[1], _EMU_WGMMA_DENSE_CASES[2]], ids=_emu_id)
+def test_cuda_wgmma_dense_forward_emulated_quick(cuda_emulation, case):
+    with _wgmma_dense_forward(cuda_emulation):
+        _run_emulated(cuda_emulation, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _EMU_WGMMA_DENSE_CASES, ids=_emu_id)
+def test_cuda_wgmma_dense_forward_emulated(cuda_emulation, case):
+    with _wgmma_dense_forward(cuda_emulation):
+        _run_emulated(cuda_emulation, case)
+
+
+def test_cuda_wgmma_dense_forward_runs_emulated(cuda_emulation):
+    """The switches reach the new kernel: its 128-key tiles round the online softmax differently
+    from fwd_dense_kernel's 64-key ones, so the two outputs differ somewhere (both within the
+    oracle, as the cases above check)."""
+    g = generator()
+    q, k, v = (randn(1, 2, 130, 64, dtype=torch.bfloat16, g=g) * 3 for _ in range(3))
+    args = (q, k, v, None, None, False, 0.125, 0.0, None)
+    with _dense_forward(cuda_emulation):
+        dense = cuda_emulation.fwd(*args)
+    with _wgmma_dense_forward(cuda_emulation):
+        wgmma = cuda_emulation.fwd(*args)
+    assert not torch.equal(dense[0], wgmma[0]) or not torch.equal(dense[1], wgmma[1])
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [40, 128])
 def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal):
@@ -552,16 +607,18 @@ def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal)
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("kernel", ["fwd_dense", "fwd_wgmma_dense"])
 @pytest.mark.parametrize("case", ["nan-in-query", "inf-in-key", "nan-in-value", "huge-logits"])
-def test_cuda_dense_forward_hostile_emulated(cuda_emulation, case):
-    """The dense forward (emulated) gives what fwd_kernel gives for NaN / Inf inputs and huge
-    logits: NaN where the reference has NaN, finite elsewhere (its running max skips NaN scores,
-    which then reach the row through p)."""
+def test_cuda_dense_forward_hostile_emulated(cuda_emulation, case, kernel):
+    """The dense forwards (emulated) give what fwd_kernel gives for NaN / Inf inputs and huge
+    logits: NaN where the reference has NaN, finite elsewhere (their running max skips NaN
+    scores, which then reach the row through p)."""
     q, k, v = (randn(2, 2, n, 64, dtype=torch.bfloat16) for n in (5, 7, 7))
     q, k, v, _ = _HOSTILE[case](q.float(), k.float(), v.float())
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     want = cuda_emulation.fwd(q, k, v, None, None, False, 0.125, 0.0, None)
-    with _dense_forward(cuda_emulation):
+    switch = _dense_forward if kernel == "fwd_dense" else _wgmma_dense_forward
+    with switch(cuda_emulation):
         got = cuda_emulation.fwd(q, k, v, None, None, False, 0.125, 0.0, None)
     assert torch.equal(got[0].isnan(), want[0].isnan()) and torch.equal(got[1].isnan(), want[1].isnan())
     assert torch.isfinite(got[0][~want[0].isnan()]).all()

@@ -84,6 +84,7 @@ def test_large_shapes(device, dtype, d, kind):
 # TRANSFORMER_FAST_CUDA_WGMMA=1 until these tests and compute-sanitizer have passed on a Hopper GPU.
 
 WGMMA_ENV = "TRANSFORMER_FAST_CUDA_WGMMA"
+DENSE_ENV = "TRANSFORMER_FAST_CUDA_DENSE"
 
 
 def _kernel_names(fn):
@@ -100,11 +101,38 @@ def wgmma(device, monkeypatch):
         pytest.skip("the wgmma forward runs on compute capability 9.x (Hopper) only")
     monkeypatch.setenv(WGMMA_ENV, "1")
     q = torch.randn(1, 2, 64, 64, device=device, dtype=torch.float16)
-    names = _kernel_names(lambda: F.scaled_dot_product_attention(q, q, q, backend="cuda"))
+    kpm = torch.zeros(1, 64, dtype=torch.bool, device=device)
+    kpm[0, -1] = True
+    names = _kernel_names(lambda: F.scaled_dot_product_attention(q, q, q, key_padding_mask=kpm, backend="cuda"))
     assert any("fwd_wgmma_kernel" in n for n in names), (
         f"{WGMMA_ENV}=1 on a 9.x GPU did not launch fwd_wgmma_kernel (extension built without "
         f"sm_90a? TORCH_CUDA_ARCH_LIST must include 9.0a); kernels: {sorted(names)}")
     return device
+
+
+def test_wgmma_dense_forward_runs_where_it_fits(wgmma, monkeypatch):
+    """With the wgmma forward on, an unmasked 16-bit forward runs fwd_wgmma_dense_kernel
+    (csrc/attention_wgmma_dense.cuh), a masked one fwd_wgmma_kernel; TRANSFORMER_FAST_CUDA_DENSE=0
+    sends both to fwd_wgmma_kernel."""
+    q = torch.randn(1, 2, 300, 128, device=wgmma, dtype=torch.bfloat16)
+    call = lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True, backend="cuda")  # noqa: E731
+    assert any("fwd_wgmma_dense_kernel" in n for n in _kernel_names(call))
+    monkeypatch.setenv(DENSE_ENV, "0")
+    names = _kernel_names(call)
+    assert not any("fwd_wgmma_dense_kernel" in n for n in names) and any("fwd_wgmma_kernel" in n for n in names)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d", [16, 40, 64, 96, 128])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 517), (1, 2, 2, 1, 129), (2, 2, 1, 256, 64), (1, 4, 4, 1024, 1024)],
+                         ids=lambda s: "B{}H{}kv{}q{}k{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_wgmma_dense_forward_oracle(wgmma, dtype, d, shape, causal):
+    """fwd_wgmma_dense_kernel: 128 x 128 tiles, one to eight key tiles, ragged lengths, GQA."""
+    b, h, hkv, lq, lk = shape
+    g = generator()
+    q, k, v = base._qkv(b, h, hkv, lq, lk, d, dtype, wgmma, g)
+    check_sdpa("cuda", q, k, v, is_causal=causal, enable_gqa=True, context=f"wgmma dense d={d} {shape}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -136,8 +164,6 @@ def test_wgmma_forward_packed_views_and_dropout(wgmma, monkeypatch):
 # ---- The dense forward (csrc/attention_dense_fwd.cuh): the default for fp16 / bf16 forwards with
 # no attn_mask, key_padding_mask or dropout (is_causal allowed), 16-byte aligned rows, D <= 128;
 # TRANSFORMER_FAST_CUDA_DENSE=0 sends them to fwd_kernel.
-
-DENSE_ENV = "TRANSFORMER_FAST_CUDA_DENSE"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])

@@ -32,6 +32,7 @@ using namespace attn_device;
 #include "fwd_extract.inc"  // csrc/attention_cuda.cu from kThreads to the wgmma include, unchanged
 #include "wgmma_dense.inc"  // draft: the wgmma kernel with change 1 only
 #include "attention_dense_fwd.cuh"  // the package's port of fwd_dense.cuh (4 warps, 2 CTAs/SM)
+#include "attention_wgmma_dense.cuh"  // the package's two-warpgroup wgmma forward (plan step 2)
 }  // namespace
 }  // namespace transformer_fast
 
@@ -155,6 +156,12 @@ int main(int argc, char** argv) {
        [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_dense_kernel<__nv_bfloat16, 128, false>, p, blocks, 128, smem, s); }},
       {"repo fwd_dense_kernel causal", (const void*)fwd_dense_kernel<__nv_bfloat16, 128, true>, 128, 64, smem_repo, true, true,
        [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_dense_kernel<__nv_bfloat16, 128, true>, p, blocks, 128, smem, s); }},
+      {"repo fwd_wgmma_dense_kernel", (const void*)fwd_wgmma_dense_kernel<__nv_bfloat16, 128, false>, kWdThreads, kWdBM,
+       wgmma_dense_smem_bytes<128>(), true, false,
+       [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_wgmma_dense_kernel<__nv_bfloat16, 128, false>, p, blocks, kWdThreads, smem, s); }},
+      {"repo fwd_wgmma_dense_kernel causal", (const void*)fwd_wgmma_dense_kernel<__nv_bfloat16, 128, true>, kWdThreads, kWdBM,
+       wgmma_dense_smem_bytes<128>(), true, true,
+       [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_wgmma_dense_kernel<__nv_bfloat16, 128, true>, p, blocks, kWdThreads, smem, s); }},
       {"dense 4w minB2", (const void*)tfperf::fwd_dense_kernel<128, 4, 2, false>, 128, 64, smem_dense, true, false, DENSE(4, 2, false)},
       {"dense 4w minB3", (const void*)tfperf::fwd_dense_kernel<128, 4, 3, false>, 128, 64, smem_dense, true, false, DENSE(4, 3, false)},
       {"dense 8w (BM128)", (const void*)tfperf::fwd_dense_kernel<128, 8, 1, false>, 256, 128, smem_dense, true, false, DENSE(8, 1, false)},

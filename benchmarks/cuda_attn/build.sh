@@ -8,7 +8,7 @@ REPO="${REPO:-$(cd "$HERE/../.." && pwd)}"
 GEN="$HERE/gen"
 mkdir -p "$GEN"
 cp "$REPO/csrc/attention_device.cuh" "$REPO/csrc/philox.h" "$REPO/csrc/attention_wgmma.cuh" \
-   "$REPO/csrc/attention_dense_fwd.cuh" "$GEN/"
+   "$REPO/csrc/attention_dense_fwd.cuh" "$REPO/csrc/attention_wgmma_dense.cuh" "$GEN/"
 # A torch-free attention_cuda.h: the mask enum and AttentionParams taken from the repo's header
 # (the rest of it needs ATen), so the harness compiles against the kernels' real Params.
 {

@@ -1,0 +1,241 @@
+// The sm_90a dense forward on warpgroup MMA, laid out after FlashAttention-3 (step 2 of the plan in
+// benchmarks/NOTES.md): for the calls fwd_dense_kernel takes (fp16 / bf16, no attn_mask,
+// key_padding_mask or dropout, is_causal allowed, 16-byte aligned rows, head dim <= 128) when the
+// wgmma forward is on (TRANSFORMER_FAST_CUDA_WGMMA=1 on a Hopper GPU with sm_90a code; the
+// other calls then take fwd_wgmma_kernel).  Included by attention_cuda.cu inside its anonymous
+// namespace after attention_wgmma.cuh (descriptors, core-matrix layout, wgmma wrappers) and
+// attention_dense_fwd.cuh (exp2_approx).  Written without a GPU: it has NEVER RUN ON ONE; the CPU
+// emulation runs its indexing, descriptors and online softmax against the oracle.
+//
+// One CTA = two warpgroups (256 threads) per (b, h, 128 query rows); warpgroup w owns rows
+// 64w..64w+63 (its warps 16 rows each, as wgmma's accumulators give them).  Keys in tiles of 128:
+//   * S = Q K^T is wgmma m64n128k16 with Q and K read from shared memory (K-major);
+//   * O += P V is wgmma m64n{64,128}k16 with P in registers and V read MN-major;
+//   * the MMAs of one tile overlap the softmax of the next: iteration j issues S_j and then the
+//     P_{j-1} V_{j-1} product of the previous tile, waits for S_j only (wait_group 1), computes
+//     the softmax of S_j while the tensor cores run P_{j-1} V_{j-1}, then waits for that product
+//     and rescales O.  P therefore lives in two register sets (the one in flight, the new one);
+//   * shared memory: Q (128 rows) and two buffers of {K_j, V_{j-1}}: iteration j reads buffer
+//     j % 2 while cp.async fills buffer (j + 1) % 2 with K_{j+1} and V_j, one barrier per tile
+//     (160 KB at head dim 128, one CTA per SM).
+// Not here yet (plan step 3): TMA, a producer warp with setmaxnreg, 128-byte swizzled tiles, and
+// ping-pong scheduling of the two warpgroups' softmax against each other's MMAs.
+
+constexpr int kWdThreads = 256;  // two warpgroups
+constexpr int kWdBM = 128;       // query rows per CTA
+constexpr int kWdBN = 128;       // keys per tile
+
+template <int DP>
+constexpr size_t wgmma_dense_smem_bytes() {
+  return size_t{kWdBM + 4 * kWdBN} * DP * sizeof(uint16_t);  // Q, 2 x {K, V}
+}
+
+// This thread's share of a 128 x DP tile copy into the core-matrix layout (load_tile_cm's
+// mapping over 256 threads: 8 consecutive threads fill one core matrix from 8 rows; a warp reads
+// 64 contiguous bytes of each of its 8 rows): rows r0 + i * kRowsPerPass, chunk column c0; in
+// shared memory pass i lands kRowsPerPass / 8 core matrices (64 elements each) after pass i - 1.
+template <int DP>
+struct WdCopy {
+  static constexpr int kChunks = DP / 8;
+  static constexpr int kRowsPerPass = kWdThreads / kChunks;
+  static constexpr int kPasses = kWdBN / kRowsPerPass;
+  int r0, c0, dst;  // first row, first column, shared-memory element offset of pass 0
+  __device__ __forceinline__ explicit WdCopy(int tid)
+      : r0((tid / (8 * kChunks)) * 8 + tid % 8), c0(((tid / 8) % kChunks) * 8), dst(cm_offset<kWdBN>(r0, c0)) {}
+
+  // Rows [0, 128) of a tile whose row 0 is `tile` (rows `ld` apart), zero-filled from row
+  // `nrows` and (col_ok false) in this thread's columns >= D; `base` is any valid address.
+  __device__ __forceinline__ void operator()(uint16_t* s, const uint16_t* tile, const uint16_t* base, int64_t ld,
+                                             int nrows, bool col_ok) const {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = r0 + i * kRowsPerPass;
+      const bool valid = col_ok && r < nrows;
+      cp_async16(s + dst + i * (kRowsPerPass / 8) * 64, valid ? tile + static_cast<int64_t>(r) * ld + c0 : base,
+                 valid);
+    }
+  }
+};
+static_assert(kWdBM == kWdBN, "Q and the K / V tiles share one copy mapping");
+
+template <typename T, int DP, bool kCausal>
+__global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Params p) {
+  static_assert(DP == 64 || DP == 128, "head-dim buckets of the wgmma forward");
+#if defined(__CUDA_ARCH__) && !defined(TF_SM90A)
+  __trap();  // sm_90a only (the host runs it only where the build holds sm_90a code); no body
+             // for the other architectures' compile
+#else
+  constexpr int BM = kWdBM, BN = kWdBN, kTile = BN * DP;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* const Qs = smem;       // [BM x DP]
+  uint16_t* const kv = smem + kTile;  // [2 buffers][K, V][BN x DP]
+
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int warp_in_wg = (tid % 128) / 32;
+  const int nmb = (p.Lq + BM - 1) / BM;
+  const int bh = blockIdx.x / nmb, b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
+  // Causal: the query blocks with the most key tiles start first.
+  const int mb = kCausal ? nmb - 1 - static_cast<int>(blockIdx.x % nmb) : static_cast<int>(blockIdx.x % nmb);
+  const int m0 = mb * BM;
+
+  const WdCopy<DP> copy(tid);
+  const bool col_ok = copy.c0 < p.D;
+  const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
+  const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
+
+  const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
+  const int ntiles = (n_end + BN - 1) / BN;
+
+  // Descriptor strides (bytes) of the 128-row core-matrix tiles: K-major Q and K step 8 columns
+  // by kColGroup (leading) and 8 rows by kCore (stride); MN-major V the other way round.
+  constexpr uint32_t kCore = 128, kColGroup = BN * 16;
+  // Prologue: Q and K_0 (buffer 0), one group.
+  copy(Qs, qh + static_cast<int64_t>(m0) * p.q_sm, qh, p.q_sm, p.Lq - m0, col_ok);
+  copy(kv, kh, kh, p.k_sm, p.Lk, col_ok);
+  cp_async_commit();
+
+  float o[DP / 2];  // o[4 * dt + e]: rows g + 8 (e >> 1), columns 8 dt + 2 t + (e & 1)
+#pragma unroll
+  for (int i = 0; i < DP / 2; ++i) o[i] = 0.0f;
+  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.0f, 0.0f};  // base-2 running max, sums
+  uint32_t pa[BN / 16][4];  // P of the previous tile: the register A operand of its PV product
+  const float scale2 = p.scale * 1.4426950408889634f;
+  const int row_w = m0 + 64 * wg + 16 * warp_in_wg;  // this warp's first row
+  const int row_a = row_w + g;                       // this thread's rows: row_a, row_a + 8
+
+  // Iteration j waits for buffer j % 2 ({K_j, V_{j-1}}: this thread's copies landed, fenced
+  // into the async proxy, then everyone's) and, since everyone has also finished iteration j - 1
+  // at that barrier, refills buffer (j + 1) % 2 with K_{j+1} and V_j.
+  const auto next_tile = [&](int j) {
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    __syncthreads();
+    if (j < ntiles) {
+      uint16_t* nb = kv + ((j + 1) & 1) * 2 * kTile;
+      const int n1 = (j + 1) * BN;
+      if (j + 1 < ntiles) copy(nb, kh + static_cast<int64_t>(n1) * p.k_sm, kh, p.k_sm, p.Lk - n1, col_ok);
+      copy(nb + kTile, vh + static_cast<int64_t>(j * BN) * p.v_sm, vh, p.v_sm, p.Lk - j * BN, col_ok);
+      cp_async_commit();
+    }
+    return kv + (j & 1) * 2 * kTile;  // K_j; V_{j-1} follows it
+  };
+  // S = Q K^T for the keys of tile Ks, issued as one wgmma group (not waited for).
+  const auto issue_s = [&](float (&s)[BN / 2], const uint16_t* Ks) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
+    pin_registers(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < DP / 16; ++kc) {
+      wgmma_m64n128k16_ss<T>(s, wgmma_desc(Qs + cm_offset<BM>(64 * wg, 16 * kc), BM * 16, kCore),
+                             wgmma_desc(Ks + cm_offset<BN>(0, 16 * kc), kColGroup, kCore), kc);
+    }
+    wgmma_commit();
+  };
+  // O += P V for the previous tile (P in pa, V at Vs), one wgmma group (not waited for).
+  const auto issue_pv = [&](const uint16_t* Vs) {
+    pin_registers(o);  // the rescaled O and the new P are written before the fence (not sunk past it)
+    pin_registers(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      wgmma_m64k16_rs<T, DP>(o, pa[kk], wgmma_desc(Vs + cm_offset<BN>(16 * kk, 0), kCore, kColGroup));
+    }
+    wgmma_commit();
+  };
+  // Online softmax (base 2) of the finished S of keys n0..: the new running max and sums, the
+  // factor alpha that rescales O, and P packed as the A operand of keys 16kk..16kk+15.
+  const auto softmax = [&](float (&s)[BN / 2], int n0, uint32_t (&pn)[BN / 16][4], float (&alpha)[2]) {
+    pin_registers(s);
+    const bool edge = (kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk;  // warp-uniform
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      const float x = dense_masked<kCausal>(s[i] * scale2, edge, n0 + 8 * (i / 4) + 2 * t + (i & 1),
+                                            row_a + 8 * ((i >> 1) & 1), p.Lk);
+      s[i] = x;
+      mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], x);  // a NaN score propagates through p, not the max
+    }
+    float m_use[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      float m = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float m_new = fmaxf(m_i[rh], m);
+      m_use[rh] = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet: exp2(-inf) = 0
+      alpha[rh] = exp2_approx(m_i[rh] - m_use[rh]);
+      m_i[rh] = m_new;
+      l_i[rh] *= alpha[rh];
+    }
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      float pe[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pe[e] = exp2_approx(s[4 * nt + e] - m_use[e >> 1]);  // -inf -> +0
+        l_i[e >> 1] += pe[e];
+      }
+      pn[nt / 2][2 * (nt & 1)] = Traits<T>::pack(pe[0], pe[1]);
+      pn[nt / 2][2 * (nt & 1) + 1] = Traits<T>::pack(pe[2], pe[3]);
+    }
+  };
+
+  // Tile 0: S only (O is still zero: nothing to rescale).
+  {
+    const uint16_t* Ks = next_tile(0);
+    float s[BN / 2], alpha[2];
+    issue_s(s, Ks);
+    wgmma_wait<0>();
+    softmax(s, 0, pa, alpha);
+  }
+  // Tiles 1 .. ntiles - 1, straight-line (ptxas tracks the two groups in flight only without
+  // branches around them): S_j and P_{j-1} V_{j-1} issued, the softmax of S_j while the second runs.
+  for (int j = 1; j < ntiles; ++j) {
+    const uint16_t* Ks = next_tile(j);
+    float s[BN / 2], alpha[2];
+    uint32_t pn[BN / 16][4];
+    issue_s(s, Ks);
+    issue_pv(Ks + kTile);
+    wgmma_wait<1>();  // S_j done
+    softmax(s, j * BN, pn, alpha);
+    wgmma_wait<0>();  // P_{j-1} V_{j-1} done: O and the old P are free
+    pin_registers(o);
+    pin_registers(pa);
+#pragma unroll
+    for (int i = 0; i < DP / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = pn[kk][e];
+    }
+  }
+  // The last tile's P V.
+  issue_pv(next_tile(ntiles) + kTile);
+  wgmma_wait<0>();
+  pin_registers(o);
+
+  // O / l; lse (natural log) = m ln 2 + log(l); a row with nothing visible gets 0 and -inf.
+  uint16_t* oh = p.out + b * p.o_sb + h * p.o_sh;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    float l = l_i[rh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int i = row_a + 8 * rh;
+    if (i >= p.Lq) continue;  // no barrier or shuffle follows
+    const bool dead = l == 0.0f;
+    const float inv = dead ? 0.0f : 1.0f / l;
+    if (t == 0) {
+      p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] * 0.6931471805599453f + __logf(l);
+    }
+    uint16_t* row = oh + static_cast<int64_t>(i) * p.o_sm + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      if (dt * 8 + 2 * t < p.D) {
+        *reinterpret_cast<uint32_t*>(row + dt * 8) = Traits<T>::pack(o[4 * dt + 2 * rh] * inv, o[4 * dt + 2 * rh + 1] * inv);
+      }
+    }
+  }
+#endif
+}
