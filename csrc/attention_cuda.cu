@@ -46,8 +46,10 @@
 // may instead run fwd_wgmma_kernel (attention_wgmma.cuh: warpgroup MMA; opt-in through
 // TRANSFORMER_FAST_CUDA_WGMMA=1, head dims <= 128), and the calls fwd_dense_kernel takes then run
 // fwd_wgmma_dense_kernel (attention_wgmma_dense.cuh: two warpgroups, 128 x 128 tiles, the
-// softmax of one tile overlapping the MMAs of the previous).  Out of scope for this version
-// (benchmarks/NOTES.md): deeper pipelines, TMA, a wgmma backward, padding-tile skipping.
+// softmax of one tile overlapping the MMAs of the previous), their backward
+// dkdv_wgmma_dense_kernel and dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh).  Out of
+// scope for this version (benchmarks/NOTES.md): TMA, warp specialisation, swizzled tiles, a
+// wgmma backward for masked calls, padding-tile skipping.
 // It exists to be correct first; its speed has not been measured.
 //
 // TF_CUDA_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
@@ -540,6 +542,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
 #include "attention_dense_dq.cuh"   // dq_dense_kernel: the same calls' dQ
 #include "attention_dense_dkdv.cuh" // dkdv_dense_kernel: their dK / dV
 #include "attention_wgmma_dense.cuh" // fwd_wgmma_dense_kernel: the dense calls on wgmma (opt-in, unverified)
+#include "attention_wgmma_dkdv.cuh"  // dkdv_wgmma_dense_kernel: their dK / dV (the same)
+#include "attention_wgmma_dq.cuh"    // dq_wgmma_dense_kernel: their dQ (the same)
 
 // ---------------------------------------------------------------------------------------------
 // Backward: dK, dV
@@ -973,8 +977,10 @@ bool emulate_wgmma_forward = false;  // the emulation harness chooses the kernel
 bool wgmma_forward(const Tensor&) { return emulate_wgmma_forward; }
 #endif
 
+// wgmma: the dense dK / dV and dQ on dkdv_wgmma_dense_kernel / dq_wgmma_dense_kernel (the wgmma
+// forward's switch, sm_90a).
 template <typename T, int DP, bool kDense = false>
-void run_bwd(const Params& pkv, const Params& pq) {
+void run_bwd(const Params& pkv, const Params& pq, bool wgmma = false) {
   const int64_t kv_blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kKvBN - 1) / kKvBN);
   const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (DP + kPad) * sizeof(uint16_t) +
                          size_t{4} * kKvBM * sizeof(float);
@@ -982,7 +988,12 @@ void run_bwd(const Params& pkv, const Params& pq) {
     const auto even = [](int64_t x) { return x % 2 == 0; };
     const bool dv_pairs = reinterpret_cast<uintptr_t>(pkv.out2) % 4 == 0 && even(pkv.o2_sb) && even(pkv.o2_sh) &&
                           even(pkv.o2_sm);
-    if (pkv.vec16 && out_pairs_aligned(pkv) && dv_pairs) {  // dkdv_dense_kernel (attention_dense_dkdv.cuh)
+    if (wgmma && pkv.vec16 && out_pairs_aligned(pkv) && dv_pairs) {  // attention_wgmma_dkdv.cuh
+      const int64_t blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kWkBN - 1) / kWkBN);
+      constexpr size_t smem = wgmma_dkdv_smem_bytes<DP>();
+      pkv.causal ? launch_threads(dkdv_wgmma_dense_kernel<T, DP, true>, blocks, kWdThreads, smem, pkv)
+                 : launch_threads(dkdv_wgmma_dense_kernel<T, DP, false>, blocks, kWdThreads, smem, pkv);
+    } else if (pkv.vec16 && out_pairs_aligned(pkv) && dv_pairs) {  // dkdv_dense_kernel (attention_dense_dkdv.cuh)
       pkv.causal ? launch(dkdv_dense_kernel<T, DP, true>, kv_blocks, kv_smem, pkv)
                  : launch(dkdv_dense_kernel<T, DP, false>, kv_blocks, kv_smem, pkv);
     } else {
@@ -992,6 +1003,13 @@ void run_bwd(const Params& pkv, const Params& pq) {
     launch(dkdv_kernel<T, DP, false>, kv_blocks, kv_smem, pkv);
   }
   if constexpr (kDense) {
+    if (wgmma && pq.vec16 && pq.Lk >= 1 && out_pairs_aligned(pq)) {  // attention_wgmma_dq.cuh
+      const int64_t blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kWqBM - 1) / kWqBM);
+      constexpr size_t smem = wgmma_dq_smem_bytes<DP>();
+      pq.causal ? launch_threads(dq_wgmma_dense_kernel<T, DP, true>, blocks, kWdThreads, smem, pq)
+                : launch_threads(dq_wgmma_dense_kernel<T, DP, false>, blocks, kWdThreads, smem, pq);
+      return;
+    }
     if (pq.vec16 && pq.Lk >= 1 && out_pairs_aligned(pq)) {  // dq_dense_kernel (attention_dense_dq.cuh)
       const int64_t blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDenseBM - 1) / kDenseBM);
       const size_t smem = size_t{4} * kDenseDqBN * (DP + kPad) * sizeof(uint16_t);
@@ -1126,10 +1144,11 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     // forward's fwd_dense_kernel; the same switch turns both off).
     const bool dense = p.am_type == kMaskNone && p.kpm == nullptr && p.rng == nullptr && p.D <= 128 &&
                        dense_kernels_enabled();
+    const bool wg = dense && wgmma_forward(q);  // dK / dV on wgmma too
     if (dense && head_dim_bucket(p.D) == 64) {
-      half ? run_bwd<__half, 64, true>(pkv, pq) : run_bwd<__nv_bfloat16, 64, true>(pkv, pq);
+      half ? run_bwd<__half, 64, true>(pkv, pq, wg) : run_bwd<__nv_bfloat16, 64, true>(pkv, pq, wg);
     } else if (dense) {
-      half ? run_bwd<__half, 128, true>(pkv, pq) : run_bwd<__nv_bfloat16, 128, true>(pkv, pq);
+      half ? run_bwd<__half, 128, true>(pkv, pq, wg) : run_bwd<__nv_bfloat16, 128, true>(pkv, pq, wg);
     } else switch (head_dim_bucket(p.D)) {
       case 64: half ? run_bwd<__half, 64>(pkv, pq) : run_bwd<__nv_bfloat16, 64>(pkv, pq); break;
       case 128: half ? run_bwd<__half, 128>(pkv, pq) : run_bwd<__nv_bfloat16, 128>(pkv, pq); break;

@@ -30,20 +30,21 @@ constexpr size_t wgmma_dense_smem_bytes() {
   return size_t{kWdBM + 4 * kWdBN} * DP * sizeof(uint16_t);  // Q, 2 x {K, V}
 }
 
-// This thread's share of a 128 x DP tile copy into the core-matrix layout (load_tile_cm's
+// This thread's share of a ROWS x DP tile copy into the core-matrix layout (load_tile_cm's
 // mapping over 256 threads: 8 consecutive threads fill one core matrix from 8 rows; a warp reads
 // 64 contiguous bytes of each of its 8 rows): rows r0 + i * kRowsPerPass, chunk column c0; in
 // shared memory pass i lands kRowsPerPass / 8 core matrices (64 elements each) after pass i - 1.
-template <int DP>
-struct WdCopy {
+template <int ROWS, int DP>
+struct WgCopy {
   static constexpr int kChunks = DP / 8;
   static constexpr int kRowsPerPass = kWdThreads / kChunks;
-  static constexpr int kPasses = kWdBN / kRowsPerPass;
+  static constexpr int kPasses = ROWS / kRowsPerPass;
+  static_assert(ROWS % kRowsPerPass == 0, "whole passes");
   int r0, c0, dst;  // first row, first column, shared-memory element offset of pass 0
-  __device__ __forceinline__ explicit WdCopy(int tid)
-      : r0((tid / (8 * kChunks)) * 8 + tid % 8), c0(((tid / 8) % kChunks) * 8), dst(cm_offset<kWdBN>(r0, c0)) {}
+  __device__ __forceinline__ explicit WgCopy(int tid)
+      : r0((tid / (8 * kChunks)) * 8 + tid % 8), c0(((tid / 8) % kChunks) * 8), dst(cm_offset<ROWS>(r0, c0)) {}
 
-  // Rows [0, 128) of a tile whose row 0 is `tile` (rows `ld` apart), zero-filled from row
+  // Rows [0, ROWS) of a tile whose row 0 is `tile` (rows `ld` apart), zero-filled from row
   // `nrows` and (col_ok false) in this thread's columns >= D; `base` is any valid address.
   __device__ __forceinline__ void operator()(uint16_t* s, const uint16_t* tile, const uint16_t* base, int64_t ld,
                                              int nrows, bool col_ok) const {
@@ -56,7 +57,6 @@ struct WdCopy {
     }
   }
 };
-static_assert(kWdBM == kWdBN, "Q and the K / V tiles share one copy mapping");
 
 template <typename T, int DP, bool kCausal>
 __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Params p) {
@@ -78,7 +78,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   const int mb = kCausal ? nmb - 1 - static_cast<int>(blockIdx.x % nmb) : static_cast<int>(blockIdx.x % nmb);
   const int m0 = mb * BM;
 
-  const WdCopy<DP> copy(tid);
+  static_assert(BM == BN, "Q and the K / V tiles share one copy mapping");
+  const WgCopy<BN, DP> copy(tid);
   const bool col_ok = copy.c0 < p.D;
   const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;

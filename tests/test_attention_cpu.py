@@ -319,6 +319,7 @@ std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Ten
 def cuda_emulation():
     return cuda_emulation_build("tf_attention_cuda_emu", _EMU_HARNESS,
                                 ("attention_cuda.cu", "attention_fp32_cuda.cu", "attention_wgmma.cuh", "attention_wgmma_dense.cuh",
+                                 "attention_wgmma_dkdv.cuh", "attention_wgmma_dq.cuh",
                                  "attention_dense_fwd.cuh", "attention_dense_dq.cuh", "attention_dense_dkdv.cuh",
                                  "attention_cuda.h", "attention_device.cuh", "ops.h",
                                  "philox.h"), ("fwd", "bwd", "set_wgmma", "set_dense"))
@@ -539,10 +540,12 @@ def test_cuda_dense_forward_emulated(cuda_emulation, case):
         _run_emulated(cuda_emulation, case)
 
 
-# The two-warpgroup wgmma forward (csrc/attention_wgmma_dense.cuh): the dense calls when the wgmma
-# forward is on.  128-row CTAs over 128-key tiles: one tile (the peeled first and last steps
-# only), two, and four or more (the steady-state loop with two MMA groups in flight), ragged
-# Lq / Lk, causal with Lq != Lk, both head-dim buckets and head dims below them, GQA, packed views.
+# The two-warpgroup wgmma kernels (csrc/attention_wgmma_dense.cuh forward, attention_wgmma_dkdv.cuh
+# dK / dV, attention_wgmma_dq.cuh dQ): the dense calls when the wgmma forward is on.  Forward:
+# 128-row CTAs over 128-key tiles: one tile (the peeled first and last steps only), two, and four
+# or more (the steady-state loop with two MMA groups in flight); dK / dV: 128-key CTAs over
+# 64-query tiles, one to ten per head, GQA groups; dQ: 128-row CTAs over 64-key tiles; ragged
+# Lq / Lk, causal with Lq != Lk, both head-dim buckets and head dims below them, packed views.
 _EMU_WGMMA_DENSE_CASES = [
     (1, 2, 2, 128, 128, 128, torch.bfloat16, "none", 0.0),
     (1, 2, 1, 130, 200, 64, torch.float16, "causal", 0.0),
@@ -602,6 +605,26 @@ def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal)
     args = (do, q, k, v, out, lse, None, None, causal, d ** -0.5, 0.0, None)
     want = cuda_emulation.bwd(*args)
     with _dense_forward(cuda_emulation):
+        got = cuda_emulation.bwd(*args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [40, 128])
+def test_cuda_wgmma_backward_matches_dense_emulated(cuda_emulation, d, causal):
+    """From the same forward (odd lengths, GQA): the wgmma backward's dQ, dK and dV
+    (dq_wgmma_dense_kernel, dkdv_wgmma_dense_kernel) agree with the dense mma.sync kernels' to
+    bf16 rounding."""
+    g = generator()
+    q = randn(1, 4, 150, d, dtype=torch.bfloat16, g=g)
+    k, v = randn(1, 2, 200, d, dtype=torch.bfloat16, g=g), randn(1, 2, 200, d, dtype=torch.bfloat16, g=g)
+    do = randn(1, 4, 150, d, dtype=torch.bfloat16, g=g)
+    out, lse = cuda_emulation.fwd(q, k, v, None, None, causal, d ** -0.5, 0.0, None)
+    args = (do, q, k, v, out, lse, None, None, causal, d ** -0.5, 0.0, None)
+    with _dense_forward(cuda_emulation):
+        want = cuda_emulation.bwd(*args)
+    with _wgmma_dense_forward(cuda_emulation):
         got = cuda_emulation.bwd(*args)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -110,16 +110,40 @@ def wgmma(device, monkeypatch):
     return device
 
 
-def test_wgmma_dense_forward_runs_where_it_fits(wgmma, monkeypatch):
+def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
     """With the wgmma forward on, an unmasked 16-bit forward runs fwd_wgmma_dense_kernel
-    (csrc/attention_wgmma_dense.cuh), a masked one fwd_wgmma_kernel; TRANSFORMER_FAST_CUDA_DENSE=0
-    sends both to fwd_wgmma_kernel."""
-    q = torch.randn(1, 2, 300, 128, device=wgmma, dtype=torch.bfloat16)
-    call = lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True, backend="cuda")  # noqa: E731
-    assert any("fwd_wgmma_dense_kernel" in n for n in _kernel_names(call))
+    (csrc/attention_wgmma_dense.cuh) and its backward dkdv_wgmma_dense_kernel and
+    dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); a masked one fwd_wgmma_kernel;
+    TRANSFORMER_FAST_CUDA_DENSE=0 sends both to fwd_wgmma_kernel and the generic backward."""
+    q = torch.randn(1, 2, 300, 128, device=wgmma, dtype=torch.bfloat16, requires_grad=True)
+
+    def call():
+        F.scaled_dot_product_attention(q, q, q, is_causal=True, backend="cuda").sum().backward()
+
+    names = _kernel_names(call)
+    for kernel in ("fwd_wgmma_dense_kernel", "dkdv_wgmma_dense_kernel", "dq_wgmma_dense_kernel"):
+        assert any(kernel in n for n in names), (kernel, sorted(names))
     monkeypatch.setenv(DENSE_ENV, "0")
     names = _kernel_names(call)
-    assert not any("fwd_wgmma_dense_kernel" in n for n in names) and any("fwd_wgmma_kernel" in n for n in names)
+    assert not any("wgmma_dense" in n for n in names) and any("fwd_wgmma_kernel" in n for n in names)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("d", [40, 128])
+def test_wgmma_backward_matches_dense(wgmma, monkeypatch, d, causal):
+    """From the same forward: the wgmma backward's dQ, dK and dV agree with the dense mma.sync
+    kernels' to bf16 rounding (as in the CPU emulation)."""
+    ops = torch.ops.transformer_fast_C
+    g = generator()
+    q = base._qkv(1, 4, 2, 300, 517, d, torch.bfloat16, wgmma, g)  # (q, k, v)
+    do = torch.randn_like(q[0])
+    out, lse = ops.attention_fwd(*q, None, None, causal, d ** -0.5, 0.0, None, False)
+    args = (do, *q, out, lse, None, None, causal, d ** -0.5, 0.0, None, False)
+    got = ops.attention_bwd(*args)
+    monkeypatch.delenv(WGMMA_ENV)
+    want = ops.attention_bwd(*args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -127,8 +151,10 @@ def test_wgmma_dense_forward_runs_where_it_fits(wgmma, monkeypatch):
 @pytest.mark.parametrize("shape", [(2, 4, 2, 300, 517), (1, 2, 2, 1, 129), (2, 2, 1, 256, 64), (1, 4, 4, 1024, 1024)],
                          ids=lambda s: "B{}H{}kv{}q{}k{}".format(*s))
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
-def test_wgmma_dense_forward_oracle(wgmma, dtype, d, shape, causal):
-    """fwd_wgmma_dense_kernel: 128 x 128 tiles, one to eight key tiles, ragged lengths, GQA."""
+def test_wgmma_dense_oracle(wgmma, dtype, d, shape, causal):
+    """fwd_wgmma_dense_kernel (128 x 128 tiles, one to eight key tiles) and, for the gradients,
+    dkdv_wgmma_dense_kernel (128 keys x 64-query tiles) and dq_wgmma_dense_kernel (128 rows x
+    64-key tiles): ragged lengths, GQA."""
     b, h, hkv, lq, lk = shape
     g = generator()
     q, k, v = base._qkv(b, h, hkv, lq, lk, d, dtype, wgmma, g)

@@ -1,0 +1,206 @@
+// dK / dV of the dense backward on warpgroup MMA (sm_90a): for the calls dkdv_dense_kernel takes
+// (no masks, no dropout, is_causal allowed, 16-byte aligned rows, head dim <= 128) when the wgmma
+// forward is on (TRANSFORMER_FAST_CUDA_WGMMA=1 on a Hopper with sm_90a code).  Included by
+// attention_cuda.cu after attention_wgmma_dense.cuh (WgCopy, kWdThreads) and
+// attention_dense_fwd.cuh (exp2_approx).  dQ stays on dq_dense_kernel.  Written without a GPU: it
+// has NEVER RUN ON ONE; the CPU emulation runs it against the oracle.
+//
+// dkdv_dense_kernel's algorithm in the transposed form, on 4x larger tiles: one CTA = two
+// warpgroups per (b, kv head, 128 keys), warpgroup w owning keys 64w..64w+63 (its warps 16 each);
+// K and V stay in shared memory; the loop runs over (query head of the GQA group, 64-query tile)
+// with the Q and dO tiles and the rows' lse (times log2 e) and delta double-buffered.  Per tile:
+//   S^T = K Q^T and dP^T = V dO^T: wgmma m64n64k16 from shared memory (two groups, issued together);
+//   once S^T is done (wait_group 1): P^T = exp2(S^T scale log2 e - lse log2 e), and
+//     dV += P^T dO (P^T in registers, dO MN-major) is issued while dP^T may still run;
+//   once dP^T is done (wait_group 1): dS^T = P^T (dP^T - delta), and dK += dS^T Q is issued
+//     while dV's product runs; both waited for before the barrier that ends the tile.
+// Queries past Lq and rows whose lse is -inf get P = 0 through an lse of +inf; keys past Lk need
+// no mask (their rows are never stored).  Every wgmma sits outside branches (ptxas tracks groups
+// in flight path-insensitively: see attention_wgmma_dense.cuh).
+
+constexpr int kWkBN = 128;  // keys per CTA (64 per warpgroup)
+constexpr int kWkBM = 64;   // queries per tile
+
+template <int DP>
+constexpr size_t wgmma_dkdv_smem_bytes() {
+  // K, V; 2 x {Q, dO}; 2 x {lse2, delta}
+  return size_t{2 * kWkBN + 4 * kWkBM} * DP * sizeof(uint16_t) + size_t{4} * kWkBM * sizeof(float);
+}
+
+template <typename T, int DP, bool kCausal>
+__global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const Params p) {
+  static_assert(DP == 64 || DP == 128, "head-dim buckets of the wgmma kernels");
+#if defined(__CUDA_ARCH__) && !defined(TF_SM90A)
+  __trap();  // sm_90a only, as fwd_wgmma_dense_kernel
+#else
+  constexpr int BN = kWkBN, BM = kWkBM;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* const Ks = smem;
+  uint16_t* const Vs = Ks + BN * DP;
+  uint16_t* const qo_buf = Vs + BN * DP;                                     // [2][Q, dO][BM x DP]
+  float* const stat_buf = reinterpret_cast<float*>(qo_buf + 4 * BM * DP);  // [2][lse2, delta][BM]
+
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int warp_in_wg = (tid % 128) / 32;
+  const int nnb = (p.Lk + BN - 1) / BN;
+  const int nb = blockIdx.x % nnb;
+  const int bhk = blockIdx.x / nnb;
+  const int b = bhk / p.Hkv, hk = bhk % p.Hkv, group = p.H / p.Hkv;
+  const int n0 = nb * BN;
+  const int key_w = n0 + 64 * wg + 16 * warp_in_wg;  // this warp's first key
+  const int key_a = key_w + g;                       // this thread's keys: key_a, key_a + 8
+
+  const WgCopy<BN, DP> copy_kv(tid);
+  const WgCopy<BM, DP> copy_qo(tid);
+  const bool col_ok = copy_kv.c0 < p.D;  // (the two mappings share c0)
+  {
+    const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
+    const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
+    copy_kv(Ks, kh + static_cast<int64_t>(n0) * p.k_sm, kh, p.k_sm, p.Lk - n0, col_ok);
+    copy_kv(Vs, vh + static_cast<int64_t>(n0) * p.v_sm, vh, p.v_sm, p.Lk - n0, col_ok);
+  }
+
+  float dk[DP / 2], dv[DP / 2];  // rows key_a (+8), columns 8 dt + 2 t (+1): [4 dt + e]
+#pragma unroll
+  for (int i = 0; i < DP / 2; ++i) dk[i] = dv[i] = 0.0f;
+
+  const float kLog2e = 1.4426950408889634f;
+  const float scale2 = p.scale * kLog2e;
+  const int m_start = kCausal ? n0 : 0;  // queries i < n0 see none of these keys
+  const int nm = m_start < p.Lq ? (p.Lq - m_start + BM - 1) / BM : 0;
+  const int ntiles = group * nm;
+  // Tile `it` (query head, query rows) into buffer `buf`: Q and dO by cp.async (committed with
+  // whatever this thread issued before), lse2 and delta by plain loads and stores.
+  const auto issue = [&](int it, int buf) {
+    const int h = hk * group + it / nm, m0 = m_start + (it % nm) * BM;
+    const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
+    const uint16_t* doh = p.dout + b * p.do_sb + h * p.do_sh;
+    uint16_t* dst = qo_buf + buf * 2 * BM * DP;
+    copy_qo(dst, qh + static_cast<int64_t>(m0) * p.q_sm, qh, p.q_sm, p.Lq - m0, col_ok);
+    copy_qo(dst + BM * DP, doh + static_cast<int64_t>(m0) * p.do_sm, doh, p.do_sm, p.Lq - m0, col_ok);
+    cp_async_commit();
+    float* st_ = stat_buf + buf * 2 * BM;
+    if (tid < 2 * BM) {  // lse2 (threads 0..BM-1), delta (BM..2BM-1)
+      const int r = tid % BM, i = m0 + r;
+      const int64_t at = (static_cast<int64_t>(b) * p.H + h) * p.Lq + i;
+      if (tid < BM) {
+        const float l = i < p.Lq ? p.lse[at] : -INFINITY;
+        st_[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // +inf: P = 0 on the whole row
+      } else {
+        st_[BM + r] = i < p.Lq ? p.delta[at] : 0.0f;
+      }
+    }
+  };
+
+  // Descriptor strides (bytes): K / V (BN rows) and Q / dO (BM rows) as K-major operands step 8
+  // columns by ROWS * 16 and 8 rows by kCore; Q / dO as MN-major B operands the other way round.
+  constexpr uint32_t kCore = 128;
+  if (ntiles > 0) {
+    issue(0, 0);  // one group with K / V
+  } else {
+    cp_async_commit();
+  }
+  for (int it = 0; it < ntiles; ++it) {
+    const int m0 = m_start + (it % nm) * BM;
+    const int buf = it & 1;
+    cp_async_wait<0>();        // this thread's copies of tile `it` (and of K / V) have landed
+    fence_proxy_async_smem();  // ... visible to the tensor cores' proxy
+    __syncthreads();           // everyone's; everyone is done with buffer buf ^ 1
+    if (it + 1 < ntiles) issue(it + 1, buf ^ 1);
+    const uint16_t* Qs = qo_buf + buf * 2 * BM * DP;
+    const uint16_t* Os = Qs + BM * DP;  // dO tile
+    const float* lse_s = stat_buf + buf * 2 * BM;
+    const float* delta_s = lse_s + BM;
+
+    float st[BM / 2], dpt[BM / 2];  // S^T, dP^T: rows = keys, columns = queries 8 nt + 2 t (+1)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) st[i] = dpt[i] = 0.0f;
+    pin_registers(st);
+    pin_registers(dpt);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < DP / 16; ++kc) {
+      wgmma_m64n64k16_ss<T>(st, wgmma_desc(Ks + cm_offset<BN>(64 * wg, 16 * kc), BN * 16, kCore),
+                            wgmma_desc(Qs + cm_offset<BM>(0, 16 * kc), BM * 16, kCore), kc);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kc = 0; kc < DP / 16; ++kc) {
+      wgmma_m64n64k16_ss<T>(dpt, wgmma_desc(Vs + cm_offset<BN>(64 * wg, 16 * kc), BN * 16, kCore),
+                            wgmma_desc(Os + cm_offset<BM>(0, 16 * kc), BM * 16, kCore), kc);
+    }
+    wgmma_commit();
+
+    // P^T (fp32 in st; packed as the A operand of dV += P^T dO).  Causal: key j > query i is
+    // masked (a warp-uniform test per tile).
+    wgmma_wait<1>();
+    pin_registers(st);
+    const bool edge = kCausal && key_w + 15 > m0;
+    uint32_t pa[BM / 16][4];
+#pragma unroll
+    for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ii = nt * 8 + 2 * t + (e & 1);
+        float x = st[4 * nt + e] * scale2;
+        if (edge) x = key_a + 8 * (e >> 1) > m0 + ii ? -INFINITY : x;
+        st[4 * nt + e] = exp2_approx(x - lse_s[ii]);
+      }
+      pa[nt / 2][2 * (nt & 1)] = Traits<T>::pack(st[4 * nt], st[4 * nt + 1]);
+      pa[nt / 2][2 * (nt & 1) + 1] = Traits<T>::pack(st[4 * nt + 2], st[4 * nt + 3]);
+    }
+    pin_registers(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      wgmma_m64k16_rs<T, DP>(dv, pa[kk], wgmma_desc(Os + cm_offset<BM>(16 * kk, 0), kCore, BM * 16));
+    }
+    wgmma_commit();
+
+    // dS^T = P^T (dP^T - delta), packed as the A operand of dK += dS^T Q.
+    wgmma_wait<1>();
+    pin_registers(dpt);
+    uint32_t sa[BM / 16][4];
+#pragma unroll
+    for (int nt = 0; nt < BM / 8; ++nt) {
+      float ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ds[e] = st[4 * nt + e] * (dpt[4 * nt + e] - delta_s[nt * 8 + 2 * t + (e & 1)]);
+      sa[nt / 2][2 * (nt & 1)] = Traits<T>::pack(ds[0], ds[1]);
+      sa[nt / 2][2 * (nt & 1) + 1] = Traits<T>::pack(ds[2], ds[3]);
+    }
+    pin_registers(sa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      wgmma_m64k16_rs<T, DP>(dk, sa[kk], wgmma_desc(Qs + cm_offset<BM>(16 * kk, 0), kCore, BM * 16));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // both products done: their A registers and this buffer are free
+    pin_registers(dv);
+    pin_registers(dk);
+    pin_registers(pa);
+    pin_registers(sa);
+  }
+  if (ntiles == 0) cp_async_wait<0>();  // K / V copies still owe their completion
+
+  // dk (times scale), dv: (B, Hkv, Lk, D) through their strides, in element pairs.
+  uint16_t* dkh = p.out + b * p.o_sb + hk * p.o_sh;
+  uint16_t* dvh = p.out2 + b * p.o2_sb + hk * p.o2_sh;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int j = key_a + 8 * rh;
+    if (j >= p.Lk) continue;
+    uint16_t* krow = dkh + static_cast<int64_t>(j) * p.o_sm + 2 * t;
+    uint16_t* vrow = dvh + static_cast<int64_t>(j) * p.o2_sm + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      if (dt * 8 + 2 * t < p.D) {
+        *reinterpret_cast<uint32_t*>(krow + dt * 8) =
+            Traits<T>::pack(dk[4 * dt + 2 * rh] * p.scale, dk[4 * dt + 2 * rh + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(vrow + dt * 8) = Traits<T>::pack(dv[4 * dt + 2 * rh], dv[4 * dt + 2 * rh + 1]);
+      }
+    }
+  }
+#endif
+}

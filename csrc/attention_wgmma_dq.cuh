@@ -1,0 +1,160 @@
+// dQ of the dense backward on warpgroup MMA (sm_90a): for the calls dq_dense_kernel takes (no
+// masks, no dropout, is_causal allowed, 16-byte aligned rows, head dim <= 128) when the wgmma
+// forward is on (TRANSFORMER_FAST_CUDA_WGMMA=1 on a Hopper with sm_90a code).  Included by
+// attention_cuda.cu after attention_wgmma_dkdv.cuh.  Written without a GPU: it has NEVER RUN ON
+// ONE; the CPU emulation runs it against the oracle.
+//
+// dq_dense_kernel's algorithm on 2x larger tiles: one CTA = two warpgroups per (b, h, 128 query
+// rows), warpgroup w owning rows 64w..64w+63; Q and dO stay in shared memory; 64-key tiles of K
+// and V double-buffered by cp.async.  Per tile: S = Q K^T and dP = dO V^T as two wgmma
+// m64n64k16 groups from shared memory; once S is done (wait_group 1), P = exp2(S scale log2 e -
+// lse log2 e) while dP runs; then dS = P (dP - delta) and dQ += dS K (dS in registers, K
+// MN-major), waited for before the barrier that ends the tile (the next refill overwrites it).
+// Rows past Lq and rows whose lse is -inf get P = 0 through an lse of +inf; keys past Lk and
+// (causal) past the row are masked behind a warp-uniform test.
+
+constexpr int kWqBM = 128;  // query rows per CTA (64 per warpgroup)
+constexpr int kWqBN = 64;   // keys per tile
+
+template <int DP>
+constexpr size_t wgmma_dq_smem_bytes() {
+  return size_t{2 * kWqBM + 4 * kWqBN} * DP * sizeof(uint16_t);  // Q, dO, 2 x {K, V}
+}
+
+template <typename T, int DP, bool kCausal>
+__global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Params p) {
+  static_assert(DP == 64 || DP == 128, "head-dim buckets of the wgmma kernels");
+#if defined(__CUDA_ARCH__) && !defined(TF_SM90A)
+  __trap();  // sm_90a only, as fwd_wgmma_dense_kernel
+#else
+  constexpr int BM = kWqBM, BN = kWqBN, kTile = BN * DP;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t* const Qs = smem;
+  uint16_t* const Os = Qs + BM * DP;      // dO
+  uint16_t* const kv = Os + BM * DP;      // [2 buffers][K, V][BN x DP]
+
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int warp_in_wg = (tid % 128) / 32;
+  const int nmb = (p.Lq + BM - 1) / BM;
+  const int bh = blockIdx.x / nmb, b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
+  // Causal: the query blocks with the most key tiles start first.
+  const int mb = kCausal ? nmb - 1 - static_cast<int>(blockIdx.x % nmb) : static_cast<int>(blockIdx.x % nmb);
+  const int m0 = mb * BM;
+  const int row_w = m0 + 64 * wg + 16 * warp_in_wg;  // this warp's first row
+  const int row_a = row_w + g;                       // this thread's rows: row_a, row_a + 8
+
+  const WgCopy<BM, DP> copy_qo(tid);
+  const WgCopy<BN, DP> copy_kv(tid);
+  const bool col_ok = copy_qo.c0 < p.D;  // (the two mappings share c0)
+  const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
+  const uint16_t* doh = p.dout + b * p.do_sb + h * p.do_sh;
+  const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
+
+  const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
+  const int ntiles = (n_end + BN - 1) / BN;
+  // Prologue: Q, dO and key tile 0 (buffer 0), one group.
+  copy_qo(Qs, qh + static_cast<int64_t>(m0) * p.q_sm, qh, p.q_sm, p.Lq - m0, col_ok);
+  copy_qo(Os, doh + static_cast<int64_t>(m0) * p.do_sm, doh, p.do_sm, p.Lq - m0, col_ok);
+  copy_kv(kv, kh, kh, p.k_sm, p.Lk, col_ok);
+  copy_kv(kv + kTile, vh, vh, p.v_sm, p.Lk, col_ok);
+  cp_async_commit();
+
+  const float kLog2e = 1.4426950408889634f;
+  const float scale2 = p.scale * kLog2e;
+  float lse2[2], delta_r[2];
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int i = row_a + 8 * rh;
+    const float l = i < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + i] : -INFINITY;
+    lse2[rh] = l == -INFINITY ? INFINITY : l * kLog2e;  // +inf: P = 0 on the whole row
+    delta_r[rh] = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
+  }
+  float dq[DP / 2];  // rows row_a (+8), columns 8 dt + 2 t (+1): [4 dt + e]
+#pragma unroll
+  for (int i = 0; i < DP / 2; ++i) dq[i] = 0.0f;
+
+  constexpr uint32_t kCore = 128;
+  for (int it = 0; it < ntiles; ++it) {
+    const int n0 = it * BN;
+    cp_async_wait<0>();        // this thread's copies of tile `it` (and of Q / dO) have landed
+    fence_proxy_async_smem();  // ... visible to the tensor cores' proxy
+    __syncthreads();           // everyone's; everyone is done with buffer (it + 1) % 2
+    if (it + 1 < ntiles) {
+      uint16_t* nb = kv + ((it + 1) & 1) * 2 * kTile;
+      const int n1 = n0 + BN;
+      copy_kv(nb, kh + static_cast<int64_t>(n1) * p.k_sm, kh, p.k_sm, p.Lk - n1, col_ok);
+      copy_kv(nb + kTile, vh + static_cast<int64_t>(n1) * p.v_sm, vh, p.v_sm, p.Lk - n1, col_ok);
+      cp_async_commit();
+    }
+    const uint16_t* Ks = kv + (it & 1) * 2 * kTile;
+    const uint16_t* Vs = Ks + kTile;
+
+    float s[BN / 2], dp[BN / 2];  // S, dP: this thread's rows, keys n0 + 8 nt + 2 t (+1)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = dp[i] = 0.0f;
+    pin_registers(s);
+    pin_registers(dp);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < DP / 16; ++kc) {
+      wgmma_m64n64k16_ss<T>(s, wgmma_desc(Qs + cm_offset<BM>(64 * wg, 16 * kc), BM * 16, kCore),
+                            wgmma_desc(Ks + cm_offset<BN>(0, 16 * kc), BN * 16, kCore), kc);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kc = 0; kc < DP / 16; ++kc) {
+      wgmma_m64n64k16_ss<T>(dp, wgmma_desc(Os + cm_offset<BM>(64 * wg, 16 * kc), BM * 16, kCore),
+                            wgmma_desc(Vs + cm_offset<BN>(0, 16 * kc), BN * 16, kCore), kc);
+    }
+    wgmma_commit();
+
+    wgmma_wait<1>();  // S done: P while dP runs
+    pin_registers(s);
+    const bool edge = (kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk;  // warp-uniform
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      const float x = dense_masked<kCausal>(s[i] * scale2, edge, n0 + 8 * (i / 4) + 2 * t + (i & 1),
+                                            row_a + 8 * ((i >> 1) & 1), p.Lk);
+      s[i] = exp2_approx(x - lse2[(i >> 1) & 1]);
+    }
+    wgmma_wait<0>();
+    pin_registers(dp);
+    uint32_t sa[BN / 16][4];  // dS as the A operand of keys 16kk..16kk+15
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      float ds[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ds[e] = s[4 * nt + e] * (dp[4 * nt + e] - delta_r[e >> 1]);
+      sa[nt / 2][2 * (nt & 1)] = Traits<T>::pack(ds[0], ds[1]);
+      sa[nt / 2][2 * (nt & 1) + 1] = Traits<T>::pack(ds[2], ds[3]);
+    }
+    pin_registers(sa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      wgmma_m64k16_rs<T, DP>(dq, sa[kk], wgmma_desc(Ks + cm_offset<BN>(16 * kk, 0), kCore, BN * 16));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // before the next barrier lets this buffer be refilled
+    pin_registers(dq);
+    pin_registers(sa);
+  }
+  if (ntiles == 0) cp_async_wait<0>();
+
+  uint16_t* dqh = p.out + b * p.o_sb + h * p.o_sh;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int i = row_a + 8 * rh;
+    if (i >= p.Lq) continue;
+    uint16_t* row = dqh + static_cast<int64_t>(i) * p.o_sm + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < DP / 8; ++dt) {
+      if (dt * 8 + 2 * t < p.D) {
+        *reinterpret_cast<uint32_t*>(row + dt * 8) =
+            Traits<T>::pack(dq[4 * dt + 2 * rh] * p.scale, dq[4 * dt + 2 * rh + 1] * p.scale);
+      }
+    }
+  }
+#endif
+}
