@@ -7,7 +7,10 @@
 // Per variant: registers, CTAs/SM from the occupancy API, median / p20 / p80 ms over 25 timed
 // runs (device events, after 3 warm-ups), TFLOP/s (4 B H L^2 D, halved for causal), max |err|
 // against an fp32 reference on two (b, h) slices, and NaN count of the whole output (outputs
-// are poisoned with NaN before the checked run, so an unwritten element shows).
+// are poisoned with NaN before the checked run, so an unwritten element shows).  Then (not with
+// --once) the dense backward pairs, mma.sync (dkdv_dense_kernel + dq_dense_kernel) against wgmma
+// (dkdv_wgmma_dense_kernel + dq_wgmma_dense_kernel), from one forward: median ms, TFLOP/s of the
+// backward alone, the max |difference| of dQ / dK / dV between the two, NaN count.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,6 +36,10 @@ using namespace attn_device;
 #include "wgmma_dense.inc"  // draft: the wgmma kernel with change 1 only
 #include "attention_dense_fwd.cuh"  // the package's port of fwd_dense.cuh (4 warps, 2 CTAs/SM)
 #include "attention_wgmma_dense.cuh"  // the package's two-warpgroup wgmma forward (plan step 2)
+#include "attention_dense_dq.cuh"      // the package's dense backward (mma.sync) ...
+#include "attention_dense_dkdv.cuh"
+#include "attention_wgmma_dkdv.cuh"    // ... and its wgmma twin
+#include "attention_wgmma_dq.cuh"
 }  // namespace
 }  // namespace transformer_fast
 
@@ -58,6 +65,24 @@ __global__ void init_kernel(__nv_bfloat16* x, size_t n, uint32_t seed) {
     }
     x[i] = __float2bfloat16((acc - 2.0f) * 1.7320508f);  // ~N(0, 1)
   }
+}
+
+// delta_i = rowsum(dO_i * O_i) in fp32 (one thread per row; the package computes it with ATen).
+__global__ void delta_kernel(const __nv_bfloat16* dout, const __nv_bfloat16* out, float* delta, size_t rows, int D) {
+  for (size_t r = blockIdx.x * (size_t)blockDim.x + threadIdx.x; r < rows; r += (size_t)gridDim.x * blockDim.x) {
+    float acc = 0.f;
+    for (int d = 0; d < D; ++d) acc += __bfloat162float(dout[r * D + d]) * __bfloat162float(out[r * D + d]);
+    delta[r] = acc;
+  }
+}
+
+__global__ void max_abs_diff_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, size_t n, unsigned* out) {
+  float m = 0.f;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const float d = fabsf(__bfloat162float(a[i]) - __bfloat162float(b[i]));
+    m = isnan(d) ? INFINITY : fmaxf(m, d);
+  }
+  atomicMax(out, __float_as_uint(m));  // non-negative floats order as their bit patterns
 }
 
 __global__ void poison_kernel(uint16_t* x, size_t n) {
@@ -171,6 +196,20 @@ int main(int argc, char** argv) {
   for (auto& v : all) {
     CK(cudaFuncSetAttribute(v.func, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)v.smem));
   }
+  {
+    const int kv_smem = (int)((size_t{2} * kKvBN + size_t{4} * kKvBM) * (128 + kPad) * 2 + size_t{4} * kKvBM * 4);
+    const int q_smem = (int)(size_t{4} * kDenseDqBN * (128 + kPad) * 2);
+    const std::pair<const void*, int> bwd[] = {
+        {(const void*)dkdv_dense_kernel<__nv_bfloat16, 128, false>, kv_smem},
+        {(const void*)dkdv_dense_kernel<__nv_bfloat16, 128, true>, kv_smem},
+        {(const void*)dq_dense_kernel<__nv_bfloat16, 128, false>, q_smem},
+        {(const void*)dq_dense_kernel<__nv_bfloat16, 128, true>, q_smem},
+        {(const void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, false>, (int)wgmma_dkdv_smem_bytes<128>()},
+        {(const void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, true>, (int)wgmma_dkdv_smem_bytes<128>()},
+        {(const void*)dq_wgmma_dense_kernel<__nv_bfloat16, 128, false>, (int)wgmma_dq_smem_bytes<128>()},
+        {(const void*)dq_wgmma_dense_kernel<__nv_bfloat16, 128, true>, (int)wgmma_dq_smem_bytes<128>()}};
+    for (const auto& [f, bytes] : bwd) CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  }
 
   struct Shape { int B, H, L; };
   std::vector<Shape> shapes = {{16, 16, 1024}, {4, 16, 4096}};
@@ -270,6 +309,104 @@ int main(int argc, char** argv) {
         fflush(stdout);
         table.push_back(line);
       }
+    }
+    if (!once) {
+      // Backward: the dense kernels (mma.sync: dkdv_dense_kernel + dq_dense_kernel) against their
+      // wgmma twins (dkdv_wgmma_dense_kernel + dq_wgmma_dense_kernel), from one forward (O, lse
+      // by fwd_dense_kernel), dO ~ N(0, 1).  Checked: max |difference| of dQ / dK / dV between the
+      // two (bf16 rounding expected, ~1e-2) and NaNs; TFLOP/s at the benchmarks' 2.5x count.
+      __nv_bfloat16 *dout, *grads[2][3];
+      float* delta;
+      unsigned* diff;
+      CK(cudaMalloc(&dout, n * 2)); CK(cudaMalloc(&delta, (size_t)sh.B * sh.H * sh.L * 4)); CK(cudaMalloc(&diff, 4));
+      for (auto& gv : grads) for (auto& gp : gv) CK(cudaMalloc(&gp, n * 2));
+      init_kernel<<<1024, 256>>>(dout, n, 4u);
+      for (int causal = 0; causal < (quick ? 1 : 2); ++causal) {
+        Params p{};
+        p.q = (const uint16_t*)q; p.k = (const uint16_t*)k; p.v = (const uint16_t*)v; p.out = (uint16_t*)o;
+        p.lse_out = lse;
+        p.q_sb = p.k_sb = p.v_sb = p.o_sb = p.do_sb = p.o2_sb = (int64_t)sh.H * sh.L * D;
+        p.q_sh = p.k_sh = p.v_sh = p.o_sh = p.do_sh = p.o2_sh = (int64_t)sh.L * D;
+        p.q_sm = p.k_sm = p.v_sm = p.o_sm = p.do_sm = p.o2_sm = D;
+        p.B = sh.B; p.H = sh.H; p.Hkv = sh.H; p.Lq = sh.L; p.Lk = sh.L; p.D = D;
+        p.scale = scale; p.causal = causal; p.am_type = 0; p.vec16 = true;
+        const int fwd_blocks = sh.B * sh.H * (sh.L / 64);
+        causal ? launch_any(fwd_dense_kernel<__nv_bfloat16, 128, true>, p, fwd_blocks, 128, smem_repo, st)
+               : launch_any(fwd_dense_kernel<__nv_bfloat16, 128, false>, p, fwd_blocks, 128, smem_repo, st);
+        delta_kernel<<<1024, 256, 0, st>>>(dout, o, delta, (size_t)sh.B * sh.H * sh.L, D);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        p.dout = (const uint16_t*)dout; p.lse = lse; p.delta = delta;
+        const double flops = 2.5 * 4.0 * sh.B * sh.H * (double)sh.L * sh.L * D * (causal ? 0.5 : 1.0);
+        for (int wg = 0; wg < 2; ++wg) {
+          Params pkv = p, pq = p;
+          pkv.out = (uint16_t*)grads[wg][1]; pkv.out2 = (uint16_t*)grads[wg][2]; pq.out = (uint16_t*)grads[wg][0];
+          auto run = [&]() {
+            if (wg == 0) {
+              const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (128 + kPad) * 2 + size_t{4} * kKvBM * 4;
+              const size_t q_smem = size_t{4} * kDenseDqBN * (128 + kPad) * 2;
+              const int kvb = sh.B * sh.H * (sh.L / 64), qb = sh.B * sh.H * (sh.L / 64);
+              causal ? launch_any(dkdv_dense_kernel<__nv_bfloat16, 128, true>, pkv, kvb, 128, kv_smem, st)
+                     : launch_any(dkdv_dense_kernel<__nv_bfloat16, 128, false>, pkv, kvb, 128, kv_smem, st);
+              causal ? launch_any(dq_dense_kernel<__nv_bfloat16, 128, true>, pq, qb, 128, q_smem, st)
+                     : launch_any(dq_dense_kernel<__nv_bfloat16, 128, false>, pq, qb, 128, q_smem, st);
+            } else {
+              const int kvb = sh.B * sh.H * (sh.L / kWkBN), qb = sh.B * sh.H * (sh.L / kWqBM);
+              causal ? launch_any(dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, true>, pkv, kvb, kWdThreads, wgmma_dkdv_smem_bytes<128>(), st)
+                     : launch_any(dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, false>, pkv, kvb, kWdThreads, wgmma_dkdv_smem_bytes<128>(), st);
+              causal ? launch_any(dq_wgmma_dense_kernel<__nv_bfloat16, 128, true>, pq, qb, kWdThreads, wgmma_dq_smem_bytes<128>(), st)
+                     : launch_any(dq_wgmma_dense_kernel<__nv_bfloat16, 128, false>, pq, qb, kWdThreads, wgmma_dq_smem_bytes<128>(), st);
+            }
+          };
+          for (auto* gp : grads[wg]) poison_kernel<<<1024, 256, 0, st>>>((uint16_t*)gp, n);
+          run();
+          CK(cudaStreamSynchronize(st));
+          CK(cudaGetLastError());
+          unsigned long long nans = 0;
+          for (auto* gp : grads[wg]) {
+            CK(cudaMemset(nan_count, 0, 8));
+            count_nan_kernel<<<1024, 256>>>(gp, n, nan_count);
+            unsigned long long c = 0;
+            CK(cudaMemcpy(&c, nan_count, 8, cudaMemcpyDeviceToHost));
+            nans += c;
+          }
+          float maxdiff[3] = {0, 0, 0};
+          if (wg == 1) {
+            for (int gi = 0; gi < 3; ++gi) {
+              CK(cudaMemset(diff, 0, 4));
+              max_abs_diff_kernel<<<1024, 256>>>(grads[0][gi], grads[1][gi], n, diff);
+              unsigned bits = 0;
+              CK(cudaMemcpy(&bits, diff, 4, cudaMemcpyDeviceToHost));
+              std::memcpy(&maxdiff[gi], &bits, 4);
+            }
+          }
+          for (int w = 0; w < 3; ++w) run();
+          std::vector<float> ms;
+          for (int r = 0; r < 25; ++r) {
+            CK(cudaEventRecord(e0, st));
+            run();
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float tms;
+            CK(cudaEventElapsedTime(&tms, e0, e1));
+            ms.push_back(tms);
+          }
+          CK(cudaGetLastError());
+          std::sort(ms.begin(), ms.end());
+          const float med = ms[ms.size() / 2];
+          char line[512];
+          snprintf(line, sizeof line,
+                   "| B%d H%d L%d D%d | %s | backward %-20s | %.3f | %.3f-%.3f | bwd alone %.1f TFLOP/s (1.5x count) | |dq|,|dk|,|dv| diff vs dense %.4f %.4f %.4f | NaNs %llu |",
+                   sh.B, sh.H, sh.L, D, causal ? "causal" : "none", wg ? "wgmma (dkdv+dq)" : "dense (dkdv+dq)", med,
+                   ms[ms.size() / 5], ms[ms.size() * 4 / 5], flops * 0.6 / (med * 1e-3) / 1e12, maxdiff[0], maxdiff[1],
+                   maxdiff[2], nans);
+          printf("%s\n", line);
+          fflush(stdout);
+          table.push_back(line);
+        }
+      }
+      CK(cudaFree(dout)); CK(cudaFree(delta)); CK(cudaFree(diff));
+      for (auto& gv : grads) for (auto& gp : gv) CK(cudaFree(gp));
     }
     CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v)); CK(cudaFree(o)); CK(cudaFree(lse)); CK(cudaFree(ref)); CK(cudaFree(nan_count));
   }

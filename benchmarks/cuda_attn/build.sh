@@ -1,6 +1,7 @@
 #!/bin/bash
 # Builds attn_bench against the repo's csrc/ forward kernels (extracted unchanged, and the
-# package's attention_dense_fwd.cuh) + the draft fwd_dense.cuh it was ported from.
+# package's attention_dense_fwd.cuh / attention_wgmma_dense.cuh), the dense backward kernels
+# (attention_dense_{dq,dkdv}.cuh, attention_wgmma_{dkdv,dq}.cuh) + the draft fwd_dense.cuh.
 # Usage: REPO=/path/to/repo ./build.sh   (default REPO: two levels up, i.e. benchmarks/cuda_attn/..)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -8,7 +9,8 @@ REPO="${REPO:-$(cd "$HERE/../.." && pwd)}"
 GEN="$HERE/gen"
 mkdir -p "$GEN"
 cp "$REPO/csrc/attention_device.cuh" "$REPO/csrc/philox.h" "$REPO/csrc/attention_wgmma.cuh" \
-   "$REPO/csrc/attention_dense_fwd.cuh" "$REPO/csrc/attention_wgmma_dense.cuh" "$GEN/"
+   "$REPO/csrc/attention_dense_fwd.cuh" "$REPO/csrc/attention_dense_dq.cuh" "$REPO/csrc/attention_dense_dkdv.cuh" \
+   "$REPO/csrc/attention_wgmma_dense.cuh" "$REPO/csrc/attention_wgmma_dkdv.cuh" "$REPO/csrc/attention_wgmma_dq.cuh" "$GEN/"
 # A torch-free attention_cuda.h: the mask enum and AttentionParams taken from the repo's header
 # (the rest of it needs ATen), so the harness compiles against the kernels' real Params.
 {
