@@ -230,13 +230,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
     if (t == 0) {
       p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] * 0.6931471805599453f + __logf(l);
     }
-    uint16_t* row = oh + static_cast<int64_t>(i) * p.o_sm + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      if (dt * 8 + 2 * t < p.D) {
-        *reinterpret_cast<uint32_t*>(row + dt * 8) = Traits<T>::pack(o[4 * dt + 2 * rh] * inv, o[4 * dt + 2 * rh + 1] * inv);
-      }
-    }
+    store_row_pairs<T, DP>(oh + static_cast<int64_t>(i) * p.o_sm + 2 * t, reinterpret_cast<const float(*)[4]>(o), rh,
+                           inv, p.D, t);
   }
 #endif
 }

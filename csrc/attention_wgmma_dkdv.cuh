@@ -191,16 +191,10 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
   for (int rh = 0; rh < 2; ++rh) {
     const int j = key_a + 8 * rh;
     if (j >= p.Lk) continue;
-    uint16_t* krow = dkh + static_cast<int64_t>(j) * p.o_sm + 2 * t;
-    uint16_t* vrow = dvh + static_cast<int64_t>(j) * p.o2_sm + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      if (dt * 8 + 2 * t < p.D) {
-        *reinterpret_cast<uint32_t*>(krow + dt * 8) =
-            Traits<T>::pack(dk[4 * dt + 2 * rh] * p.scale, dk[4 * dt + 2 * rh + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(vrow + dt * 8) = Traits<T>::pack(dv[4 * dt + 2 * rh], dv[4 * dt + 2 * rh + 1]);
-      }
-    }
+    store_row_pairs<T, DP>(dkh + static_cast<int64_t>(j) * p.o_sm + 2 * t, reinterpret_cast<const float(*)[4]>(dk),
+                           rh, p.scale, p.D, t);
+    store_row_pairs<T, DP>(dvh + static_cast<int64_t>(j) * p.o2_sm + 2 * t, reinterpret_cast<const float(*)[4]>(dv),
+                           rh, 1.0f, p.D, t);
   }
 #endif
 }

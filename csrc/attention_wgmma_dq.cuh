@@ -147,14 +147,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
   for (int rh = 0; rh < 2; ++rh) {
     const int i = row_a + 8 * rh;
     if (i >= p.Lq) continue;
-    uint16_t* row = dqh + static_cast<int64_t>(i) * p.o_sm + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < DP / 8; ++dt) {
-      if (dt * 8 + 2 * t < p.D) {
-        *reinterpret_cast<uint32_t*>(row + dt * 8) =
-            Traits<T>::pack(dq[4 * dt + 2 * rh] * p.scale, dq[4 * dt + 2 * rh + 1] * p.scale);
-      }
-    }
+    store_row_pairs<T, DP>(dqh + static_cast<int64_t>(i) * p.o_sm + 2 * t, reinterpret_cast<const float(*)[4]>(dq),
+                           rh, p.scale, p.D, t);
   }
 #endif
 }
