@@ -1144,7 +1144,7 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     // forward's fwd_dense_kernel; the same switch turns both off).
     const bool dense = p.am_type == kMaskNone && p.kpm == nullptr && p.rng == nullptr && p.D <= 128 &&
                        dense_kernels_enabled();
-    const bool wg = dense && wgmma_forward(q);  // dK / dV on wgmma too
+    const bool wg = dense && wgmma_forward(q);  // the backward on wgmma too
     if (dense && head_dim_bucket(p.D) == 64) {
       half ? run_bwd<__half, 64, true>(pkv, pq, wg) : run_bwd<__nv_bfloat16, 64, true>(pkv, pq, wg);
     } else if (dense) {
