@@ -71,15 +71,8 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
                             r0, p.Lq - m0, col_ok);
     cp_async_commit();
     float* st_ = stat_buf + buf * 2 * BM;
-    if (tid < 2 * BM) {  // lse2 (threads 0..BM-1), delta (BM..2BM-1)
-      const int r = tid % BM, i = m0 + r;
-      const int64_t at = (static_cast<int64_t>(b) * p.H + h) * p.Lq + i;
-      if (tid < BM) {
-        const float l = i < p.Lq ? p.lse[at] : -INFINITY;
-        st_[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // +inf: P = 0 on the whole row
-      } else {
-        st_[BM + r] = i < p.Lq ? p.delta[at] : 0.0f;
-      }
+    if (tid < BM) {  // lse2, delta of the tile's rows
+      dense_row_stats(p, b * p.H + h, m0 + tid, st_[tid], st_[BM + tid]);
     }
   };
 

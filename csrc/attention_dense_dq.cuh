@@ -13,6 +13,14 @@
 
 constexpr int kDenseDqBN = 32;  // keys per tile
 
+// Row i of head bh as the dense dQ kernels use it: lse times log2 e (+inf for a row past Lq or
+// whose lse is -inf, i.e. no key visible: P = 0 on the whole row) and delta (0 past Lq).
+__device__ __forceinline__ void dense_row_stats(const Params& p, int bh, int i, float& lse2, float& delta) {
+  const float l = i < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + i] : -INFINITY;
+  lse2 = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  delta = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
+}
+
 template <typename T, int DP, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
   constexpr int BM = kDenseBM, BN = kDenseDqBN, PITCH = DP + kPad;
@@ -60,12 +68,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
   const int row_a = m0 + warp * 16 + g;  // this thread's rows: row_a, row_a + 8
   float lse2[2], delta_r[2];
 #pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int i = row_a + 8 * rh;
-    const float l = i < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + i] : -INFINITY;
-    lse2[rh] = l == -INFINITY ? INFINITY : l * kLog2e;  // +inf: P = 0 on the whole row
-    delta_r[rh] = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
-  }
+  for (int rh = 0; rh < 2; ++rh) dense_row_stats(p, bh, row_a + 8 * rh, lse2[rh], delta_r[rh]);
   float dq[DP / 8][4];
 #pragma unroll
   for (int dt = 0; dt < DP / 8; ++dt) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;

@@ -123,6 +123,29 @@ __device__ __forceinline__ DenseQueryBlock dense_query_block(const Params& p) {
   return {bh, bh / p.H, h, h / (p.H / p.Hkv), mb * kDenseBM};
 }
 
+// The end of the dense forwards (fwd_dense_kernel, fwd_wgmma_dense_kernel) for this thread's rows
+// row_a and row_a + 8 of head bh (output rows at oh): O / l, and lse (natural log) = m ln 2 +
+// log(l) from the base-2 running max m; a row with nothing visible gets 0 and -inf.  The row sums
+// are completed over the quad here (every lane must call it).
+template <typename T, int DP>
+__device__ __forceinline__ void finish_dense_rows(const Params& p, int bh, uint16_t* oh, int row_a, int t,
+                                                  const float (&m_i)[2], const float (&l_i)[2], const float (*o)[4]) {
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    float l = l_i[rh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int i = row_a + 8 * rh;
+    if (i >= p.Lq) continue;  // no barrier or shuffle follows
+    const bool dead = l == 0.0f;
+    const float inv = dead ? 0.0f : 1.0f / l;
+    if (t == 0) {
+      p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] * 0.6931471805599453f + __logf(l);
+    }
+    store_row_pairs<T, DP>(oh + static_cast<int64_t>(i) * p.o_sm + 2 * t, o, rh, inv, p.D, t);
+  }
+}
+
 template <typename T, int DP, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) {
   constexpr int BM = kDenseBM, BN = kDenseBN, PITCH = DP + kPad;
@@ -253,20 +276,5 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
     __syncthreads();  // every warp is done with this buffer before it is refilled
   }
 
-  // O / l; lse (natural log) = m * ln 2 + log(l); a row with nothing visible gets 0 and -inf.
-  uint16_t* oh = p.out + b * p.o_sb + h * p.o_sh;
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    float l = l_i[rh];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int i = row_a + 8 * rh;
-    if (i >= p.Lq) continue;  // no barrier or shuffle follows
-    const bool dead = l == 0.0f;
-    const float inv = dead ? 0.0f : 1.0f / l;
-    if (t == 0) {
-      p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] * 0.6931471805599453f + __logf(l);
-    }
-    store_row_pairs<T, DP>(oh + static_cast<int64_t>(i) * p.o_sm + 2 * t, o, rh, inv, p.D, t);
-  }
+  finish_dense_rows<T, DP>(p, bh, p.out + b * p.o_sb + h * p.o_sh, row_a, t, m_i, l_i, o);
 }

@@ -58,6 +58,14 @@ struct WgCopy {
   }
 };
 
+// A warpgroup accumulator block (8 K columns per m16n8 C-layout group) as the register A operand
+// of its K 16-wide k slabs: acc_to_a per slab.
+template <typename T, int K>
+__device__ __forceinline__ void acc_to_a_slabs(uint32_t (&a)[K][4], const float (&acc)[8 * K]) {
+#pragma unroll
+  for (int kk = 0; kk < K; ++kk) acc_to_a<T>(a[kk], reinterpret_cast<const float(*)[4]>(acc), kk);
+}
+
 template <typename T, int DP, bool kCausal>
 __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Params p) {
   static_assert(DP == 64 || DP == 128, "head-dim buckets of the wgmma forward");
@@ -170,16 +178,11 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
       l_i[rh] *= alpha[rh];
     }
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      float pe[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pe[e] = exp2_approx(s[4 * nt + e] - m_use[e >> 1]);  // -inf -> +0
-        l_i[e >> 1] += pe[e];
-      }
-      pn[nt / 2][2 * (nt & 1)] = Traits<T>::pack(pe[0], pe[1]);
-      pn[nt / 2][2 * (nt & 1) + 1] = Traits<T>::pack(pe[2], pe[3]);
+    for (int i = 0; i < BN / 2; ++i) {
+      s[i] = exp2_approx(s[i] - m_use[(i >> 1) & 1]);  // -inf -> +0
+      l_i[(i >> 1) & 1] += s[i];
     }
+    acc_to_a_slabs<T>(pn, s);
   };
 
   // Tile 0: S only (O is still zero: nothing to rescale).
@@ -216,22 +219,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   wgmma_wait<0>();
   pin_registers(o);
 
-  // O / l; lse (natural log) = m ln 2 + log(l); a row with nothing visible gets 0 and -inf.
-  uint16_t* oh = p.out + b * p.o_sb + h * p.o_sh;
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    float l = l_i[rh];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int i = row_a + 8 * rh;
-    if (i >= p.Lq) continue;  // no barrier or shuffle follows
-    const bool dead = l == 0.0f;
-    const float inv = dead ? 0.0f : 1.0f / l;
-    if (t == 0) {
-      p.lse_out[static_cast<int64_t>(bh) * p.Lq + i] = dead ? -INFINITY : m_i[rh] * 0.6931471805599453f + __logf(l);
-    }
-    store_row_pairs<T, DP>(oh + static_cast<int64_t>(i) * p.o_sm + 2 * t, reinterpret_cast<const float(*)[4]>(o), rh,
-                           inv, p.D, t);
-  }
+  finish_dense_rows<T, DP>(p, bh, p.out + b * p.o_sb + h * p.o_sh, row_a, t, m_i, l_i,
+                           reinterpret_cast<const float(*)[4]>(o));
 #endif
 }

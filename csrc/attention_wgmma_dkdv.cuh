@@ -80,15 +80,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
     copy_qo(dst + BM * DP, doh + static_cast<int64_t>(m0) * p.do_sm, doh, p.do_sm, p.Lq - m0, col_ok);
     cp_async_commit();
     float* st_ = stat_buf + buf * 2 * BM;
-    if (tid < 2 * BM) {  // lse2 (threads 0..BM-1), delta (BM..2BM-1)
-      const int r = tid % BM, i = m0 + r;
-      const int64_t at = (static_cast<int64_t>(b) * p.H + h) * p.Lq + i;
-      if (tid < BM) {
-        const float l = i < p.Lq ? p.lse[at] : -INFINITY;
-        st_[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // +inf: P = 0 on the whole row
-      } else {
-        st_[BM + r] = i < p.Lq ? p.delta[at] : 0.0f;
-      }
+    if (tid < BM) {  // lse2, delta of the tile's rows
+      dense_row_stats(p, b * p.H + h, m0 + tid, st_[tid], st_[BM + tid]);
     }
   };
 
@@ -146,9 +139,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
         if (edge) x = key_a + 8 * (e >> 1) > m0 + ii ? -INFINITY : x;
         st[4 * nt + e] = exp2_approx(x - lse_s[ii]);
       }
-      pa[nt / 2][2 * (nt & 1)] = Traits<T>::pack(st[4 * nt], st[4 * nt + 1]);
-      pa[nt / 2][2 * (nt & 1) + 1] = Traits<T>::pack(st[4 * nt + 2], st[4 * nt + 3]);
     }
+    acc_to_a_slabs<T>(pa, st);
     pin_registers(pa);
     wgmma_fence();
 #pragma unroll
@@ -160,15 +152,10 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
     // dS^T = P^T (dP^T - delta), packed as the A operand of dK += dS^T Q.
     wgmma_wait<1>();
     pin_registers(dpt);
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) dpt[i] = st[i] * (dpt[i] - delta_s[8 * (i / 4) + 2 * t + (i & 1)]);
     uint32_t sa[BM / 16][4];
-#pragma unroll
-    for (int nt = 0; nt < BM / 8; ++nt) {
-      float ds[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ds[e] = st[4 * nt + e] * (dpt[4 * nt + e] - delta_s[nt * 8 + 2 * t + (e & 1)]);
-      sa[nt / 2][2 * (nt & 1)] = Traits<T>::pack(ds[0], ds[1]);
-      sa[nt / 2][2 * (nt & 1) + 1] = Traits<T>::pack(ds[2], ds[3]);
-    }
+    acc_to_a_slabs<T>(sa, dpt);
     pin_registers(sa);
     wgmma_fence();
 #pragma unroll

@@ -64,12 +64,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
   const float scale2 = p.scale * kLog2e;
   float lse2[2], delta_r[2];
 #pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int i = row_a + 8 * rh;
-    const float l = i < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + i] : -INFINITY;
-    lse2[rh] = l == -INFINITY ? INFINITY : l * kLog2e;  // +inf: P = 0 on the whole row
-    delta_r[rh] = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
-  }
+  for (int rh = 0; rh < 2; ++rh) dense_row_stats(p, bh, row_a + 8 * rh, lse2[rh], delta_r[rh]);
   float dq[DP / 2];  // rows row_a (+8), columns 8 dt + 2 t (+1): [4 dt + e]
 #pragma unroll
   for (int i = 0; i < DP / 2; ++i) dq[i] = 0.0f;
@@ -120,15 +115,10 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
     }
     wgmma_wait<0>();
     pin_registers(dp);
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) dp[i] = s[i] * (dp[i] - delta_r[(i >> 1) & 1]);  // dS
     uint32_t sa[BN / 16][4];  // dS as the A operand of keys 16kk..16kk+15
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      float ds[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ds[e] = s[4 * nt + e] * (dp[4 * nt + e] - delta_r[e >> 1]);
-      sa[nt / 2][2 * (nt & 1)] = Traits<T>::pack(ds[0], ds[1]);
-      sa[nt / 2][2 * (nt & 1) + 1] = Traits<T>::pack(ds[2], ds[3]);
-    }
+    acc_to_a_slabs<T>(sa, dp);
     pin_registers(sa);
     wgmma_fence();
 #pragma unroll
