@@ -100,6 +100,78 @@ def _cublaslt_link_args(cuda_home):
 # _C carries no copy.
 SHARED_LIBSTDCXX = ["-lstdc++"]
 
+# A libstdc++ function that a static copy would define in the linked library.
+_LIBSTDCXX_PROBE_SYMBOL = "_ZNSo9_M_insertIlEERSoT_"  # std::ostream::_M_insert<long>
+_LIBSTDCXX_PROBE_SOURCE = """#include <sstream>
+#include <string>
+std::string tf_probe(long v) { std::ostringstream s; s << v; return s.str(); }
+"""
+
+
+def _links_a_static_libstdcxx(linker):
+    """Whether the link command `linker` (a list, with its -shared) puts a copy of libstdc++ into
+    a shared library even when given -lstdc++; None when that cannot be checked here."""
+    import subprocess
+    import tempfile
+
+    nm = shutil.which("nm")
+    if nm is None or not linker or shutil.which(linker[0]) is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w") as f:
+            f.write(_LIBSTDCXX_PROBE_SOURCE)
+        try:
+            subprocess.run([*linker, "-fPIC", src, "-o", lib, *SHARED_LIBSTDCXX], check=True,
+                           capture_output=True, timeout=120)
+            out = subprocess.run([nm, "--defined-only", lib], check=True, capture_output=True,
+                                 text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return _LIBSTDCXX_PROBE_SYMBOL in out
+
+
+def _shared_libstdcxx_driver(linker):
+    """The C++ driver to link with: `linker`'s own, or another (g++ / c++ on PATH) where that one
+    links libstdc++ statically whatever it is told (the second GPU image's /opt/gcc g++ does, and
+    its _C crashed on the first TORCH_CHECK message that formatted a number)."""
+    if not _links_a_static_libstdcxx(linker):
+        return linker[0]
+    own = os.path.realpath(shutil.which(linker[0]))
+    for name in ("g++", "c++", "/usr/bin/g++", "/usr/bin/c++"):
+        found = shutil.which(name)
+        if found is None or os.path.realpath(found) == own:
+            continue
+        if _links_a_static_libstdcxx([found, *linker[1:]]) is False:
+            print(f"transformer_fast: {linker[0]} links a static copy of libstdc++ into shared "
+                  f"libraries; linking _C with {found} instead")
+            return found
+    print(f"transformer_fast: WARNING: {linker[0]} links a static copy of libstdc++ into shared "
+          "libraries and no other C++ driver was found; _C may crash on C++ errors")
+    return linker[0]
+
+
+def _build_ext_class(cpp_extension):
+    base = cpp_extension.BuildExtension.with_options(use_ninja=True)
+
+    class BuildExt(base):
+        def build_extensions(self):
+            # distutils links C++ with linker_so (or linker_so_cxx) whose driver is replaced by
+            # compiler_cxx's: probe that command, and swap the driver in all three if needed.
+            cc = self.compiler
+            linker = list(getattr(cc, "linker_so_cxx", None) or cc.linker_so)
+            if getattr(cc, "compiler_cxx", None):
+                linker[0] = cc.compiler_cxx[0]
+            driver = _shared_libstdcxx_driver(linker)
+            if driver != linker[0]:
+                for attr in ("compiler_cxx", "linker_so", "linker_so_cxx"):
+                    cmd = getattr(cc, attr, None)
+                    if isinstance(cmd, list) and cmd:
+                        setattr(cc, attr, [driver, *cmd[1:]])
+            super().build_extensions()
+
+    return BuildExt
+
 
 def _extensions():
     if _env_flag("TRANSFORMER_FAST_NO_EXT"):
@@ -154,7 +226,7 @@ def _extensions():
             extra_link_args=["-fopenmp"] + SHARED_LIBSTDCXX,
         )
     print(f"transformer_fast: building _C with CUDA={'yes (' + cuda_home + ')' if use_cuda else 'no'}")
-    cmdclass = {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+    cmdclass = {"build_ext": _build_ext_class(cpp_extension)}
     return [ext], cmdclass
 
 
