@@ -16,6 +16,7 @@ Mask kinds (DESIGN section 8):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -490,17 +491,28 @@ def _leaves(inputs: dict, names) -> list[torch.Tensor]:
 _COMPILED: dict = {}
 
 
+@contextlib.contextmanager
+def _wgmma_switch(provider: str):
+    """TRANSFORMER_FAST_CUDA_WGMMA=1 for the cuda.wgmma provider (the C++ side reads it at every
+    call, the backward's included: hold it across both)."""
+    if provider != "cuda.wgmma":
+        yield
+        return
+    previous = os.environ.get(WGMMA_ENV)
+    os.environ[WGMMA_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[WGMMA_ENV]
+        else:
+            os.environ[WGMMA_ENV] = previous
+
+
 def _call(case: Case, inputs: dict, provider: str):
-    if provider == "cuda.wgmma":  # the C++ side reads the switch at every call
-        previous = os.environ.get(WGMMA_ENV)
-        os.environ[WGMMA_ENV] = "1"
-        try:
+    if provider == "cuda.wgmma":
+        with _wgmma_switch(provider):
             return case.call(inputs, "cuda")
-        finally:
-            if previous is None:
-                del os.environ[WGMMA_ENV]
-            else:
-                os.environ[WGMMA_ENV] = previous
     if provider != "torch.compile":
         return case.call(inputs, provider)
     # torch.compile of the torch backend: the peer issue 6's "under torch.compile" target names.
@@ -512,10 +524,11 @@ def _call(case: Case, inputs: dict, provider: str):
 
 
 def _forward_backward(case: Case, inputs: dict, provider: str, upstream):
-    out = _call(case, inputs, provider)
-    if not case.backward:
-        return [out], []
-    grads = torch.autograd.grad(out, _leaves(inputs, case.grad_names), upstream)
+    with _wgmma_switch(provider):  # (run 3 timed cuda.wgmma's backward on the mma.sync kernels)
+        out = _call(case, inputs, provider)
+        if not case.backward:
+            return [out], []
+        grads = torch.autograd.grad(out, _leaves(inputs, case.grad_names), upstream)
     return [out], list(grads)
 
 
