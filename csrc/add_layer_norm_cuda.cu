@@ -125,6 +125,23 @@ struct Dropout {
   __device__ __forceinline__ float factor(uint64_t index) const {
     return philox_word(seed, offset, index) >= threshold ? scale : 0.0f;
   }
+  // factor() of the VEC elements first .. first + VEC - 1.  With VEC a multiple of 4, `first` is
+  // too (the vector paths: N % VEC == 0, col % VEC == 0), so each 4 share one Philox block
+  // (philox.h) instead of running one each.
+  template <int VEC>
+  __device__ __forceinline__ void factors(uint64_t first, float (&f)[VEC]) const {
+    if constexpr (VEC % 4 == 0) {
+#pragma unroll
+      for (int g = 0; g < VEC; g += 4) {
+        const PhiloxBlock w = philox_block(seed, offset, (first + g) >> 2);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) f[g + k] = w.w[k] >= threshold ? scale : 0.0f;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) f[e] = factor(first + e);
+    }
+  }
 };
 
 __device__ __forceinline__ Dropout make_dropout(const int64_t* rng, uint32_t threshold, float scale, bool on) {
@@ -239,10 +256,12 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
         float xv[VEC], rv[VEC];
         load_f<T, VEC>(xp + row * a.sx + col, xv);
         load_f<T, VEC>(rp + row * a.sr + col, rv);
+        float fac[VEC];
+        if (drop.on) drop.factors<VEC>(static_cast<uint64_t>(row) * N + col, fac);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           float v = xv[e];
-          if (drop.on) v *= drop.factor(static_cast<uint64_t>(row) * N + col + e);
+          if (drop.on) v *= fac[e];
           h[k][e] = rv[e] + v;
           sum += h[k][e];
         }
@@ -347,10 +366,12 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
       float xv[VEC], rv[VEC];
       load_f<T, VEC>(xr + v * VEC, xv);
       load_f<T, VEC>(rr + v * VEC, rv);
+      float fac[VEC];
+      if (drop.on) drop.factors<VEC>(static_cast<uint64_t>(row) * N + v * VEC, fac);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         float xe = xv[e];
-        if (drop.on) xe *= drop.factor(static_cast<uint64_t>(row) * N + v * VEC + e);
+        if (drop.on) xe *= fac[e];
         const float hv = rv[e] + xe;
         w.n += 1.0f;
         const float d = hv - w.mean;
@@ -372,10 +393,12 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
       load_f<T, VEC>(rr + col, rv);
       if (a.w) load_param<T, VEC>(a.w, a.w_f32, col, wv);
       if (a.b) load_param<T, VEC>(a.b, a.b_f32, col, bv);
+      float fac[VEC];
+      if (drop.on) drop.factors<VEC>(static_cast<uint64_t>(row) * N + col, fac);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         float xe = xv[e];
-        if (drop.on) xe *= drop.factor(static_cast<uint64_t>(row) * N + col + e);
+        if (drop.on) xe *= fac[e];
         hv[e] = rv[e] + xe;
         float y = (hv[e] - mu) * rs;
         if (a.w) y *= wv[e];
@@ -436,11 +459,13 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
         load_f<T, VEC>(rp + row * a.sr + col, rv);
         load_f<T, VEC>(dyp + row * a.sdy + col, dv);
         if (a.w) load_param<T, VEC>(a.w, a.w_f32, col, wv);
+        float fac[VEC];
+        if (drop.on) drop.factors<VEC>(static_cast<uint64_t>(row) * N + col, fac);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           float xe = xv[e];
           if (drop.on) {
-            const float f = drop.factor(static_cast<uint64_t>(row) * N + col + e);
+            const float f = fac[e];
             keep |= (f != 0.0f ? 1u : 0u) << (k * VEC + e);
             xe *= f;
           }
@@ -523,10 +548,12 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
       load_f<T, VEC>(rr + col, rv);
       load_f<T, VEC>(dyr + col, dv);
       if (a.w) load_param<T, VEC>(a.w, a.w_f32, col, wv);
+      float fac[VEC];
+      if (drop.on) drop.factors<VEC>(static_cast<uint64_t>(row) * N + col, fac);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         float xe = xv[e];
-        if (drop.on) xe *= drop.factor(static_cast<uint64_t>(row) * N + col + e);
+        if (drop.on) xe *= fac[e];
         const float xhat = (rv[e] + xe - mu) * rs;
         const float gv = a.w ? dv[e] * wv[e] : dv[e];
         sg += gv;
@@ -545,12 +572,14 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
       load_f<T, VEC>(dyr + col, dv);
       if (a.w) load_param<T, VEC>(a.w, a.w_f32, col, wv);
       if (a.dh) load_f<T, VEC>(static_cast<const T*>(a.dh) + row * a.sdh + col, dhv);
+      float fac[VEC];
+      if (drop.on) drop.factors<VEC>(static_cast<uint64_t>(row) * N + col, fac);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         float xe = xv[e];
         float f = 1.0f;
         if (drop.on) {
-          f = drop.factor(static_cast<uint64_t>(row) * N + col + e);
+          f = fac[e];
           xe *= f;
         }
         const float xhat = (rv[e] + xe - mu) * rs;

@@ -930,6 +930,27 @@ bool dense_forward_fits(const Params& p) {
          p.Lk >= 1 && out_pairs_aligned(p);
 }
 
+// delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32, the backward's row term: one warp
+// per row, dO through p.dout / do strides, O through p.out / o strides, into p.delta_out
+// ((B, H, Lq) contiguous).  One pass over dO and O instead of ATen's convert-convert-multiply-sum
+// (0.35 ms of a 2.8 ms fwd+bwd at B16 H16 L1024 D128 on the H100, run 3's profile).
+constexpr int kDeltaThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kDeltaThreads) delta_kernel(const Params p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kDeltaThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= static_cast<int64_t>(p.B) * p.H * p.Lq) return;  // the whole warp
+  const int64_t i = row % p.Lq, bh = row / p.Lq;
+  const int64_t b = bh / p.H, h = bh % p.H;
+  const uint16_t* a = p.dout + b * p.do_sb + h * p.do_sh + i * p.do_sm;
+  const uint16_t* o = p.out + b * p.o_sb + h * p.o_sh + i * p.o_sm;
+  float s = 0.0f;
+  for (int d = lane; d < p.D; d += 32) s += Traits<T>::to_float(a[d]) * Traits<T>::to_float(o[d]);
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (lane == 0) p.delta_out[row] = s;
+}
+
 #ifndef TF_CUDA_EMULATE
 // TRANSFORMER_FAST_CUDA_DENSE=0 sends the calls the dense kernels would take (fwd_dense_kernel,
 // the kDense backward kernels) to the generic ones (for A/B measurements and tests); read per
@@ -1125,12 +1146,22 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
       attention_fwd_fp32_cuda(q32, k32, v32, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                               rng, out32, lse32);
       delta = dout.to(at::kDouble).mul(out32.to(at::kDouble)).sum(-1).to(at::kFloat).contiguous();
-    } else {
-      delta = dout.to(at::kFloat).mul(out.to(at::kFloat)).sum(-1).contiguous();
     }
     Params p = make_params(q_, k_, v_, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng);
     p.dout = static_cast<const uint16_t*>(do_.const_data_ptr());
     p.do_sb = do_.stride(0), p.do_sh = do_.stride(1), p.do_sm = do_.stride(2);
+    if (!delta.defined()) {  // delta_kernel: rowsum(dO * O) in fp32
+      delta = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+      const Tensor o_ = unit_last(out);
+      Params pd = p;
+      pd.out = const_cast<uint16_t*>(static_cast<const uint16_t*>(o_.const_data_ptr()));  // read only
+      pd.o_sb = o_.stride(0), pd.o_sh = o_.stride(1), pd.o_sm = o_.stride(2);
+      pd.delta_out = delta.mutable_data_ptr<float>();
+      const int64_t rows = int64_t{p.B} * p.H * p.Lq;
+      const int64_t blocks = (rows + kDeltaThreads / 32 - 1) / (kDeltaThreads / 32);
+      q.scalar_type() == at::kHalf ? launch_threads(delta_kernel<__half>, blocks, kDeltaThreads, 0, pd)
+                                   : launch_threads(delta_kernel<__nv_bfloat16>, blocks, kDeltaThreads, 0, pd);
+    }
     p.vec16 = p.vec16 && rows_vec16(do_);
     p.lse = lse_c.const_data_ptr<float>();
     p.delta = delta.const_data_ptr<float>();

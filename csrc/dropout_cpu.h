@@ -45,18 +45,24 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) inline int64_t dropout_factors_
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const uint64_t base = first_index + static_cast<uint64_t>(j);
-    __m512i c0, c1;
+    // Lane l: element base + l, block (base + l) / 4, word (base + l) % 4.
+    __m512i c0, c1, sel;
     if (static_cast<uint32_t>(base) <= 0xFFFFFFFFu - 15u) {  // no carry into the high word
-      c0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(base))), lane);
-      c1 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 32)));
+      const __m512i v = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(base))), lane);
+      c0 = _mm512_or_si512(_mm512_srli_epi32(v, 2),
+                           _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 32) << 30)));
+      c1 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 34)));
+      sel = _mm512_and_si512(v, _mm512_set1_epi32(3));
     } else {
-      alignas(64) uint32_t lo[16], hi[16];
+      alignas(64) uint32_t lo[16], hi[16], sl[16];
       for (int l = 0; l < 16; ++l) {
-        lo[l] = static_cast<uint32_t>(base + l);
-        hi[l] = static_cast<uint32_t>((base + l) >> 32);
+        lo[l] = static_cast<uint32_t>((base + l) >> 2);
+        hi[l] = static_cast<uint32_t>((base + l) >> 34);
+        sl[l] = static_cast<uint32_t>((base + l) & 3);
       }
       c0 = _mm512_load_si512(lo);
       c1 = _mm512_load_si512(hi);
+      sel = _mm512_load_si512(sl);
     }
     __m512i c2 = c2_init, c3 = c3_init;
     uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
@@ -73,7 +79,11 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) inline int64_t dropout_factors_
       k0 += kPhiloxKeyA;
       k1 += kPhiloxKeyB;
     }
-    const __mmask16 keep = _mm512_cmpge_epu32_mask(c0, vthr);
+    __m512i word = c0;
+    word = _mm512_mask_mov_epi32(word, _mm512_cmpeq_epi32_mask(sel, _mm512_set1_epi32(1)), c1);
+    word = _mm512_mask_mov_epi32(word, _mm512_cmpeq_epi32_mask(sel, _mm512_set1_epi32(2)), c2);
+    word = _mm512_mask_mov_epi32(word, _mm512_cmpeq_epi32_mask(sel, _mm512_set1_epi32(3)), c3);
+    const __mmask16 keep = _mm512_cmpge_epu32_mask(word, vthr);
     _mm512_storeu_ps(out + j, _mm512_maskz_mov_ps(keep, vscale));
   }
   return j;
@@ -86,7 +96,8 @@ inline bool cpu_has_avx512() {
 }
 #endif
 
-// out[j] = scale if element first_index + j is kept (philox_word >= threshold), else 0;
+// out[j] = scale if element first_index + j is kept (philox_word >= threshold), else 0; each
+// lane runs its element's whole block and keeps its word (as philox_word does);
 // bit-identical to philox_word (checked against transformer_fast/philox.py by the tests).
 inline void dropout_factors(uint64_t seed, uint64_t offset, uint64_t first_index, int64_t n,
                             uint32_t threshold, float scale, float* out) {
@@ -102,18 +113,23 @@ inline void dropout_factors(uint64_t seed, uint64_t offset, uint64_t first_index
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (; j + 8 <= n; j += 8) {
     const uint64_t base = first_index + static_cast<uint64_t>(j);
-    __m256i c0, c1;
+    __m256i c0, c1, sel;  // lane l: block (base + l) / 4, word (base + l) % 4
     if (static_cast<uint32_t>(base) <= 0xFFFFFFFFu - 7u) {  // no carry into the high word
-      c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base))), lane);
-      c1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 32)));
+      const __m256i v = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base))), lane);
+      c0 = _mm256_or_si256(_mm256_srli_epi32(v, 2),
+                           _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 32) << 30)));
+      c1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 34)));
+      sel = _mm256_and_si256(v, _mm256_set1_epi32(3));
     } else {
-      alignas(32) uint32_t lo[8], hi[8];
+      alignas(32) uint32_t lo[8], hi[8], sl[8];
       for (int l = 0; l < 8; ++l) {
-        lo[l] = static_cast<uint32_t>(base + l);
-        hi[l] = static_cast<uint32_t>((base + l) >> 32);
+        lo[l] = static_cast<uint32_t>((base + l) >> 2);
+        hi[l] = static_cast<uint32_t>((base + l) >> 34);
+        sl[l] = static_cast<uint32_t>((base + l) & 3);
       }
       c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
       c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
+      sel = _mm256_load_si256(reinterpret_cast<const __m256i*>(sl));
     }
     __m256i c2 = c2_init, c3 = c3_init;
     uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
@@ -128,8 +144,12 @@ inline void dropout_factors(uint64_t seed, uint64_t offset, uint64_t first_index
       k0 += kPhiloxKeyA;
       k1 += kPhiloxKeyB;
     }
-    // keep iff c0 >= threshold (unsigned): max(c0, thr) == c0
-    const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(c0, vthr), c0);
+    __m256i word = c0;
+    word = _mm256_blendv_epi8(word, c1, _mm256_cmpeq_epi32(sel, _mm256_set1_epi32(1)));
+    word = _mm256_blendv_epi8(word, c2, _mm256_cmpeq_epi32(sel, _mm256_set1_epi32(2)));
+    word = _mm256_blendv_epi8(word, c3, _mm256_cmpeq_epi32(sel, _mm256_set1_epi32(3)));
+    // keep iff word >= threshold (unsigned): max(word, thr) == word
+    const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(word, vthr), word);
     _mm256_storeu_ps(out + j, _mm256_and_ps(_mm256_castsi256_ps(keep), vscale));
   }
 #endif

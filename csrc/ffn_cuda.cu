@@ -275,71 +275,199 @@ __device__ __forceinline__ void load_drop_key(const DropArgs& dr, uint64_t& seed
   }
 }
 
-// out[i, j] = dropout(act(in[i, j])) over (M, N), contiguous rows of N (out may be in).
+// Four consecutive elements in one 8- (16-bit) or 16-byte (fp32) access.  The dropout stream
+// gives elements 4n .. 4n + 3 the four words of one Philox block (philox.h), so a thread that owns
+// such a group runs Philox once for it instead of once per element: at the FFN's sizes the
+// per-element Philox, not memory, bounded these kernels (benchmarks/NOTES.md, third GPU run).
 template <typename T>
-__global__ void act_dropout_kernel(const T* in, T* out, int64_t total, int64_t N, int act, DropArgs dr) {
+struct alignas(4 * sizeof(T)) Pack4 {
+  T v[4];
+};
+
+template <typename T>
+bool pack4_aligned(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % (4 * sizeof(T)) == 0;
+}
+
+// The random words of the group of 4 elements starting at `first` (a multiple of 4); all zero
+// (never read) when `draw` is false.
+__device__ __forceinline__ PhiloxBlock group_words(bool draw, uint64_t seed, uint64_t offset, uint64_t first) {
+  return draw ? philox_block(seed, offset, first >> 2) : PhiloxBlock{{0u, 0u, 0u, 0u}};
+}
+
+__device__ __forceinline__ float act_dropout_value(float x, int act, const DropArgs& dr, uint32_t word) {
+  const float v = act_fwd(x, act);
+  return dr.on ? (word >= dr.threshold ? v * dr.scale : 0.0f) : v;
+}
+
+// out[i] = dropout(act(in[i])) over `total` contiguous elements (out may be in), by groups of 4;
+// in and out 4-element aligned.  The last group may be partial.
+template <typename T>
+__global__ void act_dropout_kernel(const T* in, T* out, int64_t total, int act, DropArgs dr) {
+  uint64_t seed = 0, offset = 0;
+  load_drop_key(dr, seed, offset);
+  const int64_t groups = (total + 3) / 4;
+  for (int64_t grp = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; grp < groups;
+       grp += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = grp * 4;
+    const PhiloxBlock w = group_words(dr.on, seed, offset, static_cast<uint64_t>(i));
+    if (i + 4 <= total) {
+      const Pack4<T> x = *reinterpret_cast<const Pack4<T>*>(in + i);
+      Pack4<T> y;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) y.v[k] = static_cast<T>(act_dropout_value(static_cast<float>(x.v[k]), act, dr, w.w[k]));
+      *reinterpret_cast<Pack4<T>*>(out + i) = y;
+    } else {
+      for (int k = 0; k < total - i; ++k)
+        out[i + k] = static_cast<T>(act_dropout_value(static_cast<float>(in[i + k]), act, dr, w.w[k]));
+    }
+  }
+}
+
+// The same, one element per thread, for misaligned pointers (one Philox block per element).
+template <typename T>
+__global__ void act_dropout_scalar_kernel(const T* in, T* out, int64_t total, int act, DropArgs dr) {
   uint64_t seed = 0, offset = 0;
   load_drop_key(dr, seed, offset);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float v = act_fwd(static_cast<float>(in[i]), act);
-    if (dr.on) v = philox_word(seed, offset, static_cast<uint64_t>(i)) >= dr.threshold ? v * dr.scale : 0.0f;
-    out[i] = static_cast<T>(v);
+    const uint32_t word = dr.on ? philox_word(seed, offset, static_cast<uint64_t>(i)) : 0u;
+    out[i] = static_cast<T>(act_dropout_value(static_cast<float>(in[i]), act, dr, word));
   }
-  (void)N;
 }
 
-// g[r, c] * act'(aux[r, c]) * keep * scale in fp32 (relu: aux is y; y > 0 iff kept and pre > 0).
+// g * act'(a) * keep * scale in fp32, for upstream gradient g and saved aux value a (relu: a is
+// y; y > 0 iff kept and pre > 0, so the word is not needed).  NaN passes as in torch.
+__device__ __forceinline__ float dact_from(float v, float a, int act, const DropArgs& dr, uint32_t word) {
+  if (act == 1) return a <= 0.0f ? 0.0f : v * dr.scale;
+  if (act != 0) v *= act_grad(a, act);
+  if (dr.on) v = word >= dr.threshold ? v * dr.scale : 0.0f;
+  return v;
+}
+
+// Whether the dact kernels need the random words (relu reads its mask from y).
+__device__ __forceinline__ bool dact_draws(int act, const DropArgs& dr) { return dr.on && act != 1; }
+
 template <typename T>
 __device__ __forceinline__ float dact_value(const T* g, int64_t ldg, const T* aux, int64_t r, int64_t c,
                                             int64_t N, int act, const DropArgs& dr, uint64_t seed,
                                             uint64_t offset) {
   const int64_t i = r * N + c;
-  float v = static_cast<float>(g[r * ldg + c]);
-  if (act == 1) return static_cast<float>(aux[i]) <= 0.0f ? 0.0f : v * dr.scale;  // NaN passes, as torch
-  if (act != 0) v *= act_grad(static_cast<float>(aux[i]), act);
-  if (dr.on) v = philox_word(seed, offset, static_cast<uint64_t>(i)) >= dr.threshold ? v * dr.scale : 0.0f;
-  return v;
+  const uint32_t word = dact_draws(act, dr) ? philox_word(seed, offset, static_cast<uint64_t>(i)) : 0u;
+  return dact_from(static_cast<float>(g[r * ldg + c]), act != 0 ? static_cast<float>(aux[i]) : 0.0f, act, dr, word);
+}
+
+// The group of 4 columns c .. c + 3 of row r (c % 4 == 0, N % 4 == 0, every row 4-aligned).
+template <typename T>
+__device__ __forceinline__ void dact_group(const Pack4<T>& gv, const Pack4<T>& av, int64_t i, int act,
+                                           const DropArgs& dr, uint64_t seed, uint64_t offset, float f[4]) {
+  const PhiloxBlock w = group_words(dact_draws(act, dr), seed, offset, static_cast<uint64_t>(i));
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    f[k] = dact_from(static_cast<float>(gv.v[k]), act != 0 ? static_cast<float>(av.v[k]) : 0.0f, act, dr, w.w[k]);
+}
+
+template <typename T>
+__device__ __forceinline__ Pack4<T> load4(const T* p) {
+  return *reinterpret_cast<const Pack4<T>*>(p);
+}
+
+// Whether a (M, N) dact can run by groups of 4: N % 4 == 0, g's rows (stride ldg) and aux / d
+// 4-element aligned.
+template <typename T>
+bool dact_by_groups(const T* g, int64_t ldg, const T* aux, const T* d, int64_t N) {
+  return N % 4 == 0 && ldg % 4 == 0 && pack4_aligned<T>(g) && pack4_aligned<T>(d) &&
+         (aux == nullptr || pack4_aligned<T>(aux));
 }
 
 // d = dact(g) elementwise over (M, N).  g rows of stride ldg, aux/d contiguous rows of N (d may
-// be g when ldg == N).
-template <typename T>
+// be g when ldg == N).  GROUPS: by groups of 4 (dact_by_groups), else one element per thread.
+template <typename T, bool GROUPS>
 __global__ void dact_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t M, int64_t N,
                             int act, DropArgs dr) {
   uint64_t seed = 0, offset = 0;
   load_drop_key(dr, seed, offset);
   const int64_t total = M * N;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  const int64_t step = GROUPS ? 4 : 1;
+  for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * step; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x * step) {
     const int64_t r = i / N;
-    d[i] = static_cast<T>(dact_value(g, ldg, aux, r, i - r * N, N, act, dr, seed, offset));
+    if constexpr (GROUPS) {
+      const int64_t c = i - r * N;
+      float f[4];
+      dact_group(load4(g + r * ldg + c), act != 0 ? load4(aux + i) : Pack4<T>{}, i, act, dr, seed, offset, f);
+      Pack4<T> out;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) out.v[k] = static_cast<T>(f[k]);
+      *reinterpret_cast<Pack4<T>*>(d + i) = out;
+    } else {
+      d[i] = static_cast<T>(dact_value(g, ldg, aux, r, i - r * N, N, act, dr, seed, offset));
+    }
   }
 }
 
 constexpr int kColThreads = 256;
 constexpr int kColRowsPerChunk = 256;
+constexpr int kColUnroll = 4;  // rows loaded ahead of the first store (d may alias g)
 
 // dact_kernel by columns, also writing part[chunk, j] = the sum (double, fixed order) of the
 // chunk's fp32 d values of column j before they are rounded to T: in 16-bit, db then carries one
 // rounding, not the rounding of every summed element.  A thread walks one column of a chunk of
-// rows; a warp's loads and stores are consecutive columns.
-template <typename T>
+// rows (GROUPS: 4 adjacent columns, dact_by_groups), loading kColUnroll rows before it stores
+// any (the compiler may not hoist loads above stores to a buffer that may alias); a warp's loads
+// and stores are consecutive columns.
+template <typename T, bool GROUPS>
 __global__ void dact_colsum_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t M, int64_t N,
                                    int act, DropArgs dr, double* part) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x;
+  constexpr int W = GROUPS ? 4 : 1;
+  const int64_t j = (blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x) * W;
   if (j >= N) return;
   uint64_t seed = 0, offset = 0;
   load_drop_key(dr, seed, offset);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRowsPerChunk;
   const int64_t r1 = r0 + kColRowsPerChunk < M ? r0 + kColRowsPerChunk : M;
-  double s = 0.0;
-  for (int64_t r = r0; r < r1; ++r) {
-    const float v = dact_value(g, ldg, aux, r, j, N, act, dr, seed, offset);
-    d[r * N + j] = static_cast<T>(v);
-    s += v;
+  double s[W] = {};
+  for (int64_t r = r0; r < r1; r += kColUnroll) {
+    const int rows = r1 - r < kColUnroll ? static_cast<int>(r1 - r) : kColUnroll;
+    if constexpr (GROUPS) {
+      Pack4<T> gv[kColUnroll], av[kColUnroll];
+#pragma unroll
+      for (int u = 0; u < kColUnroll; ++u) {
+        if (u < rows) {
+          gv[u] = load4(g + (r + u) * ldg + j);
+          av[u] = act != 0 ? load4(aux + (r + u) * N + j) : Pack4<T>{};
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kColUnroll; ++u) {
+        if (u < rows) {
+          float f[4];
+          dact_group(gv[u], av[u], (r + u) * N + j, act, dr, seed, offset, f);
+          Pack4<T> out;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            out.v[k] = static_cast<T>(f[k]);
+            s[k] += f[k];
+          }
+          *reinterpret_cast<Pack4<T>*>(d + (r + u) * N + j) = out;
+        }
+      }
+    } else {
+      float v[kColUnroll];
+#pragma unroll
+      for (int u = 0; u < kColUnroll; ++u)
+        if (u < rows) v[u] = dact_value(g, ldg, aux, r + u, j, N, act, dr, seed, offset);
+#pragma unroll
+      for (int u = 0; u < kColUnroll; ++u) {
+        if (u < rows) {
+          d[(r + u) * N + j] = static_cast<T>(v[u]);
+          s[0] += v[u];
+        }
+      }
+    }
   }
-  part[static_cast<int64_t>(blockIdx.y) * N + j] = s;
+#pragma unroll
+  for (int k = 0; k < W; ++k) part[static_cast<int64_t>(blockIdx.y) * N + j + k] = s[k];
 }
 
 // part[chunk, j] = sum of rows [chunk * kColRowsPerChunk, ...) of column j (double, fixed order:
@@ -395,8 +523,13 @@ void launch_act_dropout(const Tensor& in, Tensor& out, int act, const DropArgs& 
   if (total == 0) return;
   dispatch_ffn_dtype(in.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    launch(act_dropout_kernel<T>, dim3(ew_blocks(total)), kEwThreads, stream, in.const_data_ptr<T>(),
-           out.mutable_data_ptr<T>(), total, in.size(1), act, dr);
+    const T* x = in.const_data_ptr<T>();
+    T* y = out.mutable_data_ptr<T>();
+    if (pack4_aligned<T>(x) && pack4_aligned<T>(y)) {
+      launch(act_dropout_kernel<T>, dim3(ew_blocks((total + 3) / 4)), kEwThreads, stream, x, y, total, act, dr);
+    } else {
+      launch(act_dropout_scalar_kernel<T>, dim3(ew_blocks(total)), kEwThreads, stream, x, y, total, act, dr);
+    }
   });
 }
 
@@ -432,15 +565,29 @@ Tensor launch_dact(const Tensor& g, const Tensor* aux, Tensor& d, int act, const
   if (M == 0 || N == 0) return db;
   dispatch_ffn_dtype(g.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    const T* a = aux ? aux->const_data_ptr<T>() : nullptr;
+    const T* a = act != 0 && aux ? aux->const_data_ptr<T>() : nullptr;
+    const T* gp = g.const_data_ptr<T>();
+    T* dp = d.mutable_data_ptr<T>();
+    const bool groups = dact_by_groups<T>(gp, g.stride(0), a, dp, N);
     if (!want_dbias) {
-      launch(dact_kernel<T>, dim3(ew_blocks(M * N)), kEwThreads, stream, g.const_data_ptr<T>(), g.stride(0), a,
-             d.mutable_data_ptr<T>(), M, N, act, dr);
+      if (groups) {
+        launch(dact_kernel<T, true>, dim3(ew_blocks(M * N / 4)), kEwThreads, stream, gp, g.stride(0), a, dp, M, N,
+               act, dr);
+      } else {
+        launch(dact_kernel<T, false>, dim3(ew_blocks(M * N)), kEwThreads, stream, gp, g.stride(0), a, dp, M, N,
+               act, dr);
+      }
       return;
     }
     ColGrid cg = col_grid(g);
-    launch(dact_colsum_kernel<T>, cg.grid, kColThreads, stream, g.const_data_ptr<T>(), g.stride(0), a,
-           d.mutable_data_ptr<T>(), M, N, act, dr, cg.part.mutable_data_ptr<double>());
+    if (groups) {
+      const dim3 grid(static_cast<unsigned>((N / 4 + kColThreads - 1) / kColThreads), cg.grid.y);
+      launch(dact_colsum_kernel<T, true>, grid, kColThreads, stream, gp, g.stride(0), a, dp, M, N, act, dr,
+             cg.part.mutable_data_ptr<double>());
+    } else {
+      launch(dact_colsum_kernel<T, false>, cg.grid, kColThreads, stream, gp, g.stride(0), a, dp, M, N, act, dr,
+             cg.part.mutable_data_ptr<double>());
+    }
     launch_colsum_finish<T>(cg, db, stream);
   });
   return db;

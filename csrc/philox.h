@@ -2,12 +2,15 @@
 //
 // Must match transformer_fast/philox.py bit for bit:
 //   key     (k0, k1)         = (lo32(seed), hi32(seed))
-//   counter (c0, c1, c2, c3) = (lo32(i), hi32(i), lo32(offset), hi32(offset))
+//   counter (c0, c1, c2, c3) = (lo32(n), hi32(n), lo32(offset), hi32(offset)),  n = i / 4
 //   10 rounds of
 //     c0, c1, c2, c3 = mulhi(B, c2) ^ c1 ^ k0, B * c2, mulhi(A, c0) ^ c3 ^ k1, A * c0
 //     k0, k1 += 0x9E3779B9, 0xBB67AE85
-//   random word = c0;  keep iff word >= threshold(p) = min(floor(p * 2^32), 2^32 - 1)
-// where i is the row-major element index in the op's logical (M, N) layout.
+//   random word of element i = (c0, c1, c2, c3)[i % 4];
+//   keep iff word >= threshold(p) = min(floor(p * 2^32), 2^32 - 1)
+// where i is the row-major element index in the op's logical (M, N) layout.  One block serves 4
+// consecutive elements: a thread that handles them runs philox_block once (philox_word runs a
+// whole block for one element).
 #pragma once
 
 #include <cstdint>
@@ -33,10 +36,15 @@ TF_HOST_DEVICE uint32_t philox_mulhi(uint32_t a, uint32_t b) {
 #endif
 }
 
-// First output word of Philox4x32-10 for element `index` of the stream (seed, offset).
-TF_HOST_DEVICE uint32_t philox_word(uint64_t seed, uint64_t offset, uint64_t index) {
-  uint32_t c0 = static_cast<uint32_t>(index);
-  uint32_t c1 = static_cast<uint32_t>(index >> 32);
+struct PhiloxBlock {
+  uint32_t w[4];
+};
+
+// The four output words of Philox4x32-10 for block `block` of the stream (seed, offset): the
+// words of elements 4 * block .. 4 * block + 3.
+TF_HOST_DEVICE PhiloxBlock philox_block(uint64_t seed, uint64_t offset, uint64_t block) {
+  uint32_t c0 = static_cast<uint32_t>(block);
+  uint32_t c1 = static_cast<uint32_t>(block >> 32);
   uint32_t c2 = static_cast<uint32_t>(offset);
   uint32_t c3 = static_cast<uint32_t>(offset >> 32);
   uint32_t k0 = static_cast<uint32_t>(seed);
@@ -56,7 +64,14 @@ TF_HOST_DEVICE uint32_t philox_word(uint64_t seed, uint64_t offset, uint64_t ind
     k0 += kPhiloxKeyA;
     k1 += kPhiloxKeyB;
   }
-  return c0;
+  return PhiloxBlock{{c0, c1, c2, c3}};
+}
+
+// The random word of element `index` of the stream (seed, offset).
+TF_HOST_DEVICE uint32_t philox_word(uint64_t seed, uint64_t offset, uint64_t index) {
+  const PhiloxBlock b = philox_block(seed, offset, index >> 2);
+  const uint32_t lane = static_cast<uint32_t>(index & 3);  // selects, not an indexed (local-memory) load
+  return lane == 0 ? b.w[0] : lane == 1 ? b.w[1] : lane == 2 ? b.w[2] : b.w[3];
 }
 
 // uint32 threshold below which a word drops its element (same as philox.dropout_threshold).

@@ -4,8 +4,10 @@ The definition lives in transformer_fast/philox.py; this file is its @triton.jit
 every Triton kernel that drops (layer norm, attention, FFN):
 
   key     (k0, k1)          = (lo32(seed), hi32(seed))
-  counter (c0, c1, c2, c3)  = (lo32(i), hi32(i), lo32(offset), hi32(offset))
-  10 rounds; the random word is c0.  Keep element i iff word >= threshold (uint32 compare),
+  counter (c0, c1, c2, c3)  = (lo32(i div 4), hi32(i div 4), lo32(offset), hi32(offset))
+  10 rounds; the random word of element i is (c0, c1, c2, c3)[i mod 4] (each element here runs
+  its own block and keeps its word; the CUDA kernels share one block among 4 elements).
+  Keep element i iff word >= threshold (uint32 compare),
   threshold = min(floor(p * 2**32), 2**32 - 1) computed on the host (``dropout_threshold``),
   and scale kept elements by 1 / (1 - p) (``dropout_scale``).
 
@@ -64,9 +66,10 @@ def load_rng_if(RNG, HAS_DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def philox_word_u32(seed_lo, seed_hi, c0, c1, off_lo, off_hi):
-    """Philox4x32-10 first output word for counters (c0, c1, off_lo, off_hi), key (seed_lo, seed_hi).
-    c0/c1 are uint32 tensors (lo/hi halves of the element index); the rest uint32 scalars."""
+def philox_block_u32(seed_lo, seed_hi, c0, c1, off_lo, off_hi):
+    """Philox4x32-10's four output words for counters (c0, c1, off_lo, off_hi), key (seed_lo,
+    seed_hi).  c0/c1 are uint32 tensors (lo/hi halves of the block counter); the rest uint32
+    scalars."""
     c2 = c0 * 0 + off_lo
     c3 = c0 * 0 + off_hi
     k0 = seed_lo
@@ -80,17 +83,19 @@ def philox_word_u32(seed_lo, seed_hi, c0, c1, off_lo, off_hi):
         c3 = prev_c0 * PHILOX_ROUND_A
         k0 = k0 + PHILOX_KEY_A
         k1 = k1 + PHILOX_KEY_B
-    return c0
+    return c0, c1, c2, c3
 
 
 @triton.jit
 def philox_word(seed_lo, seed_hi, idx, off_lo, off_hi):
     """Random uint32 word of element ``idx`` (a non-negative int32/int64 tensor: the element's
-    row-major index in the op's logical layout)."""
+    row-major index in the op's logical layout): word idx % 4 of the block at counter idx // 4."""
     idx64 = idx.to(tl.int64)
-    c0 = (idx64 & 0xFFFFFFFF).to(tl.uint32)
-    c1 = (idx64 >> 32).to(tl.uint32)
-    return philox_word_u32(seed_lo, seed_hi, c0, c1, off_lo, off_hi)
+    block = idx64 >> 2
+    w0, w1, w2, w3 = philox_block_u32(seed_lo, seed_hi, (block & 0xFFFFFFFF).to(tl.uint32),
+                                      (block >> 32).to(tl.uint32), off_lo, off_hi)
+    lane = idx64 & 3
+    return tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
 
 
 @triton.jit

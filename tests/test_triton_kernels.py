@@ -80,13 +80,14 @@ def test_philox_word_matches_python(seed, offset):
 
 
 def test_philox_word_known_value():
-    # Random123's published known-answer vector for philox4x32-10: counter and key all zero.
-    idx = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    # Random123's published known-answer vector for philox4x32-10, counter and key all zero: the
+    # words of elements 0..3 (block 0), in order.
+    idx = torch.arange(4, dtype=torch.int64, device=DEVICE)
     words = torch.empty_like(idx)
     keep = torch.empty(4, dtype=torch.int8, device=DEVICE)
     rng = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     _philox_probe_kernel[(1,)](rng, idx, words, keep, 0, 4, BLOCK=4)
-    assert int(words[0]) == 0x6627E8D5
+    assert [int(w) for w in words.cpu()] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
 
 
 # ---------------------------------------------------------------------------------------------
