@@ -10,7 +10,7 @@
 #             GPU machine): e.g. TRANSFORMER_FAST_COMMIT=$(git rev-parse --short HEAD) in the command
 #   BENCH_ARGS  arguments for the benchmark step instead of --quick (e.g. "" for the full sweep)
 #   PROFILE_ARGS  arguments for the profile step (benchmarks/profile_ops.py; default: the FFN and
-#             attention cases, torch / triton / cuda)
+#             attention cases, torch / triton / cuda, with the 12 Python functions of most own time)
 #   STEPS     run only these steps: each word is a step name, or a prefix ending in '*'
 #             ("sanitizer*" runs every sanitizer step; "verify" runs verify, not verify_wgmma),
 #             (benchmarks/results/README.md has the two calls planned for 15 minutes of device
@@ -182,7 +182,7 @@ step benchmarks $PY -m benchmarks ${BENCH_ARGS---quick} --output "$OUT"
 # Host time against kernel time per call for the FFN and attention cases (benchmarks/profile_ops.py;
 # after the benchmarks, whose compiles it reuses from Triton's cache); output to logs.txt.
 # shellcheck disable=SC2086
-step profile $PY benchmarks/profile_ops.py ${PROFILE_ARGS---op feed_forward scaled_dot_product_attention --providers torch,triton,cuda}
+step profile $PY benchmarks/profile_ops.py ${PROFILE_ARGS---op feed_forward scaled_dot_product_attention --providers torch,triton,cuda --python-top 12}
 
 echo; echo "=== summary ($OUT)"; cat "$SUMMARY"
 exit $FAILED

@@ -8,7 +8,10 @@ case's shape text, all required) and provider, after a warm-up: the wall time pe
 device synchronised only at the ends of ``--iters`` back-to-back calls (what a training loop
 sees), the host time per call to enqueue them (the same loop without waiting for the device),
 and, from one profiled call, the device time of its kernels (their sum, their count, the largest
-five) and the CPU ops that took the most host time.  A call whose host time is close to its wall
+five) and the CPU ops that took the most host time.  ``--python-top N``: also the N Python
+functions with the most own time over ``--iters`` calls (cProfile), to name the Python code
+behind a host-bound call (a recorded op's "self" host time includes the Python it runs, e.g. a
+Triton launcher's).  A call whose host time is close to its wall
 time while its kernels' sum is far below it is bound by the host, not by its kernels.
 
 Printed as text (benchmarks/gpu_suite.sh's `profile` step keeps it in logs.txt); on a CPU the
@@ -69,11 +72,32 @@ def _profile_once(fn, device: torch.device):
     return sum(kernels.values()), count, top_k, top_h
 
 
+def _python_top(fn, iters: int, device: torch.device, top: int) -> list[str]:
+    """The ``top`` Python functions by own time over ``iters`` calls: 'own ms/call  calls/call  where'."""
+    import cProfile
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    _sync(device)
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, tottime, cumtime, callers)}
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = []
+    for (path, line, name), (_, calls, tottime, _cum, _callers) in ranked:
+        where = f"{'/'.join(path.split('/')[-2:])}:{line}({name})"
+        lines.append(f"{tottime / iters * 1e3:8.3f} ms {calls / iters:6.1f}x  {_short(where, 90)}")
+    return lines
+
+
 def _short(name: str, width: int = 70) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def profile_case(case: ops.Case, providers, device: torch.device, iters: int) -> list[dict]:
+def profile_case(case: ops.Case, providers, device: torch.device, iters: int, python_top: int = 0) -> list[dict]:
     g = ops.Draw(1234, device)
     inputs = case.make(g)
     for name in case.grad_names:
@@ -102,6 +126,7 @@ def profile_case(case: ops.Case, providers, device: torch.device, iters: int) ->
             issue = _per_call_ms(fn, iters, device, wait=False)
             _sync(device)
             dev_ms, count, top_k, top_h = _profile_once(fn, device)
+            py_top = _python_top(fn, iters, device, python_top) if python_top else []
         except Exception as exc:  # one provider failing must not hide the others' figures
             print(f"  {provider:14s} FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
             continue
@@ -113,6 +138,8 @@ def profile_case(case: ops.Case, providers, device: torch.device, iters: int) ->
             print(f"      device {ms:8.3f} ms  {_short(name)}")
         for name, ms in top_h:
             print(f"      host   {ms:8.3f} ms  {_short(name)}")
+        for text in py_top:
+            print(f"      python {text}")
     return rows
 
 
@@ -126,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--max-cases", type=int, default=8, help="profile at most this many cases per op")
+    p.add_argument("--python-top", type=int, default=0,
+                   help="also list the N Python functions with the most own time (cProfile)")
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny shapes: tests
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -139,7 +168,7 @@ def main(argv=None) -> int:
                   if all(m in common._shape_text(c.shape) + f" {c.mask}" for m in args.match)][: args.max_cases]
         for case in chosen:
             print(f"{op} {common._shape_text(case.shape)} {case.mask}")
-            profile_case(case, providers, device, args.iters)
+            profile_case(case, providers, device, args.iters, args.python_top)
     return 0
 
 

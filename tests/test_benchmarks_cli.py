@@ -304,3 +304,16 @@ def test_profile_ops_reports_host_and_device_time(capsys):
         assert wall > 0 and host > 0
     assert "cuda           skipped: the cuda backend runs on CUDA tensors" in out
     assert any(ln.strip().startswith("host") for ln in out.splitlines())
+
+
+def test_profile_ops_names_the_python_functions(capsys):
+    """--python-top N: the N Python functions with the most own time per call (cProfile), our
+    own dispatch among them at these tiny shapes."""
+    from benchmarks import profile_ops
+
+    assert profile_ops.main(["--smoke", "--iters", "3", "--op", "feed_forward", "--max-cases", "1",
+                             "--providers", "cpu", "--device", "cpu", "--python-top", "40"]) == 0
+    py = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("python ")]
+    assert 0 < len(py) <= 40
+    assert all(float(words[1]) >= 0 and words[2] == "ms" for words in py)
+    assert any("feed_forward" in ln[-1] for ln in py), py
