@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, is_interpreting
-from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
+from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
 EPI_FWD = 0
@@ -141,8 +141,10 @@ def _act_grad(x, ACT: tl.constexpr):
 @triton.jit
 def _dact(g, AUX, rows64, cols, mask, N, stride_auxm,
           seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale,
-          ACT: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """g * act'(pre) * keep * scale, with pre (or y for relu) loaded from AUX (fp32 math)."""
+          ACT: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+          rm64, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROP_GROUPS: tl.constexpr):
+    """g * act'(pre) * keep * scale, with pre (or y for relu) loaded from AUX (fp32 math).  The
+    tile is rows rm64 (1-D) x columns col0 + arange(BLOCK_N) (rows64 / cols: the same, 2-D)."""
     if ACT == 1:
         # AUX holds y = keep * relu(pre) * scale: y > 0 iff pre > 0 and the element was kept.
         # Written as "not y <= 0" so that a NaN passes its gradient, as torch's relu backward.
@@ -153,7 +155,8 @@ def _dact(g, AUX, rows64, cols, mask, N, stride_auxm,
             pre = tl.load(AUX + rows64 * stride_auxm + cols, mask=mask, other=0.0).to(tl.float32)
             g = g * _act_grad(pre, ACT)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed_lo, seed_hi, rows64 * N + cols, off_lo, off_hi, drop_thr)
+            keep = dropout_keep_rows(seed_lo, seed_hi, rm64, N, col0, off_lo, off_hi, drop_thr,
+                                     BLOCK_M, BLOCK_N, DROP_GROUPS)
             g = tl.where(keep, g * drop_scale, 0.0)
         d = g
     return d
@@ -250,7 +253,7 @@ def _gemm_kernel(
     drop_thr, drop_scale,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_AUX: tl.constexpr, HAS_PART: tl.constexpr,
-    DOT_FP32: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_FP32: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr, DROP_GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C (M, N) = epilogue(A (M, K) @ B (K, N)); see the module docstring for the epilogues."""
@@ -318,11 +321,13 @@ def _gemm_kernel(
             tl.store(AUX + rows * stride_auxm + cols, cast_out(acc, AUX.dtype.element_ty, INTERPRET), mask=mask)
         out = _act(acc, ACT)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed_lo, seed_hi, rows * N + cols, off_lo, off_hi, drop_thr)
+            keep = dropout_keep_rows(seed_lo, seed_hi, rm64, N, pid_n * BLOCK_N, off_lo, off_hi, drop_thr,
+                                     BLOCK_M, BLOCK_N, DROP_GROUPS)
             out = tl.where(keep, out * drop_scale, 0.0)
     else:
         out = _dact(acc, AUX, rows, cols, mask, N, stride_auxm,
-                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, ACT, HAS_DROPOUT)
+                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, ACT, HAS_DROPOUT,
+                    rm64, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, DROP_GROUPS)
         if HAS_PART:
             # This tile's column sums: one row of the (tiles_m, N) partials, no atomics.  Summed
             # in fp64 (cheap: once per tile), so db carries only the rounding of the d values.
@@ -336,7 +341,7 @@ def _act_bwd_kernel(
     DY, AUX, D, RNG, PART,
     M, N, stride_dym, stride_auxm, drop_thr, drop_scale,
     ACT: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_D: tl.constexpr, HAS_PART: tl.constexpr,
-    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr, DROP_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Tile (row block program_id(0), column block program_id(1)): d = dy * act'(aux) * keep *
     scale (stored when STORE_D) and the tile's column sums (when HAS_PART)."""
@@ -350,7 +355,8 @@ def _act_bwd_kernel(
     seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
     g = tl.load(DY + rows * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
     d = _dact(g, AUX, rows, cols, mask, N, stride_auxm,
-              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, ACT, HAS_DROPOUT)
+              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, ACT, HAS_DROPOUT,
+              rm.to(tl.int64), tl.program_id(1) * BLOCK_N, BLOCK_M, BLOCK_N, DROP_GROUPS)
     if STORE_D:
         tl.store(D + rows * N + cols, cast_out(d, D.dtype.element_ty, INTERPRET), mask=mask)
     if HAS_PART:
@@ -418,7 +424,7 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
             thr, scale,
             EPILOGUE=epilogue, ACT=act, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
             STORE_AUX=store_aux, HAS_PART=part is not None,
-            DOT_FP32=dot_fp32, IEEE=ieee, INTERPRET=is_interpreting(),
+            DOT_FP32=dot_fp32, IEEE=ieee, INTERPRET=is_interpreting(), DROP_GROUPS=has_dropout and n % 4 == 0,
         )
     # For failure reports (recent_gemm_launches): the autotuner's pick for this launch.
     _RECENT_LAUNCHES.append((m, n, k, epilogue, act, has_dropout, a.dtype, ieee,
@@ -567,7 +573,8 @@ def act_bwd(dy, aux, activation: str, dropout_p: float, rng, want_dbias: bool, s
                 part if part is not None else dy,
                 m, n, dy.stride(0), aux.stride(0) if act else 0, thr, scale,
                 ACT=act, HAS_DROPOUT=has_dropout, STORE_D=store, HAS_PART=part is not None,
-                INTERPRET=is_interpreting(), BLOCK_M=EW_BLOCK_M, BLOCK_N=EW_BLOCK_N, num_warps=4,
+                INTERPRET=is_interpreting(), DROP_GROUPS=has_dropout and n % 4 == 0,
+                BLOCK_M=EW_BLOCK_M, BLOCK_N=EW_BLOCK_N, num_warps=4,
             )
     dbias = _finish_colsum(part, n, dy.dtype) if want_dbias else dy.new_empty(_EMPTY)
     return d, dbias

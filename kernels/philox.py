@@ -5,8 +5,9 @@ every Triton kernel that drops (layer norm, attention, FFN):
 
   key     (k0, k1)          = (lo32(seed), hi32(seed))
   counter (c0, c1, c2, c3)  = (lo32(i div 4), hi32(i div 4), lo32(offset), hi32(offset))
-  10 rounds; the random word of element i is (c0, c1, c2, c3)[i mod 4] (each element here runs
-  its own block and keeps its word; the CUDA kernels share one block among 4 elements).
+  10 rounds; the random word of element i is (c0, c1, c2, c3)[i mod 4].  ``dropout_keep`` runs a
+  block per element and keeps its word; ``dropout_keep_rows`` runs one block per 4 adjacent
+  columns of a tile whose row length is a multiple of 4.
   Keep element i iff word >= threshold (uint32 compare),
   threshold = min(floor(p * 2**32), 2**32 - 1) computed on the host (``dropout_threshold``),
   and scale kept elements by 1 / (1 - p) (``dropout_scale``).
@@ -105,4 +106,25 @@ def dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, threshold):
     word = philox_word(seed_lo, seed_hi, idx, off_lo, off_hi)
     # Compare in int64: the host int may arrive as i32 (< 2**31), i64 (>= 2**31) or a
     # specialised constexpr; the zero-extended word compares correctly against each.
+    return word.to(tl.int64) >= threshold
+
+
+@triton.jit
+def dropout_keep_rows(seed_lo, seed_hi, rows64, N, col0, off_lo, off_hi, threshold,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPED: tl.constexpr):
+    """Keep mask (BLOCK_M, BLOCK_N) of the elements rows64[r] * N + col0 + c (rows64: int64
+    (BLOCK_M,) row indices, N the row length).  GROUPED (N, col0 and BLOCK_N multiples of 4):
+    the 4 words of one Philox block serve 4 adjacent columns, interleaved back into place (a
+    quarter of the Philox work, which bounds dropout epilogues on wide tiles); else one block
+    per element as ``dropout_keep``."""
+    if GROUPED:
+        grp = col0 + 4 * tl.arange(0, BLOCK_N // 4)
+        blk = (rows64[:, None] * N + grp[None, :]) >> 2  # (BM, BN / 4)
+        w0, w1, w2, w3 = philox_block_u32(seed_lo, seed_hi, (blk & 0xFFFFFFFF).to(tl.uint32),
+                                          (blk >> 32).to(tl.uint32), off_lo, off_hi)
+        # join(join(w0, w2), join(w1, w3))[..., i, o] = w_(2i + o): row-major (i, o) is lane order.
+        word = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_M, BLOCK_N))
+    else:
+        idx = rows64[:, None] * N + col0 + tl.arange(0, BLOCK_N)[None, :]
+        word = philox_word(seed_lo, seed_hi, idx, off_lo, off_hi)
     return word.to(tl.int64) >= threshold

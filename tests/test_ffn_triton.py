@@ -43,10 +43,13 @@ def _rand(*shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape) * scale).to(dtype).to(_device())
 
 
+# n % 4 == 0 takes the dropout epilogues' grouped Philox (one block per 4 columns), else one
+# block per element; both must give philox.py's mask.
+@pytest.mark.parametrize("n", [70, 72])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh"])
-def test_linear_fwd(K, dtype, activation):
-    m, k, n, p = 77, 150, 70, 0.2  # K = 150: three 64-wide steps, the last partial
+def test_linear_fwd(K, dtype, activation, n):
+    m, k, p = 77, 150, 0.2  # K = 150: three 64-wide steps, the last partial
     x = _rand(k, m, dtype=dtype).t()  # column-major x: strides (1, m)
     w = _rand(n, k, dtype=dtype, scale=k ** -0.5)
     b = _rand(n, dtype=dtype)
@@ -68,12 +71,13 @@ def test_linear_fwd_without_pre_and_bias(K):
     assert _err(y, TF.gelu(x.double() @ w.double().t())) <= 2e-5
 
 
+@pytest.mark.parametrize("n", [90, 92])
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_linear_dgrad_and_act_bwd(K, activation, p):
+def test_linear_dgrad_and_act_bwd(K, activation, p, n):
     """d = (dy @ w) * act'(pre) * keep / (1-p) and its column sums, from the GEMM epilogue and
     from the elementwise kernel."""
-    m, k, n = 45, 70, 90
+    m, k = 45, 70
     dy, w = _rand(m, k), _rand(k, n, scale=k ** -0.5)
     pre = _rand(m, n)
     rng = philox.new_rng(dy.device) if p else None
