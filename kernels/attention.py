@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, imin
-from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
+from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -230,8 +230,8 @@ def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_sc
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            idx = (row_base + offs_m[:, None].to(tl.int64)) * Lk + offs_n[None, :]
-            keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
+            keep = dropout_keep_rows(seed_lo, seed_hi, row_base + offs_m.to(tl.int64), Lk, n0, off_lo, off_hi,
+                                     drop_thr, BLOCK_M, BLOCK_N, HAS_DROPOUT == 2)
             p = tl.where(keep, p, 0.0)
         if DIAG:
             v = tl.load(v_ptrs, mask=(offs_n[:, None] < Lk) & d_ok[None, :], other=0.0)
@@ -376,7 +376,7 @@ def _load_lse(LSEh, offs, ok, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, offs_n, lo, hi, Lq, Lk, qk_scale,
+def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n, lo, hi, Lq, Lk, qk_scale,
                 AMh, s_amm, s_amn, KPMb, s_kpn,
                 seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -413,8 +413,8 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, offs_n, l
         if REFINE_LSE:
             pT = pT * tl.load(RINVh + offs_m, mask=m_ok, other=1.0)[None, :]
         if HAS_DROPOUT:
-            idx = (row_base + offs_m[None, :].to(tl.int64)) * Lk + offs_n[:, None]
-            keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
+            keep = tl.trans(dropout_keep_rows(seed_lo, seed_hi, row_base + offs_m.to(tl.int64), Lk, n0, off_lo,
+                                              off_hi, drop_thr, BLOCK_M, BLOCK_N, HAS_DROPOUT == 2))  # (BN, BM)
             pdT = tl.where(keep, pT * drop_scale, 0.0)
         else:
             pdT = pT
@@ -500,12 +500,12 @@ def _attn_bwd_dkdv_kernel(
         if MASK_KIND != 0:
             AMh = AM + b64 * s_amb + h64 * s_amh
         if IS_CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, offs_n,
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n,
                                  diag_lo, full_lo, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                  seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                                  HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
                                  HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, offs_n,
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n,
                              full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
@@ -563,8 +563,8 @@ def _p_dp_tile(q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
         p = p * rinv[:, None]
     dp = _dot_hd(do, vT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
     if HAS_DROPOUT:
-        idx = (row_base + offs_m[:, None].to(tl.int64)) * Lk + offs_n[None, :]
-        keep = dropout_keep(seed_lo, seed_hi, idx, off_lo, off_hi, drop_thr)
+        keep = dropout_keep_rows(seed_lo, seed_hi, row_base + offs_m.to(tl.int64), Lk, n0, off_lo, off_hi,
+                                 drop_thr, BLOCK_M, BLOCK_N, HAS_DROPOUT == 2)
         dp = tl.where(keep, dp * drop_scale, 0.0)
     return kT, p, dp
 
@@ -791,8 +791,8 @@ def _key(c):
 # bound of Triton's allocation, fitted to `metadata.shared` of every config of the lists below
 # (Triton 3.8, sm_90, bf16 and fp32, no mask / float mask + padding + dropout; 64 compiles): exact
 # for several, at most ~1.7x over, never under.  Streamed tiles take max(num_stages - 1, 1)
-# buffers; one more tile of the streamed operand, the held tile, the fp32 accumulator and
-# (with an attn_mask) a (BLOCK_M, BLOCK_N) fp32 tile per buffer.
+# buffers; one more tile of the streamed operand, the held tile, the fp32 accumulator,
+# (with an attn_mask) a (BLOCK_M, BLOCK_N) fp32 tile per buffer and (grouped dropout) one more.
 SMEM_DEFAULT_LIMIT = 232448  # sm_90 (H100 / H200) opt-in maximum per block; also meta tensors
 
 
@@ -808,6 +808,10 @@ def _smem_estimate(kind: str, c, args) -> int:
         est = st * 2 * bm * bd * es + bm * bd * es + bn * bd * (2 * es + 4) + 1024
     if args.get("MASK_KIND", 0):
         est += st * bm * bn * 4
+    if args.get("HAS_DROPOUT", 0) == 2:
+        # dropout_keep_rows' interleave of the words back into the score layout goes through a
+        # scratch tile (Triton 3.6, sm_90: +16 KB at 128 x 64 forward, +32 KB dq / dk-dv).
+        est += bm * bn * 4
     return est
 
 
@@ -984,8 +988,10 @@ class _Common:
                 self.kcnt = torch.zeros((B, Lk + 1), dtype=torch.int32, device=q.device)
                 self.kcnt[:, 1:] = csum
 
-        # dropout
+        # dropout; HAS_DROPOUT = drop_mode: 0 none, 1 one Philox block per score, 2 one per 4
+        # adjacent keys (rows of Lk % 4 == 0 keys: dropout_keep_rows)
         self.has_dropout = dropout_p > 0.0
+        self.drop_mode = (2 if Lk % 4 == 0 else 1) if self.has_dropout else 0
         if self.has_dropout:
             assert rng is not None and rng.dtype == torch.int64 and rng.numel() >= 2 and rng.device == q.device
             self.rng = rng.contiguous()
@@ -1009,7 +1015,7 @@ class _Common:
 
     def flags(self):
         return dict(HEAD_DIM=self.D, BLOCK_D=self.block_d, IS_CAUSAL=self.is_causal,
-                    MASK_KIND=self.mask_kind, HAS_KPM=self.has_kpm, HAS_DROPOUT=self.has_dropout,
+                    MASK_KIND=self.mask_kind, HAS_KPM=self.has_kpm, HAS_DROPOUT=self.drop_mode,
                     DOT_FP32=self.dot_fp32, IEEE=self.ieee,
                     OFF64=FORCE_OFF64 or self.max_offset >= 2**31 - 1,
                     PRECISE=self.precise, DCHUNK=self.dchunk, INTERPRET=_INTERPRET)

@@ -128,8 +128,9 @@ def test_kept_configs_fit_shared_memory(monkeypatch, tune):
         q = torch.empty(1, dtype=dtype)
         for block_d in (16, 32, 64, 128, 256):
             for length in (1, 8, 16, 32, 64, 128, 1024):
-                for mask_kind in (0, 1, 2):
-                    args = dict(BLOCK_D=block_d, LQ_KEY=length, LK_KEY=length, MASK_KIND=mask_kind)
+                for mask_kind, drop in ((0, 0), (1, 0), (2, 0), (0, 2), (2, 2)):
+                    args = dict(BLOCK_D=block_d, LQ_KEY=length, LK_KEY=length, MASK_KIND=mask_kind,
+                                HAS_DROPOUT=drop)
                     for kind, (prune, configs) in lists.items():
                         kept = prune(configs, {"Q": q}, **args)
                         assert kept and (len(kept) == 1 or tune == "1")

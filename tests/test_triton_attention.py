@@ -273,15 +273,17 @@ def test_packed_qkv_views(dtype):
 # Dropout
 
 
+# Lk % 4 == 0 draws one Philox block per 4 adjacent keys (dropout_keep_rows), else one per score.
+@pytest.mark.parametrize("Lk", [45, 52])
 @pytest.mark.parametrize("dtype,causal,mask_kind,with_kpm,H,Hkv", [
     (F32, False, None, False, 2, 2),
     (F16, True, "bool2d", True, 4, 2),
     (BF16, True, "float", False, 2, 1),
 ])
-def test_dropout_exact_mask(dtype, causal, mask_kind, with_kpm, H, Hkv):
+def test_dropout_exact_mask(dtype, causal, mask_kind, with_kpm, H, Hkv, Lk):
     """Forward and backward drop exactly the elements of transformer_fast.philox's mask."""
     torch.manual_seed(5)
-    B, Lq, Lk, D = 2, 33, 45, 32
+    B, Lq, D = 2, 33, 32
     q, k, v = make_qkv(B, H, Hkv, Lq, Lk, D, dtype)
     am = make_mask(mask_kind, B, H, Lq, Lk, dtype) if mask_kind else None
     kpm = make_kpm(B, Lk) if with_kpm else None
