@@ -176,9 +176,14 @@ def sdpa_cases(device, dtype, mode):
         for mask in ATTENTION_MASKS:
             for pas in ("fwd", "fwd+bwd"):
                 yield _sdpa_case(device, dtype, b, h, L, d, mask, pas)
+    # Dropout 0.1 on the probabilities (training in the paper's setting), no mask, at the
+    # longest length: the row that measures the kernels' Philox cost (benchmarks/NOTES.md).
+    b, h, L, d = shapes[-1]
+    for pas in ("fwd", "fwd+bwd"):
+        yield _sdpa_case(device, dtype, b, h, L, d, "none", pas, dropout_p=0.1)
 
 
-def _sdpa_case(device, dtype, b, h, L, d, mask, pas):
+def _sdpa_case(device, dtype, b, h, L, d, mask, pas, dropout_p=0.0):
     causal = mask == "causal"
 
     def make(g):
@@ -192,19 +197,24 @@ def _sdpa_case(device, dtype, b, h, L, d, mask, pas):
 
     def call(inp, backend):
         return TF.scaled_dot_product_attention(
-            inp["query"], inp["key"], inp["value"], attn_mask=inp.get("attn_mask"),
+            inp["query"], inp["key"], inp["value"], attn_mask=inp.get("attn_mask"), dropout_p=dropout_p,
             is_causal=causal, key_padding_mask=inp.get("key_padding_mask"), backend=backend)
+
+    def no_ref64(inputs, upstream):
+        raise ValueError("dropout > 0: each provider draws its own mask; tests/test_triton_attention.py "
+                         "checks ours exactly")
 
     flops = 4.0 * b * h * L * L * d * (0.5 if mask in ("causal", "bool") else 1.0)
     if pas == "fwd+bwd":
         flops *= 2.5
     elt = torch.finfo(dtype).bits // 8
     return Case(
-        op="scaled_dot_product_attention", shape={"pass": pas, "B": b, "H": h, "L": L, "D": d},
+        op="scaled_dot_product_attention",
+        shape={"pass": pas, "B": b, "H": h, "L": L, "D": d, **({"p": dropout_p} if dropout_p else {})},
         dtype=dtype, mask=mask, make=make, call=call,
         grad_names=("query", "key", "value") if pas == "fwd+bwd" else (), flops=flops,
         naive_bytes=b * h * L * L * max(elt, 4) * (8 if pas == "fwd+bwd" else 3),
-        ref64=_sdpa_ref64(causal))
+        ref64=no_ref64 if dropout_p else _sdpa_ref64(causal))
 
 
 # --------------------------------------------------------------------------------------------

@@ -210,7 +210,7 @@ def test_chunked_float64_reference_matches_the_whole(op, monkeypatch, request):
     torch.set_num_threads(1)  # tiny tensors: threads only add contention on a shared CPU
     request.addfinalizer(lambda: torch.set_num_threads(threads))
     for case in ops.cases(op, device, [torch.float32], "smoke"):
-        if not case.backward:
+        if not case.backward or case.shape.get("p", 0.0) > 0.0:  # dropout rows: no float64 truth
             continue
         g = ops.Draw(7, device)
         inputs = case.make(g)
