@@ -16,6 +16,24 @@
 constexpr int kDenseKvBN = 16 * kThreads / 32;  // 64 keys per CTA
 constexpr int kDenseKvBM = 32;                   // queries per tile
 
+
+// The end of the dense dK / dV kernels (dkdv_dense_kernel, dkdv_wgmma_dense_kernel): this thread's
+// key rows key_a and key_a + 8 of dk (times scale) and dv into (B, Hkv, Lk, D) through their
+// strides, in element pairs; dk / dv in the mma accumulator layout, [DP / 8][4].
+template <typename T, int DP>
+__device__ __forceinline__ void store_dkdv_rows(const Params& p, int b, int hk, int key_a, int t,
+                                                const float (*dk)[4], const float (*dv)[4]) {
+  uint16_t* dkh = p.out + b * p.o_sb + hk * p.o_sh;
+  uint16_t* dvh = p.out2 + b * p.o2_sb + hk * p.o2_sh;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int j = key_a + 8 * rh;
+    if (j >= p.Lk) continue;
+    store_row_pairs<T, DP>(dkh + static_cast<int64_t>(j) * p.o_sm + 2 * t, dk, rh, p.scale, p.D, t);
+    store_row_pairs<T, DP>(dvh + static_cast<int64_t>(j) * p.o2_sm + 2 * t, dv, rh, 1.0f, p.D, t);
+  }
+}
+
 template <typename T, int DP, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p) {
   constexpr int BN = kDenseKvBN, BM = kDenseKvBM, PITCH = DP + kPad;
@@ -146,14 +164,5 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
   }
   if (ntiles == 0) cp_async_wait<0>();  // K / V copies still owe their completion
 
-  // dk (times scale), dv: (B, Hkv, Lk, D) through their strides, in element pairs.
-  uint16_t* dkh = p.out + b * p.o_sb + hk * p.o_sh;
-  uint16_t* dvh = p.out2 + b * p.o2_sb + hk * p.o2_sh;
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int j = key_a + 8 * rh;
-    if (j >= p.Lk) continue;
-    store_row_pairs<T, DP>(dkh + static_cast<int64_t>(j) * p.o_sm + 2 * t, dk, rh, p.scale, p.D, t);
-    store_row_pairs<T, DP>(dvh + static_cast<int64_t>(j) * p.o2_sm + 2 * t, dv, rh, 1.0f, p.D, t);
-  }
+  store_dkdv_rows<T, DP>(p, b, hk, key_a, t, dk, dv);
 }

@@ -115,12 +115,12 @@ __device__ __forceinline__ void dense_copy_rows(uint16_t* dst, const uint16_t* s
 struct DenseQueryBlock {
   int bh, b, h, hk, m0;
 };
-template <bool kCausal>
+template <bool kCausal, int BM = kDenseBM>
 __device__ __forceinline__ DenseQueryBlock dense_query_block(const Params& p) {
-  const int nmb = (p.Lq + kDenseBM - 1) / kDenseBM;
+  const int nmb = (p.Lq + BM - 1) / BM;
   const int bh = blockIdx.x / nmb, h = bh % p.H;
   const int mb = kCausal ? nmb - 1 - static_cast<int>(blockIdx.x % nmb) : static_cast<int>(blockIdx.x % nmb);
-  return {bh, bh / p.H, h, h / (p.H / p.Hkv), mb * kDenseBM};
+  return {bh, bh / p.H, h, h / (p.H / p.Hkv), mb * BM};
 }
 
 // The end of the dense forwards (fwd_dense_kernel, fwd_wgmma_dense_kernel) for this thread's rows

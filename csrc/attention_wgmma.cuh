@@ -236,6 +236,21 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
 #endif
 }
 
+// One committed wgmma group over the head dim, d = A B^T (64 x 64, fp32): A the 64 rows a0 ..
+// of a K-major core-matrix tile of RA rows, B the 64 rows b0 .. of one of RB rows, DP columns
+// each (the dense backward's S / S^T and dP / dP^T products).
+template <typename T, int DP, int RA, int RB>
+__device__ __forceinline__ void wgmma_group_64x64(float (&d)[32], const uint16_t* A, int a0, const uint16_t* B,
+                                                  int b0) {
+  constexpr uint32_t kCore = 128;  // next row group (core matrix) of a K-major tile
+#pragma unroll
+  for (int kc = 0; kc < DP / 16; ++kc) {
+    wgmma_m64n64k16_ss<T>(d, wgmma_desc(A + cm_offset<RA>(a0, 16 * kc), RA * 16, kCore),
+                          wgmma_desc(B + cm_offset<RB>(b0, 16 * kc), RB * 16, kCore), kc);
+  }
+  wgmma_commit();
+}
+
 // d (64 x 128 fp32) = A B (+ d if scale_d): A 64 x 16 and B 16 x 128 both K-major in shared memory.
 template <typename T>
 __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,

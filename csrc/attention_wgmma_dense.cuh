@@ -80,11 +80,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int warp_in_wg = (tid % 128) / 32;
-  const int nmb = (p.Lq + BM - 1) / BM;
-  const int bh = blockIdx.x / nmb, b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
-  // Causal: the query blocks with the most key tiles start first.
-  const int mb = kCausal ? nmb - 1 - static_cast<int>(blockIdx.x % nmb) : static_cast<int>(blockIdx.x % nmb);
-  const int m0 = mb * BM;
+  const auto [bh, b, h, hk, m0] = dense_query_block<kCausal, BM>(p);  // causal: longest blocks first
 
   static_assert(BM == BN, "Q and the K / V tiles share one copy mapping");
   const WgCopy<BN, DP> copy(tid);

@@ -111,18 +111,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
     pin_registers(st);
     pin_registers(dpt);
     wgmma_fence();
-#pragma unroll
-    for (int kc = 0; kc < DP / 16; ++kc) {
-      wgmma_m64n64k16_ss<T>(st, wgmma_desc(Ks + cm_offset<BN>(64 * wg, 16 * kc), BN * 16, kCore),
-                            wgmma_desc(Qs + cm_offset<BM>(0, 16 * kc), BM * 16, kCore), kc);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int kc = 0; kc < DP / 16; ++kc) {
-      wgmma_m64n64k16_ss<T>(dpt, wgmma_desc(Vs + cm_offset<BN>(64 * wg, 16 * kc), BN * 16, kCore),
-                            wgmma_desc(Os + cm_offset<BM>(0, 16 * kc), BM * 16, kCore), kc);
-    }
-    wgmma_commit();
+    wgmma_group_64x64<T, DP, BN, BM>(st, Ks, 64 * wg, Qs, 0);
+    wgmma_group_64x64<T, DP, BN, BM>(dpt, Vs, 64 * wg, Os, 0);
 
     // P^T (fp32 in st; packed as the A operand of dV += P^T dO).  Causal: key j > query i is
     // masked (a warp-uniform test per tile).
@@ -171,17 +161,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
   }
   if (ntiles == 0) cp_async_wait<0>();  // K / V copies still owe their completion
 
-  // dk (times scale), dv: (B, Hkv, Lk, D) through their strides, in element pairs.
-  uint16_t* dkh = p.out + b * p.o_sb + hk * p.o_sh;
-  uint16_t* dvh = p.out2 + b * p.o2_sb + hk * p.o2_sh;
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int j = key_a + 8 * rh;
-    if (j >= p.Lk) continue;
-    store_row_pairs<T, DP>(dkh + static_cast<int64_t>(j) * p.o_sm + 2 * t, reinterpret_cast<const float(*)[4]>(dk),
-                           rh, p.scale, p.D, t);
-    store_row_pairs<T, DP>(dvh + static_cast<int64_t>(j) * p.o2_sm + 2 * t, reinterpret_cast<const float(*)[4]>(dv),
-                           rh, 1.0f, p.D, t);
-  }
+  store_dkdv_rows<T, DP>(p, b, hk, key_a, t, reinterpret_cast<const float(*)[4]>(dk),
+                         reinterpret_cast<const float(*)[4]>(dv));
 #endif
 }

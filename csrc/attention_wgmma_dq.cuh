@@ -35,11 +35,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int warp_in_wg = (tid % 128) / 32;
-  const int nmb = (p.Lq + BM - 1) / BM;
-  const int bh = blockIdx.x / nmb, b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.Hkv);
-  // Causal: the query blocks with the most key tiles start first.
-  const int mb = kCausal ? nmb - 1 - static_cast<int>(blockIdx.x % nmb) : static_cast<int>(blockIdx.x % nmb);
-  const int m0 = mb * BM;
+  const auto [bh, b, h, hk, m0] = dense_query_block<kCausal, BM>(p);  // causal: longest blocks first
   const int row_w = m0 + 64 * wg + 16 * warp_in_wg;  // this warp's first row
   const int row_a = row_w + g;                       // this thread's rows: row_a, row_a + 8
 
@@ -91,18 +87,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
     pin_registers(s);
     pin_registers(dp);
     wgmma_fence();
-#pragma unroll
-    for (int kc = 0; kc < DP / 16; ++kc) {
-      wgmma_m64n64k16_ss<T>(s, wgmma_desc(Qs + cm_offset<BM>(64 * wg, 16 * kc), BM * 16, kCore),
-                            wgmma_desc(Ks + cm_offset<BN>(0, 16 * kc), BN * 16, kCore), kc);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int kc = 0; kc < DP / 16; ++kc) {
-      wgmma_m64n64k16_ss<T>(dp, wgmma_desc(Os + cm_offset<BM>(64 * wg, 16 * kc), BM * 16, kCore),
-                            wgmma_desc(Vs + cm_offset<BN>(0, 16 * kc), BN * 16, kCore), kc);
-    }
-    wgmma_commit();
+    wgmma_group_64x64<T, DP, BM, BN>(s, Qs, 64 * wg, Ks, 0);
+    wgmma_group_64x64<T, DP, BM, BN>(dp, Os, 64 * wg, Vs, 0);
 
     wgmma_wait<1>();  // S done: P while dP runs
     pin_registers(s);

@@ -591,18 +591,24 @@ def test_cuda_wgmma_dense_forward_runs_emulated(cuda_emulation):
     assert not torch.equal(dense[0], wgmma[0]) or not torch.equal(dense[1], wgmma[1])
 
 
+def _emulated_bwd_args(emu, lq, lk, d, causal):
+    """attention_bwd's arguments from one emulated forward: bf16, B 1, H 4 over Hkv 2 (GQA),
+    fresh draws, no masks or dropout."""
+    g = generator()
+    q = randn(1, 4, lq, d, dtype=torch.bfloat16, g=g)
+    k, v = randn(1, 2, lk, d, dtype=torch.bfloat16, g=g), randn(1, 2, lk, d, dtype=torch.bfloat16, g=g)
+    do = randn(1, 4, lq, d, dtype=torch.bfloat16, g=g)
+    out, lse = emu.fwd(q, k, v, None, None, causal, d ** -0.5, 0.0, None)
+    return (do, q, k, v, out, lse, None, None, causal, d ** -0.5, 0.0, None)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [40, 128])
 def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal):
     """From the same forward (odd lengths, GQA): dkdv_dense_kernel and dq_dense_kernel (base-2
     exponent, their own fragment loads) agree with the generic kernels to bf16 rounding (the
     oracle cases check them against float64 too)."""
-    g = generator()
-    q = randn(1, 4, 70, d, dtype=torch.bfloat16, g=g)
-    k, v = randn(1, 2, 131, d, dtype=torch.bfloat16, g=g), randn(1, 2, 131, d, dtype=torch.bfloat16, g=g)
-    do = randn(1, 4, 70, d, dtype=torch.bfloat16, g=g)
-    out, lse = cuda_emulation.fwd(q, k, v, None, None, causal, d ** -0.5, 0.0, None)
-    args = (do, q, k, v, out, lse, None, None, causal, d ** -0.5, 0.0, None)
+    args = _emulated_bwd_args(cuda_emulation, 70, 131, d, causal)
     want = cuda_emulation.bwd(*args)
     with _dense_forward(cuda_emulation):
         got = cuda_emulation.bwd(*args)
@@ -616,12 +622,7 @@ def test_cuda_wgmma_backward_matches_dense_emulated(cuda_emulation, d, causal):
     """From the same forward (odd lengths, GQA): the wgmma backward's dQ, dK and dV
     (dq_wgmma_dense_kernel, dkdv_wgmma_dense_kernel) agree with the dense mma.sync kernels' to
     bf16 rounding."""
-    g = generator()
-    q = randn(1, 4, 150, d, dtype=torch.bfloat16, g=g)
-    k, v = randn(1, 2, 200, d, dtype=torch.bfloat16, g=g), randn(1, 2, 200, d, dtype=torch.bfloat16, g=g)
-    do = randn(1, 4, 150, d, dtype=torch.bfloat16, g=g)
-    out, lse = cuda_emulation.fwd(q, k, v, None, None, causal, d ** -0.5, 0.0, None)
-    args = (do, q, k, v, out, lse, None, None, causal, d ** -0.5, 0.0, None)
+    args = _emulated_bwd_args(cuda_emulation, 150, 200, d, causal)
     with _dense_forward(cuda_emulation):
         want = cuda_emulation.bwd(*args)
     with _wgmma_dense_forward(cuda_emulation):

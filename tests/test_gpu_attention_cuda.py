@@ -128,17 +128,23 @@ def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
     assert not any("wgmma_dense" in n for n in names) and any("fwd_wgmma_kernel" in n for n in names)
 
 
+def _bwd_args(ops, device, d, causal):
+    """attention_bwd's arguments from one forward: bf16, B 1, H 4 over Hkv 2 (GQA), Lq 300,
+    Lk 517, fresh draws, no masks or dropout."""
+    g = generator()
+    q = base._qkv(1, 4, 2, 300, 517, d, torch.bfloat16, device, g)  # (q, k, v)
+    do = torch.randn_like(q[0])
+    out, lse = ops.attention_fwd(*q, None, None, causal, d ** -0.5, 0.0, None, False)
+    return (do, *q, out, lse, None, None, causal, d ** -0.5, 0.0, None, False)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 @pytest.mark.parametrize("d", [40, 128])
 def test_wgmma_backward_matches_dense(wgmma, monkeypatch, d, causal):
     """From the same forward: the wgmma backward's dQ, dK and dV agree with the dense mma.sync
     kernels' to bf16 rounding (as in the CPU emulation)."""
     ops = torch.ops.transformer_fast_C
-    g = generator()
-    q = base._qkv(1, 4, 2, 300, 517, d, torch.bfloat16, wgmma, g)  # (q, k, v)
-    do = torch.randn_like(q[0])
-    out, lse = ops.attention_fwd(*q, None, None, causal, d ** -0.5, 0.0, None, False)
-    args = (do, *q, out, lse, None, None, causal, d ** -0.5, 0.0, None, False)
+    args = _bwd_args(ops, wgmma, d, causal)
     got = ops.attention_bwd(*args)
     monkeypatch.delenv(WGMMA_ENV)
     want = ops.attention_bwd(*args)
@@ -240,11 +246,7 @@ def test_dense_backward_matches_generic(device, monkeypatch, d, causal):
     """From the same forward: dkdv_dense_kernel and dq_dense_kernel agree with the generic
     kernels to bf16 rounding (as in the CPU emulation)."""
     ops = torch.ops.transformer_fast_C
-    g = generator()
-    q = base._qkv(1, 4, 2, 300, 517, d, torch.bfloat16, device, g)  # (q, k, v)
-    do = torch.randn_like(q[0])
-    out, lse = ops.attention_fwd(*q, None, None, causal, d ** -0.5, 0.0, None, False)
-    args = (do, *q, out, lse, None, None, causal, d ** -0.5, 0.0, None, False)
+    args = _bwd_args(ops, device, d, causal)
     monkeypatch.setenv(DENSE_ENV, "0")
     want = ops.attention_bwd(*args)
     monkeypatch.delenv(DENSE_ENV)
