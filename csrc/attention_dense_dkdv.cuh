@@ -1,5 +1,5 @@
-// dK / dV of the dense backward (no masks, no dropout; is_causal allowed; 16-byte aligned rows,
-// D <= 128): dkdv_kernel rewritten the way fwd_dense_kernel rewrote fwd_kernel.  Included by
+// dK / dV of the dense backward (no attn_mask, no dropout; is_causal and key_padding_mask
+// allowed; 16-byte aligned rows, D <= 128): dkdv_kernel rewritten the way fwd_dense_kernel rewrote fwd_kernel.  Included by
 // attention_cuda.cu after attention_dense_dq.cuh (it uses dense_copy_rows and exp2_approx).
 //
 // One CTA of 4 warps per (b, kv head, 64 keys), warp w owning keys 16w..16w+15, as dkdv_kernel:
@@ -10,7 +10,10 @@
 // delta), dV += P^T dO and dK += dS^T Q (dO / Q by ldmatrix.x4.trans).  Copy pointers are
 // computed once per tile (not per 16-byte chunk); the causal test is behind a warp-uniform
 // branch; keys past Lk need none (their rows are never stored); queries past Lq and rows whose
-// lse is -inf get P = 0 through an lse of +inf.  Written without a GPU; checked against the
+// lse is -inf get P = 0 through an lse of +inf.  key_padding_mask: a thread reads its two keys'
+// flags once; the warps owning a padded key mask its P^T row to 0 (as the reference does, so that
+// NaN / Inf propagate alike: zeroing the finished rows instead would not), and a CTA whose keys
+// are all padding writes zeros without loading a tile.  Written without a GPU; checked against the
 // oracle in the CPU emulation.
 
 constexpr int kDenseKvBN = 16 * kThreads / 32;  // 64 keys per CTA
@@ -52,6 +55,23 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
   const int b = bhk / p.Hkv, hk = bhk % p.Hkv, group = p.H / p.Hkv;
   const int n0 = nb * BN;
   const int key_a = n0 + warp * 16 + g;  // this thread's keys: key_a, key_a + 8
+
+  // key_padding_mask: bit rh set if this thread's key of row half rh is padding (keys past Lk
+  // count as padding: never stored).
+  int pad_bits = 0;
+  if (p.kpm != nullptr) {
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int j = key_a + 8 * rh;
+      if (j >= p.Lk || p.kpm[b * p.kpm_sb + j * p.kpm_sn]) pad_bits |= 1 << rh;
+    }
+    if (__syncthreads_and(pad_bits == 3)) {  // CTA-uniform
+      float zero[DP / 8][4] = {};
+      store_dkdv_rows<T, DP>(p, b, hk, key_a, t, zero, zero);
+      return;
+    }
+  }
+  const bool warp_pad = __any_sync(0xffffffffu, pad_bits != 0);  // warp-uniform
 
   const int r0 = tid / kCh, c0 = (tid % kCh) * 8;
   const bool col_ok = c0 < p.D;
@@ -136,15 +156,16 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
       }
     }
 
-    // st <- P^T, dpt <- dS^T.  Causal: key j > query i is masked (warp-uniform test per tile).
-    const bool edge = kCausal && n0 + warp * 16 + 15 > m0;
+    // st <- P^T, dpt <- dS^T.  Masked (warp-uniform test per tile): key j > query i (causal),
+    // padded keys.
+    const bool edge = (kCausal && n0 + warp * 16 + 15 > m0) || warp_pad;
 #pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int ii = nt * 8 + 2 * t + (e & 1);
         float x = st[nt][e] * scale2;
-        if (edge) x = key_a + 8 * (e >> 1) > m0 + ii ? -INFINITY : x;
+        if (edge) x = (kCausal && key_a + 8 * (e >> 1) > m0 + ii) || ((pad_bits >> (e >> 1)) & 1) ? -INFINITY : x;
         const float pe = exp2_approx(x - lse_s[ii]);
         dpt[nt][e] = pe * (dpt[nt][e] - delta_s[ii]);
         st[nt][e] = pe;

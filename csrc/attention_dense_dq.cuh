@@ -1,5 +1,5 @@
-// dQ of the dense backward (no masks, no dropout; is_causal allowed; 16-byte aligned rows,
-// D <= 128): dq_kernel rewritten the way fwd_dense_kernel rewrote fwd_kernel.  Included by
+// dQ of the dense backward (no attn_mask, no dropout; is_causal and key_padding_mask allowed;
+// 16-byte aligned rows, D <= 128): dq_kernel rewritten the way fwd_dense_kernel rewrote fwd_kernel.  Included by
 // attention_cuda.cu after attention_dense_fwd.cuh (it uses dense_copy_rows and exp2_approx).
 //
 // One CTA of 4 warps per (b, h, 64 query rows), warp w owning rows 16w..16w+15, as dq_kernel; key
@@ -7,7 +7,8 @@
 // (ldmatrix.x4 over K / V rows), P = exp2(S * scale * log2 e - lse * log2 e), dS = P (dP - delta),
 // dQ += dS K (ldmatrix.x4.trans over K).  Q and dO are staged through shared memory (cp.async +
 // ldmatrix) instead of two-byte global loads; copy addresses are computed once; the only
-// per-element test (causal diagonal, keys past Lk) sits behind a warp-uniform branch.  Rows past
+// per-element test (causal diagonal, keys past Lk, padding: DensePadBits as in the forward) sits
+// behind a warp-uniform branch, and a tile of padding alone is skipped.  Rows past
 // Lq, and rows whose lse is -inf (no key visible in the forward), get P = 0 through an lse of +inf.
 // Written without a GPU; checked against the oracle in the CPU emulation.
 
@@ -75,6 +76,8 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
 
   const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
   const int ntiles = (n_end + BN - 1) / BN;
+  DensePadBits<BN> pads(p, b, reinterpret_cast<uint32_t*>(smem + 2 * kBuf));
+  pads.load(0, p.Lk);
   // Prologue, part 2: key tile 0 into buffer 0.
   dense_copy_rows<BN, DP>(sdst, ksrc, kh, p.k_sm, r0, p.Lk, col_ok);
   dense_copy_rows<BN, DP>(sdst + BN * PITCH, vsrc, vh, p.v_sm, r0, p.Lk, col_ok);
@@ -98,7 +101,14 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
     } else {
       cp_async_wait<0>();
     }
-    __syncthreads();
+    pads.publish(it);
+    __syncthreads();  // tile `it` (and its pad mask) is visible to every warp
+    const uint64_t pad = pads.mask(it);
+    pads.load(n0 + BN, p.Lk);
+    if (dense_tile_all_padding<BN>(pad, n0, p.Lk)) {  // CTA-uniform: P = 0 on the whole tile
+      __syncthreads();
+      continue;
+    }
 
     // S = Q K^T, dP = dO V^T (raw dots)
     float s[BN / 8][4], dp[BN / 8][4];
@@ -117,13 +127,14 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
     }
 
     // dS = P (dP - delta), P recomputed in base 2 from the forward's lse.
-    const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk;
+    const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk || pad != 0;
+    const uint64_t pad_t = pad >> (2 * t);  // bit nt * 8 + (e & 1): this thread's key of (nt, e)
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = dense_masked<kCausal>(s[nt][e] * scale2, edge, n0 + nt * 8 + 2 * t + (e & 1),
-                                              row_a + 8 * (e >> 1), p.Lk);
+                                              row_a + 8 * (e >> 1), p.Lk, (pad_t >> (nt * 8 + (e & 1))) & 1);
         const float pe = exp2_approx(x - lse2[e >> 1]);
         s[nt][e] = pe * (dp[nt][e] - delta_r[e >> 1]);
       }

@@ -1,5 +1,5 @@
-// The dense fast path of the fp16 / bf16 forward: no attn_mask, no key_padding_mask, no dropout
-// (is_causal allowed), 16-byte aligned rows, head dim <= 128.  Included by attention_cuda.cu
+// The dense fast path of the fp16 / bf16 forward: no attn_mask, no dropout (is_causal and
+// key_padding_mask allowed), 16-byte aligned rows, head dim <= 128.  Included by attention_cuda.cu
 // inside its anonymous namespace (it uses that file's Params, Traits, ldmatrix and cp.async
 // helpers); attention_fwd_cuda sends every other forward to fwd_kernel.
 //
@@ -14,7 +14,10 @@
 //   * ldmatrix.x4 for K and V (two n-tiles or two k-slabs per instruction), Q staged through
 //     shared memory by cp.async + ldmatrix instead of two-byte global loads;
 //   * copy addresses computed once per CTA (one add per tile), O written as packed 4-byte pairs;
-//   * causal: the CTAs with the most key tiles are scheduled first.
+//   * causal: the CTAs with the most key tiles are scheduled first;
+//   * key_padding_mask: a tile's 64 pad flags become one 64-bit mask in shared memory (a ballot
+//     by warps 0-1 over flags loaded one tile ahead, so the load's latency hides behind a tile's
+//     MMAs); a tile with padding takes the masked branch, a tile of padding alone is skipped.
 // Measured before it was ported (benchmarks/cuda_attn, the same kernel outside the package,
 // NVIDIA H200, bf16, D = 128): 0.544 ms (252 TFLOP/s) at B16 H16 L1024 against fwd_kernel's
 // 2.04 ms (67), 2.01 ms (273) at B4 H16 L4096; causal 211-254 TFLOP/s; 216 registers, no
@@ -92,10 +95,57 @@ __device__ __forceinline__ void store_row_pairs(uint16_t* row, const float (*acc
 }
 
 // Score (times scale * log2 e) of key j for this thread's row of row half rh, -inf where the key
-// is past Lk or (causal) past the row; `edge` (warp-uniform) says whether the tile needs the test.
+// is past Lk, (causal) past the row, or padding (`padded`: its key_padding_mask bit); `edge`
+// (warp-uniform) says whether the tile needs the test.
 template <bool kCausal>
-__device__ __forceinline__ float dense_masked(float x, bool edge, int j, int row, int Lk) {
-  return edge && (j >= Lk || (kCausal && j > row)) ? -INFINITY : x;
+__device__ __forceinline__ float dense_masked(float x, bool edge, int j, int row, int Lk, bool padded = false) {
+  return edge && (j >= Lk || (kCausal && j > row) || padded) ? -INFINITY : x;
+}
+
+// key_padding_mask in the dense kernels over key tiles (fwd_dense_kernel, dq_dense_kernel): the
+// tile's BN pad flags as one bit mask (bit c: key n0 + c is padding).  The first BN threads each
+// load the flag of their key one tile ahead (`next`), and at a tile's start publish it by a warp
+// ballot into `bits` (one 32-bit word per warp, BN / 32 words per buffer, two buffers), before
+// the barrier that makes the tile visible.  Without a mask (kpm null) every call is a no-op and
+// the mask is 0.
+template <int BN>
+struct DensePadBits {
+  static_assert(BN % 32 == 0, "one ballot word per warp");
+  const bool* kpm;  // row b of key_padding_mask, or null
+  int64_t stride;
+  uint32_t* bits;   // [2][BN / 32] in shared memory
+  bool next = false;
+
+  __device__ __forceinline__ DensePadBits(const Params& p, int b, uint32_t* smem_bits)
+      : kpm(p.kpm == nullptr ? nullptr : p.kpm + b * p.kpm_sb), stride(p.kpm_sn), bits(smem_bits) {}
+  __device__ __forceinline__ bool flag(int j, int Lk) const { return j < Lk && kpm[j * stride]; }
+  // Loads the flag of key n0 + tid of the tile starting at n0 (threads tid < BN).
+  __device__ __forceinline__ void load(int n0, int Lk) {
+    const int tid = static_cast<int>(threadIdx.x);
+    if (kpm != nullptr && tid < BN) next = flag(n0 + tid, Lk);
+  }
+  // Publishes the loaded flags as tile `it`'s mask (before the barrier that opens tile `it`).
+  __device__ __forceinline__ void publish(int it) {
+    const int tid = static_cast<int>(threadIdx.x);
+    if (kpm != nullptr && tid < BN) {  // whole warps
+      const uint32_t w = __ballot_sync(0xffffffffu, next);
+      if (tid % 32 == 0) bits[(it & 1) * (BN / 32) + tid / 32] = w;
+    }
+  }
+  // Tile `it`'s mask (after that barrier).
+  __device__ __forceinline__ uint64_t mask(int it) const {
+    if (kpm == nullptr) return 0;
+    const uint32_t* w = bits + (it & 1) * (BN / 32);
+    return BN == 32 ? uint64_t{w[0]} : (uint64_t{w[1]} << 32) | w[0];
+  }
+};
+
+// Whether a tile whose first key is n0 holds keys past Lk or padding only (pad: its mask).
+template <int BN>
+__device__ __forceinline__ bool dense_tile_all_padding(uint64_t pad, int n0, int Lk) {
+  const int n = min(BN, Lk - n0);
+  const uint64_t live = n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1;
+  return pad != 0 && (pad & live) == live;
 }
 
 template <int ROWS, int DP>
@@ -171,6 +221,8 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
 
   const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
   const int ntiles = (n_end + BN - 1) / BN;
+  DensePadBits<BN> pads(p, b, reinterpret_cast<uint32_t*>(smem + 2 * kBuf));
+  pads.load(0, p.Lk);
 
   // Prologue: Q into buffer 1, key tile 0 into buffer 0, as one group.
   dense_copy_rows<BM, DP>(sdst + kBuf, qh + static_cast<int64_t>(m0 + r0) * p.q_sm + c0, qh, p.q_sm,
@@ -213,7 +265,14 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
     } else {
       cp_async_wait<0>();
     }
-    __syncthreads();  // tile `it` is visible to every warp
+    pads.publish(it);
+    __syncthreads();  // tile `it` (and its pad mask) is visible to every warp
+    const uint64_t pad = pads.mask(it);
+    pads.load(n0 + BN, p.Lk);
+    if (dense_tile_all_padding<BN>(pad, n0, p.Lk)) {  // CTA-uniform: nothing to add
+      __syncthreads();
+      continue;
+    }
 
     // S = Q K^T (raw dots)
     float s[BN / 8][4];
@@ -227,15 +286,16 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
       }
     }
 
-    // Online softmax in base 2.  Masking (warp-uniform): the causal diagonal, keys past Lk.
-    const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk;
+    // Online softmax in base 2.  Masking (warp-uniform): the causal diagonal, keys past Lk, padding.
+    const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk || pad != 0;
+    const uint64_t pad_t = pad >> (2 * t);  // bit nt * 8 + (e & 1): this thread's key of (nt, e)
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = dense_masked<kCausal>(s[nt][e] * scale2, edge, n0 + nt * 8 + 2 * t + (e & 1),
-                                              row_a + 8 * (e >> 1), p.Lk);
+                                              row_a + 8 * (e >> 1), p.Lk, (pad_t >> (nt * 8 + (e & 1))) & 1);
         s[nt][e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);  // a NaN score propagates through p, not the max
       }

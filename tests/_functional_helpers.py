@@ -77,6 +77,14 @@ def make_masks(kind, batch, heads, lq, lk, dtype, g=None):
             out["is_causal"] = True
         elif part == "kpm":
             out["key_padding_mask"] = padding_mask(batch, lk, g)
+        elif part == "kpm_tail":
+            # Right padding (a batch of sentences): batch b keeps its first len_b keys; batch 0
+            # keeps one (so long rows hold tiles of padding only), the last of several none.
+            lens = torch.randint(1, lk + 1, (batch,), generator=g)
+            lens[0] = 1
+            if batch > 1:
+                lens[-1] = 0
+            out["key_padding_mask"] = torch.arange(lk)[None, :] >= lens[:, None]
         elif part == "kpm_float":
             out["key_padding_mask"] = float_mask((batch, lk), dtype, g)
         elif part.startswith("bool_") or part.startswith("float_"):

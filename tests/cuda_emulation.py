@@ -6,7 +6,8 @@ emulates what a kernel uses of the CUDA programming model:
     together; CTAs of the grid run one after another, on one set of threads per launch (so
     function-local state shared by a CTA may be a `static` variable: a kernel's static
     `__shared__` arrays are, via TF_STATIC_SHARED);
-  * __syncthreads is a barrier over the CTA, __syncwarp one over the warp;
+  * __syncthreads is a barrier over the CTA (its _and / _or / _count forms reduce a predicate
+    too), __syncwarp one over the warp; warp votes (__ballot_sync, __any_sync, __all_sync);
   * warp shuffles (__shfl_sync / _xor / _down / _up, any trivially copyable 4- or 8-byte type)
     exchange values through a per-warp buffer between two warp barriers;
   * mma.sync m16n8k16 (fp16 / bf16 -> fp32) and ldmatrix.m8n8 (.x2 / .x4, .trans) are computed
@@ -38,6 +39,7 @@ PRELUDE = r"""
 #define TF_CUDA_EMULATE 1
 #include <torch/extension.h>
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -176,6 +178,36 @@ inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // the device one is approximate (<= 2 ulp)
+
+// Warp votes: every lane publishes its predicate between two warp barriers.
+inline unsigned __ballot_sync(unsigned, int pred) {
+  emu::Warp& w = emu::my_warp();
+  w.raw[emu::my_lane()] = pred != 0;
+  w.bar.arrive_and_wait();
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= static_cast<unsigned>(w.raw[l] != 0) << l;
+  w.bar.arrive_and_wait();
+  return bits;
+}
+inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
+inline int __all_sync(unsigned m, int pred) { return __ballot_sync(m, pred) == 0xffffffffu; }
+// __syncthreads_and / _or: a CTA barrier that also reduces a predicate (CTAs run one at a time, so
+// one counter serves; the first barrier keeps a reset from overtaking the previous call's reads).
+inline int emulated_syncthreads_count(int pred) {
+  static std::atomic<int> count{0};
+  emu::block_bar->arrive_and_wait();
+  if (emu::linear_tid() == 0) count.store(0);
+  emu::block_bar->arrive_and_wait();
+  if (pred) count.fetch_add(1);
+  emu::block_bar->arrive_and_wait();
+  return count.load();
+}
+inline int __syncthreads_count(int pred) { return emulated_syncthreads_count(pred); }
+inline int __syncthreads_or(int pred) { return emulated_syncthreads_count(pred) != 0; }
+inline int __syncthreads_and(int pred) {
+  const int n = static_cast<int>(blockDim.x * blockDim.y * blockDim.z);
+  return emulated_syncthreads_count(pred) == n;
+}
 
 template <typename T> T __shfl_sync(unsigned, T x, int src, int width = 32) {
   return emu::exchange(x, [&](int lane) { return (lane / width) * width + src % width; });

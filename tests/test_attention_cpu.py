@@ -271,8 +271,11 @@ namespace transformer_fast {
 namespace {
 void check_cuda_inputs(const at::Tensor&) {}  // the device checks: none on the CPU
 
+std::vector<void*> launched;  // every kernel launched since launched_kernels() last ran
+
 template <typename Kernel>
 void launch_threads(Kernel kernel, int64_t blocks, int threads, size_t smem_bytes, const Params& p) {
+  launched.push_back(reinterpret_cast<void*>(kernel));
   emu::run_grid(EmuDim3{static_cast<unsigned>(blocks), 1, 1}, threads, smem, sizeof(smem), smem_bytes,
                 [&] { kernel(p); });
 }
@@ -305,6 +308,30 @@ void set_wgmma(bool on) { transformer_fast::emulate_wgmma_forward = on; }
 // do unless TRANSFORMER_FAST_CUDA_DENSE=0) or, as in the other emulated cases, fwd_kernel.
 void set_dense(bool on) { transformer_fast::emulate_dense_kernels = on; }
 
+// The names of the dense kernels launched since the last call ("other" for any other kernel).
+template <typename T, int DP, bool kCausal>
+void name_dense_kernels(std::map<void*, std::string>& names) {
+  using namespace transformer_fast;
+  names[reinterpret_cast<void*>(&fwd_dense_kernel<T, DP, kCausal>)] = "fwd_dense_kernel";
+  names[reinterpret_cast<void*>(&dq_dense_kernel<T, DP, kCausal>)] = "dq_dense_kernel";
+  names[reinterpret_cast<void*>(&dkdv_dense_kernel<T, DP, kCausal>)] = "dkdv_dense_kernel";
+}
+std::vector<std::string> launched_kernels() {
+  std::map<void*, std::string> names;
+  name_dense_kernels<__half, 64, false>(names);
+  name_dense_kernels<__half, 64, true>(names);
+  name_dense_kernels<__half, 128, false>(names);
+  name_dense_kernels<__half, 128, true>(names);
+  name_dense_kernels<__nv_bfloat16, 64, false>(names);
+  name_dense_kernels<__nv_bfloat16, 64, true>(names);
+  name_dense_kernels<__nv_bfloat16, 128, false>(names);
+  name_dense_kernels<__nv_bfloat16, 128, true>(names);
+  std::vector<std::string> out;
+  for (void* k : transformer_fast::launched) out.push_back(names.count(k) ? names[k] : "other");
+  transformer_fast::launched.clear();
+  return out;
+}
+
 std::vector<at::Tensor> bwd(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
                             at::Tensor lse, std::optional<at::Tensor> mask, std::optional<at::Tensor> kpm,
                             bool causal, double scale, double p, std::optional<at::Tensor> rng) {
@@ -322,7 +349,7 @@ def cuda_emulation():
                                  "attention_wgmma_dkdv.cuh", "attention_wgmma_dq.cuh",
                                  "attention_dense_fwd.cuh", "attention_dense_dq.cuh", "attention_dense_dkdv.cuh",
                                  "attention_cuda.h", "attention_device.cuh", "ops.h",
-                                 "philox.h"), ("fwd", "bwd", "set_wgmma", "set_dense"))
+                                 "philox.h"), ("fwd", "bwd", "set_wgmma", "set_dense", "launched_kernels"))
 
 
 _EMU_CASES = [  # B, H, Hkv, Lq, Lk, D, dtype, mask kind, dropout
@@ -508,10 +535,12 @@ def test_cuda_wgmma_forward_matches_mma_sync_emulated(cuda_emulation, d, dtype):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-# The dense forward (csrc/attention_dense_fwd.cuh; the default on a GPU for forwards without
-# masks or dropout): both head-dim buckets and head dims below them, causal or not, Lq / Lk that
-# are not multiples of the 64-row tiles (and Lq != Lk, causal top-left), one query row, GQA,
-# packed (B, L, 3, H, D) views; and the backward kernels' kDense instantiations after it.
+# The dense kernels (csrc/attention_dense_{fwd,dq,dkdv}.cuh; the default on a GPU for calls
+# without attn_mask or dropout): both head-dim buckets and head dims below them, causal or not,
+# Lq / Lk that are not multiples of the 64-row tiles (and Lq != Lk, causal top-left), one query
+# row, GQA, packed (B, L, 3, H, D) views; key_padding_mask scattered (kpm) and as right padding
+# (kpm_tail: tiles and whole dK / dV CTAs of padding only, which the kernels skip, and a batch
+# with every key padded: dead rows).
 _EMU_DENSE_CASES = [
     (1, 2, 2, 128, 128, 128, torch.bfloat16, "none", 0.0),
     (1, 2, 1, 130, 67, 64, torch.float16, "causal", 0.0),
@@ -520,6 +549,11 @@ _EMU_DENSE_CASES = [
     (1, 2, 2, 1, 129, 40, torch.bfloat16, "none", 0.0),
     (1, 2, 2, 64, 64, 16, torch.float16, "causal", 0.0),
     (2, 2, 2, 37, 37, 64, torch.bfloat16, "packed+causal", 0.0),
+    (2, 4, 2, 130, 200, 128, torch.bfloat16, "kpm", 0.0),
+    (2, 2, 2, 200, 150, 64, torch.float16, "causal+kpm_tail", 0.0),
+    (1, 2, 1, 70, 300, 96, torch.bfloat16, "kpm_tail", 0.0),
+    (3, 2, 2, 100, 140, 40, torch.bfloat16, "kpm_tail", 0.0),
+    (2, 2, 2, 37, 37, 64, torch.float16, "packed+causal+kpm", 0.0),
 ]
 
 
@@ -527,17 +561,22 @@ def _dense_forward(emu):
     return _switched_on(emu.set_dense)
 
 
-@pytest.mark.parametrize("case", [_EMU_DENSE_CASES[1], _EMU_DENSE_CASES[3]], ids=_emu_id)
+def _run_dense_emulated(emu, case):
+    emu.launched_kernels()
+    with _dense_forward(emu):
+        _run_emulated(emu, case)
+    assert {"fwd_dense_kernel", "dq_dense_kernel", "dkdv_dense_kernel"} <= set(emu.launched_kernels())
+
+
+@pytest.mark.parametrize("case", [_EMU_DENSE_CASES[1], _EMU_DENSE_CASES[3], _EMU_DENSE_CASES[8]], ids=_emu_id)
 def test_cuda_dense_forward_emulated_quick(cuda_emulation, case):
-    with _dense_forward(cuda_emulation):
-        _run_emulated(cuda_emulation, case)
+    _run_dense_emulated(cuda_emulation, case)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", _EMU_DENSE_CASES, ids=_emu_id)
 def test_cuda_dense_forward_emulated(cuda_emulation, case):
-    with _dense_forward(cuda_emulation):
-        _run_emulated(cuda_emulation, case)
+    _run_dense_emulated(cuda_emulation, case)
 
 
 # The two-warpgroup wgmma kernels (csrc/attention_wgmma_dense.cuh forward, attention_wgmma_dkdv.cuh
@@ -591,29 +630,56 @@ def test_cuda_wgmma_dense_forward_runs_emulated(cuda_emulation):
     assert not torch.equal(dense[0], wgmma[0]) or not torch.equal(dense[1], wgmma[1])
 
 
-def _emulated_bwd_args(emu, lq, lk, d, causal):
+def _emulated_bwd_args(emu, lq, lk, d, causal, kpm=False):
     """attention_bwd's arguments from one emulated forward: bf16, B 1, H 4 over Hkv 2 (GQA),
-    fresh draws, no masks or dropout."""
+    fresh draws, no attn_mask or dropout; with kpm a key_padding_mask padding 30% of the keys and
+    keys 64..127 (a whole tile of each dense kernel)."""
     g = generator()
     q = randn(1, 4, lq, d, dtype=torch.bfloat16, g=g)
     k, v = randn(1, 2, lk, d, dtype=torch.bfloat16, g=g), randn(1, 2, lk, d, dtype=torch.bfloat16, g=g)
     do = randn(1, 4, lq, d, dtype=torch.bfloat16, g=g)
-    out, lse = emu.fwd(q, k, v, None, None, causal, d ** -0.5, 0.0, None)
-    return (do, q, k, v, out, lse, None, None, causal, d ** -0.5, 0.0, None)
+    pad = None
+    if kpm:
+        pad = torch.rand(1, lk, generator=g) < 0.3
+        pad[:, 64:128] = True
+    out, lse = emu.fwd(q, k, v, None, pad, causal, d ** -0.5, 0.0, None)
+    return (do, q, k, v, out, lse, None, pad, causal, d ** -0.5, 0.0, None)
 
 
+@pytest.mark.parametrize("kpm", [False, True], ids=["nomask", "kpm"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [40, 128])
-def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal):
+def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal, kpm):
     """From the same forward (odd lengths, GQA): dkdv_dense_kernel and dq_dense_kernel (base-2
     exponent, their own fragment loads) agree with the generic kernels to bf16 rounding (the
-    oracle cases check them against float64 too)."""
-    args = _emulated_bwd_args(cuda_emulation, 70, 131, d, causal)
+    oracle cases check them against float64 too); with a key_padding_mask as well."""
+    args = _emulated_bwd_args(cuda_emulation, 70, 131, d, causal, kpm)
     want = cuda_emulation.bwd(*args)
+    assert "dq_dense_kernel" not in cuda_emulation.launched_kernels()
     with _dense_forward(cuda_emulation):
         got = cuda_emulation.bwd(*args)
+    assert {"dq_dense_kernel", "dkdv_dense_kernel"} <= set(cuda_emulation.launched_kernels())
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    if kpm:  # padded keys get zero dK / dV rows
+        pad = args[7][0]
+        assert not got[1][0, :, pad].any() and not got[2][0, :, pad].any()
+
+
+def test_cuda_wgmma_switch_sends_kpm_to_dense_emulated(cuda_emulation):
+    """The wgmma dense kernels have no key_padding_mask code: with the wgmma switch on, a call
+    with one runs the dense mma.sync kernels forward and backward (bit for bit what they give
+    with the switch off)."""
+    args = _emulated_bwd_args(cuda_emulation, 70, 200, 64, True, kpm=True)
+    fwd_args = (args[1], args[2], args[3], None, args[7], True, 0.125, 0.0, None)
+    with _dense_forward(cuda_emulation):
+        want = cuda_emulation.fwd(*fwd_args), cuda_emulation.bwd(*args)
+    cuda_emulation.launched_kernels()
+    with _wgmma_dense_forward(cuda_emulation):
+        got = cuda_emulation.fwd(*fwd_args), cuda_emulation.bwd(*args)
+    assert {"fwd_dense_kernel", "dq_dense_kernel", "dkdv_dense_kernel"} <= set(cuda_emulation.launched_kernels())
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("causal", [False, True])
