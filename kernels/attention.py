@@ -33,8 +33,11 @@ Contract (the ``triton`` backend of scaled_dot_product_attention builds on it):
 
 Work skipping: key tiles entirely beyond the causal diagonal are outside the loop bounds; with a
 key_padding_mask the key loop runs over [first valid key, last valid key] of each batch row only
-(computed on the device, no host sync), and a key block whose keys are all padding does no work
-in the dk/dv kernel.  (Blocks of padding strictly inside a row's valid range are computed, masked.)
+(_kpm_ranges_kernel summarises the mask on the device: one launch, no host sync), and a key block
+whose keys are all padding does no work in the dk/dv kernel.  (Blocks of padding strictly inside
+a row's valid range are computed, masked.)  The blocks inside the run of valid keys that starts
+at a row's first (a right-padded row's, bar its last block) take the unmasked loops of the
+forward and dq kernels, and a dk/dv key block without padding needs no padding mask.
 Tiles that need no masking at all (full blocks before the causal diagonal, no attn_mask / padding
 mask) run a loop without any mask code; the causal diagonal and the ragged last block run a
 second, masked loop.  Masks are loaded only when present (constexpr flags).
@@ -66,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, imin
+from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, imax, imin
 from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
 LOG2E = 1.4426950408889634
@@ -184,7 +187,74 @@ def _mask_scores(s, om, on, Lq, Lk, AMh, s_amm, s_amn, KPMb, s_kpn,
 
 
 # ---------------------------------------------------------------------------------------------
+# key_padding_mask ranges
+
+
+@triton.jit
+def _kpm_ranges_kernel(KPM, s_kpb, s_kpn, KVR, KCNT, Lk, NEED_KCNT: tl.constexpr, BLOCK: tl.constexpr):
+    """Row b of key_padding_mask (uint8, True = padding) summarised for the attention kernels:
+    KVR[b] = (first valid key, one past the last valid key, end of the run of valid keys that
+    starts at the first), (0, 0, 0) for a row of padding only; with NEED_KCNT, KCNT[b, j] (of
+    (B, Lk + 1)) = the number of valid keys before key j.  One program per batch row, in order
+    over chunks of BLOCK keys (the first valid key is final by the chunk that holds it, so the
+    run's end is the first padding after it)."""
+    b64 = tl.program_id(0).to(tl.int64)
+    row = KPM + b64 * s_kpb
+    offs = tl.arange(0, BLOCK)
+    first = tl.full([], 0, tl.int32) + Lk
+    last = tl.full([], 0, tl.int32)
+    run_end = tl.full([], 0, tl.int32) + Lk
+    count = tl.full([], 0, tl.int32)
+    for c0 in range(0, Lk, BLOCK):
+        idx = c0 + offs
+        ok = idx < Lk
+        pad = tl.load(row + idx.to(tl.int64) * s_kpn, mask=ok, other=1) != 0
+        valid = ok & (pad == 0)
+        first = tl.minimum(first, tl.min(tl.where(valid, idx, Lk), 0))
+        last = tl.maximum(last, tl.max(tl.where(valid, idx + 1, 0), 0))
+        run_end = tl.minimum(run_end, tl.min(tl.where(ok & pad & (idx > first), idx, Lk), 0))
+        if NEED_KCNT:
+            v32 = valid.to(tl.int32)
+            tl.store(KCNT + b64 * (Lk + 1) + 1 + idx, count + tl.cumsum(v32, 0), mask=ok)
+            count = count + tl.sum(v32, 0)
+    if NEED_KCNT:
+        tl.store(KCNT + b64 * (Lk + 1), 0)
+    none = last == 0
+    tl.store(KVR + 3 * b64, tl.where(none, 0, first))
+    tl.store(KVR + 3 * b64 + 1, last)
+    tl.store(KVR + 3 * b64 + 2, tl.where(none, 0, tl.minimum(run_end, last)))
+
+
+def kpm_ranges(kpm_u8: torch.Tensor, need_kcnt: bool):
+    """``(kvr, kcnt)`` of _kpm_ranges_kernel for a (B, Lk) uint8 key_padding_mask: kvr (B, 3)
+    int32, kcnt (B, Lk + 1) int32 or None.  One launch, no host sync."""
+    B, Lk = kpm_u8.shape
+    kvr = torch.empty((B, 3), dtype=torch.int32, device=kpm_u8.device)
+    kcnt = torch.empty((B, Lk + 1), dtype=torch.int32, device=kpm_u8.device) if need_kcnt else kvr
+    block = min(triton.next_power_of_2(max(Lk, 1)), 64 if _INTERPRET else 1024)
+    with _device_guard(kpm_u8):
+        _kpm_ranges_kernel[(B,)](kpm_u8, *kpm_u8.stride(), kvr, kcnt, Lk, NEED_KCNT=need_kcnt, BLOCK=block)
+    return kvr, (kcnt if need_kcnt else None)
+
+
+# ---------------------------------------------------------------------------------------------
 # Forward
+
+
+@triton.jit
+def _kpm_blocks(KVR, b, hi, full, BLOCK_N: tl.constexpr):
+    """Key-block ranges of batch row b under a key_padding_mask (KVR of _kpm_ranges_kernel), given
+    the block bounds without it (hi: one past the last block visited; full: blocks [0, full) need
+    no causal or bounds mask): [lo, a) and [c, hi) are masked, [a, c) lies inside the run of
+    valid keys and in [0, full) and needs no mask; lo <= a <= c, any of the ranges may be empty."""
+    kv_lo = tl.load(KVR + 3 * b)
+    kv_hi = tl.load(KVR + 3 * b + 1)
+    kv_run = tl.load(KVR + 3 * b + 2)
+    lo = kv_lo // BLOCK_N
+    hi = imin(hi, tl.cdiv(kv_hi, BLOCK_N))
+    a = imax(imin(tl.cdiv(kv_lo, BLOCK_N), hi), lo)
+    c = imax(imin(imin(full, kv_run // BLOCK_N), hi), a)
+    return lo, a, c, hi
 
 
 @triton.jit
@@ -299,12 +369,21 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
     if HAS_KPM:
-        # Only the batch row's [first valid key, last valid key] range; every tile masked.
-        kv_lo = tl.load(KVR + 2 * b)
-        kv_hi = tl.load(KVR + 2 * b + 1)
-        lo = kv_lo // BLOCK_N
-        hi = imin(hi, tl.cdiv(kv_hi, BLOCK_N))
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk,
+        # Only the batch row's [first valid key, last valid key] range: masked where a block may
+        # hold padding; the blocks inside the run of valid keys that starts at the first (all of
+        # a right-padded row's, bar its last) run the unmasked loop.
+        lo, a, c, hi = _kpm_blocks(KVR, b, hi, full, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, a, Lq, Lk,
+                                   qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
+                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, a, c, Lq, Lk,
+                                   qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
+                                   False, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, c, hi, Lq, Lk,
                                    qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
@@ -479,6 +558,8 @@ def _attn_bwd_dkdv_kernel(
         cnt_base = KCNT + b64 * (Lk + 1)
         n_valid = tl.load(cnt_base + imin(n0 + BLOCK_N, Lk)) - tl.load(cnt_base + n0)
         active = (n_valid > 0).to(tl.int32)  # a block of padding only: no work, zero gradient
+        # A block without padding needs no padding mask (the full blocks of a right-padded row).
+        block_padded = n_valid < imin(BLOCK_N, Lk - n0)
         hi = hi * active
         diag_lo = diag_lo * active
         full_lo = full_lo * active
@@ -505,11 +586,27 @@ def _attn_bwd_dkdv_kernel(
                                  seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                                  HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
                                  HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n,
-                             full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
-                             seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+        if HAS_KPM:
+            if block_padded:
+                dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n,
+                                     full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                                     seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
+                                     True, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                                     REFINE_LSE)
+            else:
+                dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n,
+                                     full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                                     seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
+                                     False, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                                     REFINE_LSE)
+        else:
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n,
+                                 full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                                 seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
+                                 False, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
 
     split64 = split.to(tl.int64)
     dk_ptrs = DK + split64 * sdks + b64 * sdkb + hk64 * sdkh + rows_n * sdkn + offs_d[None, :]
@@ -669,12 +766,9 @@ def _attn_bwd_dq_kernel(
         full = imin(full, (m0 + 1) // BLOCK_N)
 
     lo = 0
-    if HAS_KPM:  # one masked loop over the batch row's [first valid key, last valid key]
-        kv_lo = tl.load(KVR + 2 * b)
-        kv_hi = tl.load(KVR + 2 * b + 1)
-        lo = kv_lo // BLOCK_N
-        hi = imin(hi, tl.cdiv(kv_hi, BLOCK_N))
-        full = lo
+    a = 0
+    if HAS_KPM:  # the batch row's [first valid key, last valid key] as in the forward
+        lo, a, full, hi = _kpm_blocks(KVR, b, hi, full, BLOCK_N)
     # One pass over the row's key blocks writes, for the dk/dv kernel that runs after this one:
     # REFINE_LSE: rinv = 1 / rowsum(exp(s - lse)).  The stored fp32 lse is off by up to
     # |lse| x 2^-24, which every recomputed p of the row inherits (with large logits several
@@ -691,7 +785,8 @@ def _attn_bwd_dq_kernel(
         if REFINE_LSE:
             rinv = tl.where(psum > 0.0, 1.0 / psum, 1.0)
             tl.store(RINV + row_base + offs_m, rinv, mask=m_ok)
-    if EXACT_DELTA:
+    if EXACT_DELTA:  # every block through the masked loop, as _row_sums computed p
+        a = lo
         full = lo
         Di = pdp * rinv  # rowsum(p * dp) of the p the gradients use
         tl.store(DELTA + row_base + offs_m, Di, mask=m_ok)
@@ -699,12 +794,18 @@ def _attn_bwd_dq_kernel(
         Di = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if not HAS_KPM:  # full blocks: no mask code
-        dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, lo, full, Lq, Lk, qk_scale,
+    if HAS_KPM:  # [lo, a): blocks before the run of valid keys, masked
+        dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, lo, a, Lq, Lk, qk_scale,
                        AMh, s_amm, s_amn, KPMb, s_kpn,
                        seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
-                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_KPM,
+                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
                        HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+    # [a, full): full blocks, no mask code
+    dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, a, full, Lq, Lk, qk_scale,
+                   AMh, s_amm, s_amn, KPMb, s_kpn,
+                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND, False,
+                   HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
     dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk, qk_scale,
                    AMh, s_amm, s_amn, KPMb, s_kpn,
                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
@@ -976,17 +1077,7 @@ class _Common:
             self.has_kpm = True
             self.kpm = kpm.view(torch.uint8)
             self.kpm_strides = tuple(self.kpm.stride())
-            valid = (~kpm).to(torch.int32)
-            csum = torch.cumsum(valid, dim=1, dtype=torch.int32)
-            any_valid = csum[:, -1] > 0
-            first = torch.argmax(valid, dim=1)
-            last = Lk - torch.argmax(valid.flip(1), dim=1)
-            zero = torch.zeros_like(first)
-            self.kvr = torch.stack([torch.where(any_valid, first, zero),
-                                    torch.where(any_valid, last, zero)], dim=1).to(torch.int32).contiguous()
-            if need_kcnt:
-                self.kcnt = torch.zeros((B, Lk + 1), dtype=torch.int32, device=q.device)
-                self.kcnt[:, 1:] = csum
+            self.kvr, self.kcnt = kpm_ranges(self.kpm, need_kcnt)
 
         # dropout; HAS_DROPOUT = drop_mode: 0 none, 1 one Philox block per score, 2 one per 4
         # adjacent keys (rows of Lk % 4 == 0 keys: dropout_keep_rows)

@@ -94,6 +94,13 @@ def _kernel_names(fn):
     return {e.name for e in prof.events()}
 
 
+def _one_false_mask(device, n=64):
+    """A (n, n) bool attn_mask with one False entry: a mask no layer above could drop as empty."""
+    m = torch.ones(n, n, dtype=torch.bool, device=device)
+    m[0, -1] = False
+    return m
+
+
 @pytest.fixture
 def wgmma(device, monkeypatch):
     """The wgmma forward switched on, and shown to run (a profiled call launches its kernel)."""
@@ -101,9 +108,8 @@ def wgmma(device, monkeypatch):
         pytest.skip("the wgmma forward runs on compute capability 9.x (Hopper) only")
     monkeypatch.setenv(WGMMA_ENV, "1")
     q = torch.randn(1, 2, 64, 64, device=device, dtype=torch.float16)
-    kpm = torch.zeros(1, 64, dtype=torch.bool, device=device)
-    kpm[0, -1] = True
-    names = _kernel_names(lambda: F.scaled_dot_product_attention(q, q, q, key_padding_mask=kpm, backend="cuda"))
+    names = _kernel_names(lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=_one_false_mask(device),
+                                                                 backend="cuda"))
     assert any("fwd_wgmma_kernel" in n for n in names), (
         f"{WGMMA_ENV}=1 on a 9.x GPU did not launch fwd_wgmma_kernel (extension built without "
         f"sm_90a? TORCH_CUDA_ARCH_LIST must include 9.0a); kernels: {sorted(names)}")
@@ -113,29 +119,41 @@ def wgmma(device, monkeypatch):
 def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
     """With the wgmma forward on, an unmasked 16-bit forward runs fwd_wgmma_dense_kernel
     (csrc/attention_wgmma_dense.cuh) and its backward dkdv_wgmma_dense_kernel and
-    dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); a masked one fwd_wgmma_kernel;
+    dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); one with an attn_mask fwd_wgmma_kernel;
+    one with a key_padding_mask the mma.sync dense kernels (the wgmma ones have no padding code);
     TRANSFORMER_FAST_CUDA_DENSE=0 sends both to fwd_wgmma_kernel and the generic backward."""
     q = torch.randn(1, 2, 300, 128, device=wgmma, dtype=torch.bfloat16, requires_grad=True)
 
-    def call():
-        F.scaled_dot_product_attention(q, q, q, is_causal=True, backend="cuda").sum().backward()
+    def call(**kw):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True, backend="cuda", **kw).sum().backward()
 
     names = _kernel_names(call)
     for kernel in ("fwd_wgmma_dense_kernel", "dkdv_wgmma_dense_kernel", "dq_wgmma_dense_kernel"):
         assert any(kernel in n for n in names), (kernel, sorted(names))
+    kpm = torch.zeros(1, 300, dtype=torch.bool, device=wgmma)
+    kpm[0, -1] = True
+    names = _kernel_names(lambda: call(key_padding_mask=kpm))
+    for kernel in ("fwd_dense_kernel", "dkdv_dense_kernel", "dq_dense_kernel"):
+        assert any(kernel in n and "wgmma" not in n for n in names), (kernel, sorted(names))
     monkeypatch.setenv(DENSE_ENV, "0")
     names = _kernel_names(call)
     assert not any("wgmma_dense" in n for n in names) and any("fwd_wgmma_kernel" in n for n in names)
 
 
-def _bwd_args(ops, device, d, causal):
+def _bwd_args(ops, device, d, causal, kpm=False):
     """attention_bwd's arguments from one forward: bf16, B 1, H 4 over Hkv 2 (GQA), Lq 300,
-    Lk 517, fresh draws, no masks or dropout."""
+    Lk 517, fresh draws, no attn_mask or dropout; with kpm 30% of the keys and keys 64..191
+    padding."""
     g = generator()
     q = base._qkv(1, 4, 2, 300, 517, d, torch.bfloat16, device, g)  # (q, k, v)
     do = torch.randn_like(q[0])
-    out, lse = ops.attention_fwd(*q, None, None, causal, d ** -0.5, 0.0, None, False)
-    return (do, *q, out, lse, None, None, causal, d ** -0.5, 0.0, None, False)
+    pad = None
+    if kpm:
+        pad = torch.rand(1, 517, generator=g) < 0.3
+        pad[:, 64:192] = True
+        pad = pad.to(device)
+    out, lse = ops.attention_fwd(*q, None, pad, causal, d ** -0.5, 0.0, None, False)
+    return (do, *q, out, lse, None, pad, causal, d ** -0.5, 0.0, None, False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
@@ -194,24 +212,38 @@ def test_wgmma_forward_packed_views_and_dropout(wgmma, monkeypatch):
 
 
 # ---- The dense forward (csrc/attention_dense_fwd.cuh): the default for fp16 / bf16 forwards with
-# no attn_mask, key_padding_mask or dropout (is_causal allowed), 16-byte aligned rows, D <= 128;
-# TRANSFORMER_FAST_CUDA_DENSE=0 sends them to fwd_kernel.
+# no attn_mask or dropout (is_causal and key_padding_mask allowed), 16-byte aligned rows,
+# D <= 128; TRANSFORMER_FAST_CUDA_DENSE=0 sends them to fwd_kernel.
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_dense_forward_runs_where_it_fits(device, monkeypatch, causal):
-    """The dense kernel is what runs for an unmasked 16-bit forward, and fwd_kernel what runs
-    with a mask or with the switch off."""
+    """The dense kernel is what runs for an unmasked 16-bit forward and for one with a
+    key_padding_mask, and fwd_kernel what runs with an attn_mask or with the switch off."""
     monkeypatch.delenv(DENSE_ENV, raising=False)
     q = torch.randn(1, 2, 64, 64, device=device, dtype=torch.bfloat16)
     call = lambda **kw: F.scaled_dot_product_attention(q, q, q, is_causal=causal, backend="cuda", **kw)  # noqa: E731
     assert any("fwd_dense_kernel" in n for n in _kernel_names(call))
     kpm = torch.zeros(1, 64, dtype=torch.bool, device=device)
     kpm[0, -1] = True  # one padded key: a mask no layer above could drop as empty
-    masked = _kernel_names(lambda: call(key_padding_mask=kpm))
+    assert any("fwd_dense_kernel" in n for n in _kernel_names(lambda: call(key_padding_mask=kpm)))
+    masked = _kernel_names(lambda: call(attn_mask=_one_false_mask(device)))
     assert not any("fwd_dense_kernel" in n for n in masked) and any("fwd_kernel" in n for n in masked)
     monkeypatch.setenv(DENSE_ENV, "0")
     assert not any("fwd_dense_kernel" in n for n in _kernel_names(call))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d", [40, 64, 128])
+@pytest.mark.parametrize("kind", ["kpm", "causal+kpm", "kpm_tail", "causal+kpm_tail"])
+def test_dense_key_padding_oracle(device, dtype, d, kind):
+    """The dense kernels with a key_padding_mask, forward and backward: scattered padding and
+    right padding (tiles and dK / dV blocks of padding only, a batch row of padding only)."""
+    b, h, lq, lk = 3, 4, 300, 517
+    g = generator()
+    q, k, v = base._qkv(b, h, 2, lq, lk, d, dtype, device, g)
+    m = base._to(make_masks(kind, b, h, lq, lk, dtype, g), device)
+    check_sdpa("cuda", q, k, v, enable_gqa=True, context=f"dense {kind} d={d}", **m)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -240,13 +272,14 @@ def test_dense_forward_packed_views_match_fwd_kernel(device, monkeypatch):
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("kpm", [False, True], ids=["nomask", "kpm"])
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 @pytest.mark.parametrize("d", [40, 128])
-def test_dense_backward_matches_generic(device, monkeypatch, d, causal):
+def test_dense_backward_matches_generic(device, monkeypatch, d, causal, kpm):
     """From the same forward: dkdv_dense_kernel and dq_dense_kernel agree with the generic
-    kernels to bf16 rounding (as in the CPU emulation)."""
+    kernels to bf16 rounding (as in the CPU emulation), with a key_padding_mask too."""
     ops = torch.ops.transformer_fast_C
-    args = _bwd_args(ops, device, d, causal)
+    args = _bwd_args(ops, device, d, causal, kpm)
     monkeypatch.setenv(DENSE_ENV, "0")
     want = ops.attention_bwd(*args)
     monkeypatch.delenv(DENSE_ENV)

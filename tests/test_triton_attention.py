@@ -354,6 +354,60 @@ def test_skipped_tiles_are_never_read():
     del ref
 
 
+def _kpm_ranges_ref(kpm):
+    """(first valid key, one past the last, end of the run of valid keys from the first) per row,
+    (0, 0, 0) for a row of padding only; and the (B, Lk + 1) counts of valid keys before each key."""
+    B, Lk = kpm.shape
+    rows = []
+    for r in kpm.cpu().tolist():
+        valid = [j for j, pad in enumerate(r) if not pad]
+        if not valid:
+            rows.append((0, 0, 0))
+            continue
+        run = valid[0]
+        while run < Lk and not r[run]:
+            run += 1
+        rows.append((valid[0], valid[-1] + 1, run))
+    kcnt = torch.zeros((B, Lk + 1), dtype=torch.int32)
+    kcnt[:, 1:] = torch.cumsum((~kpm.cpu()).to(torch.int32), 1)
+    return torch.tensor(rows, dtype=torch.int32), kcnt
+
+
+@pytest.mark.parametrize("Lk", [1, 5, 64, 150])
+def test_kpm_ranges_kernel(Lk):
+    """_kpm_ranges_kernel against a plain Python reading of the mask: scattered, right-, left- and
+    both-sides padding, no padding, padding only; a strided (non-contiguous) view; several chunks
+    (64 keys per chunk under the interpreter)."""
+    g = torch.Generator().manual_seed(Lk)
+    rows = [torch.rand(Lk, generator=g) < 0.3, torch.arange(Lk) >= (Lk + 1) // 2,
+            torch.arange(Lk) < Lk // 3, (torch.arange(Lk) < Lk // 4) | (torch.arange(Lk) >= Lk - Lk // 4),
+            torch.zeros(Lk, dtype=torch.bool), torch.ones(Lk, dtype=torch.bool)]
+    wide = torch.zeros((len(rows), 2 * Lk), dtype=torch.bool)
+    wide[:, ::2] = torch.stack(rows)
+    kpm = wide.to(DEVICE)[:, ::2]  # stride 2 along keys
+    kvr, kcnt = attention.kpm_ranges(kpm.view(torch.uint8), True)
+    want_kvr, want_kcnt = _kpm_ranges_ref(kpm)
+    assert torch.equal(kvr.cpu(), want_kvr) and torch.equal(kcnt.cpu(), want_kcnt)
+    kvr2, none = attention.kpm_ranges(kpm.view(torch.uint8), False)
+    assert none is None and torch.equal(kvr2.cpu(), want_kvr)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_right_padding_unmasked_interior(dtype, causal):
+    """Right-padded rows (a batch of sentences) and a row with padding at both ends: the blocks
+    inside a row's run of valid keys go through the unmasked loops of the forward and dq kernels,
+    and dk/dv key blocks without padding skip the padding mask; all still meet the oracle (the
+    interpreter's 16 / 32-key blocks leave several interior blocks per row)."""
+    torch.manual_seed(11)
+    B, H, Lq, Lk, D = 4, 2, 100, 130, 32
+    q, k, v = make_qkv(B, H, 1, Lq, Lk, D, dtype)
+    lens = torch.tensor([Lk, 97, 33, 1])
+    kpm = torch.arange(Lk)[None, :] >= lens[:, None]
+    kpm[1, :20] = True  # padding in front too: the run starts at key 20
+    check_attention(q, k, v, None, kpm.to(DEVICE), causal, context=f"right padding {dtype} {causal}")
+
+
 def test_padding_skip_matches_dense_mask():
     """A key_padding_mask (tile skipping) and the same mask as a bool attn_mask (no skipping)
     give the same results: bitwise under the interpreter (one block config); on a GPU the two mask
