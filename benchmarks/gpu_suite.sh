@@ -176,6 +176,9 @@ rm -f "$TRITON_WARM_MARK"
 # The torch-free CUDA attention forward harness (benchmarks/cuda_attn: the current kernels and the
 # drafted dense fast paths, timed and checked; one ncu pass where ncu works); output to logs.txt.
 step cuda_attn env OUT=/tmp/tf_cuda_attn bash benchmarks/cuda_attn/run.sh
+# Issue 8's training demo on the GPU (its CPU run is tested in CI): loss and held-out exact match
+# go to logs.txt; no loss-curve PNG (OUT holds at most 8 files).
+step train_demo $PY -m transformer_fast train-demo --device cuda --no-progress --out ""
 # Writes results.json, results.md, ops.png and end_to_end.png into OUT.
 # shellcheck disable=SC2086
 step benchmarks $PY -m benchmarks ${BENCH_ARGS---quick} --output "$OUT"
