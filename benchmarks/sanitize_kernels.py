@@ -112,8 +112,8 @@ def kv_cache_cases(backend, device):
 def sdpa_cases(backend, device):
     """scaled_dot_product_attention alone (the op the C++ backends implement; csrc/attention_*):
     every head-dim bucket of the CUDA kernels (64, 128, 256; D padded inside), partial tiles,
-    GQA, and each mask path (causal + padding + dropout, bool mask, float mask with a dead row,
-    causal alone, none).
+    GQA, and each mask path (causal + padding + dropout, causal + padding, bool mask, float mask
+    with a dead row, causal alone, none).
     fp16/bf16 (the cuda kernels refuse fp32; the cpu backend runs these too)."""
     for dtype in (torch.bfloat16, torch.float16):
         for b, h, hkv, lq, lk, d in ((1, 2, 1, 1, 1, 16), (2, 4, 2, 7, 33, 80), (1, 2, 2, 129, 67, 128),
@@ -125,8 +125,9 @@ def sdpa_cases(backend, device):
             bool_mask = torch.rand(lq, lk, device=device) < 0.8
             float_mask = torch.randn(b, h, lq, lk, device=device, dtype=dtype)
             float_mask[:, :, 0] = float("-inf")
-            # The last two take the cuda backend's dense forward (no masks, no dropout).
-            for kw in (dict(dropout_p=0.1, is_causal=True, key_padding_mask=pad),
+            # On the cuda backend all but the first (dropout) take the dense kernels where D <= 128
+            # (masks included), the generic ones at D = 256.
+            for kw in (dict(dropout_p=0.1, is_causal=True, key_padding_mask=pad), dict(is_causal=True, key_padding_mask=pad),
                        dict(attn_mask=bool_mask), dict(attn_mask=float_mask), dict(is_causal=True), dict()):
                 if not _take():
                     continue

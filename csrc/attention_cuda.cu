@@ -32,13 +32,13 @@
 //   dq_kernel    one CTA per (b, h, 64 query rows), loops over 32-key tiles: dQ += dS K
 //                (K/V double-buffered with cp.async like the forward).
 //   delta = rowsum(dO * O) is computed with ATen before the two backward kernels.
-//   fwd_dense_kernel (attention_dense_fwd.cuh)  the forward without attn_mask or dropout (causal
-//                and key_padding_mask allowed), D <= 128: fwd_kernel's tiles with the generic per-element code out of
+//   fwd_dense_kernel (attention_dense_fwd.cuh)  the forward without dropout (causal,
+//                key_padding_mask and attn_mask allowed), D <= 128: fwd_kernel's tiles with the generic per-element code out of
 //                the loop (3.7x fwd_kernel's speed in benchmarks/cuda_attn on an H200).  For the
 //                same calls dkdv_dense_kernel / dq_dense_kernel (attention_dense_{dkdv,dq}.cuh) are
 //                the backward kernels rewritten like it; where rows are not 16-byte aligned, the
 //                generic kernels' kDense instantiations (no mask or dropout code) run instead
-//                (the generic ones themselves when there is a key_padding_mask).
+//                (the generic ones themselves when there is a mask).
 // Fully masked tiles beyond the causal diagonal are outside the loop bounds.
 //
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
@@ -47,7 +47,7 @@
 // (no masks, in bounds, below the causal diagonal) skip the mask code.  On sm_90a the forward
 // may instead run fwd_wgmma_kernel (attention_wgmma.cuh: warpgroup MMA; opt-in through
 // TRANSFORMER_FAST_CUDA_WGMMA=1, head dims <= 128), and the calls fwd_dense_kernel takes (those
-// without a key_padding_mask) then run fwd_wgmma_dense_kernel (attention_wgmma_dense.cuh: two warpgroups, 128 x 128 tiles, the
+// without masks) then run fwd_wgmma_dense_kernel (attention_wgmma_dense.cuh: two warpgroups, 128 x 128 tiles, the
 // softmax of one tile overlapping the MMAs of the previous), their backward
 // dkdv_wgmma_dense_kernel and dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh).  Out of
 // scope for this version (benchmarks/NOTES.md): TMA, warp specialisation, swizzled tiles, a
@@ -910,11 +910,25 @@ void run_fwd_wgmma_dense(const Params& p) {
            : launch_threads(fwd_wgmma_dense_kernel<T, DP, false>, blocks, kWdThreads, smem, p);
 }
 
+// Calls f(kCausal, kAttnMask) (std::bool_constant values) for the dense mma.sync kernels'
+// instantiation that fits a call: causal or not, with an attn_mask or not.
+template <typename F>
+void with_dense_instance(const Params& p, F&& f) {
+  const bool am = p.am_type != kMaskNone;
+  if (p.causal) {
+    am ? f(std::true_type{}, std::true_type{}) : f(std::true_type{}, std::false_type{});
+  } else {
+    am ? f(std::false_type{}, std::true_type{}) : f(std::false_type{}, std::false_type{});
+  }
+}
+
 template <typename T, int DP>
 void run_fwd_dense(const Params& p) {
   const int64_t blocks = int64_t{p.B} * p.H * ((p.Lq + kDenseBM - 1) / kDenseBM);
   const size_t smem = size_t{4} * kDenseBN * (DP + kPad) * sizeof(uint16_t) + 2 * kDenseBN / 8;  // + pad bits
-  p.causal ? launch(fwd_dense_kernel<T, DP, true>, blocks, smem, p) : launch(fwd_dense_kernel<T, DP, false>, blocks, smem, p);
+  with_dense_instance(p, [&](auto causal, auto am) {
+    launch(fwd_dense_kernel<T, DP, decltype(causal)::value, decltype(am)::value>, blocks, smem, p);
+  });
 }
 
 // Whether the dense kernels may write p.out as 4-byte element pairs (always, for the outputs
@@ -924,12 +938,15 @@ bool out_pairs_aligned(const Params& p) {
   return reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && even(p.o_sb) && even(p.o_sh) && even(p.o_sm);
 }
 
-// Whether a forward may take fwd_dense_kernel: no attn_mask or dropout (a key_padding_mask is
-// fine), every q/k/v row 16-byte aligned with D % 8 == 0 (vec16), D <= 128, at least one key, and
-// an output written in pairs.
+// Whether a forward may take fwd_dense_kernel: no dropout (masks are fine), every q/k/v row
+// 16-byte aligned with D % 8 == 0 (vec16), D <= 128, at least one key, and an output written in
+// pairs.
 bool dense_forward_fits(const Params& p) {
-  return p.am_type == kMaskNone && p.rng == nullptr && p.vec16 && p.D <= 128 && p.Lk >= 1 && out_pairs_aligned(p);
+  return p.rng == nullptr && p.vec16 && p.D <= 128 && p.Lk >= 1 && out_pairs_aligned(p);
 }
+
+// Whether a call has a mask the wgmma dense kernels (and the generic kernels' kDense forms) lack.
+bool masked(const Params& p) { return p.am_type != kMaskNone || p.kpm != nullptr; }
 
 // delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32, the backward's row term: one warp
 // per row, dO through p.dout / do strides, O through p.out / o strides, into p.delta_out
@@ -1000,8 +1017,8 @@ bool wgmma_forward(const Tensor&) { return emulate_wgmma_forward; }
 #endif
 
 // wgmma: the dense dK / dV and dQ on dkdv_wgmma_dense_kernel / dq_wgmma_dense_kernel (the wgmma
-// forward's switch, sm_90a; not with a key_padding_mask).  kDense with a key_padding_mask: the
-// dense kernels, or where they do not fit the generic ones (whose kDense forms drop the mask).
+// forward's switch, sm_90a; not with a mask).  kDense with a mask: the dense kernels, or where
+// they do not fit the generic ones (whose kDense forms drop the masks).
 template <typename T, int DP, bool kDense = false>
 void run_bwd(const Params& pkv, const Params& pq, bool wgmma = false) {
   const int64_t kv_blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kKvBN - 1) / kKvBN);
@@ -1017,9 +1034,10 @@ void run_bwd(const Params& pkv, const Params& pq, bool wgmma = false) {
       pkv.causal ? launch_threads(dkdv_wgmma_dense_kernel<T, DP, true>, blocks, kWdThreads, smem, pkv)
                  : launch_threads(dkdv_wgmma_dense_kernel<T, DP, false>, blocks, kWdThreads, smem, pkv);
     } else if (pkv.vec16 && out_pairs_aligned(pkv) && dv_pairs) {  // dkdv_dense_kernel (attention_dense_dkdv.cuh)
-      pkv.causal ? launch(dkdv_dense_kernel<T, DP, true>, kv_blocks, kv_smem, pkv)
-                 : launch(dkdv_dense_kernel<T, DP, false>, kv_blocks, kv_smem, pkv);
-    } else if (pkv.kpm == nullptr) {
+      with_dense_instance(pkv, [&](auto causal, auto am) {
+        launch(dkdv_dense_kernel<T, DP, decltype(causal)::value, decltype(am)::value>, kv_blocks, kv_smem, pkv);
+      });
+    } else if (!masked(pkv)) {
       launch(dkdv_kernel<T, DP, true>, kv_blocks, kv_smem, pkv);
     } else {
       launch(dkdv_kernel<T, DP, false>, kv_blocks, kv_smem, pkv);
@@ -1038,15 +1056,16 @@ void run_bwd(const Params& pkv, const Params& pq, bool wgmma = false) {
     if (pq.vec16 && pq.Lk >= 1 && out_pairs_aligned(pq)) {  // dq_dense_kernel (attention_dense_dq.cuh)
       const int64_t blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDenseBM - 1) / kDenseBM);
       const size_t smem = size_t{4} * kDenseDqBN * (DP + kPad) * sizeof(uint16_t) + 2 * kDenseDqBN / 8;
-      pq.causal ? launch(dq_dense_kernel<T, DP, true>, blocks, smem, pq)
-                : launch(dq_dense_kernel<T, DP, false>, blocks, smem, pq);
+      with_dense_instance(pq, [&](auto causal, auto am) {
+        launch(dq_dense_kernel<T, DP, decltype(causal)::value, decltype(am)::value>, blocks, smem, pq);
+      });
       return;
     }
   }
   const int64_t q_blocks = int64_t{pq.B} * pq.H * ((pq.Lq + kDqBM - 1) / kDqBM);
   const size_t q_smem = size_t{4} * kDqBN * (DP + kPad) * sizeof(uint16_t);
-  kDense && pq.kpm == nullptr ? launch(dq_kernel<T, DP, kDense>, q_blocks, q_smem, pq)
-                              : launch(dq_kernel<T, DP, false>, q_blocks, q_smem, pq);
+  kDense && !masked(pq) ? launch(dq_kernel<T, DP, kDense>, q_blocks, q_smem, pq)
+                        : launch(dq_kernel<T, DP, false>, q_blocks, q_smem, pq);
 }
 
 // An output the kernels can write: `want` itself when its stride along D is 1 (always for out,
@@ -1090,7 +1109,7 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
   const bool half = q.scalar_type() == at::kHalf;
   const bool dense = dense_forward_fits(p) && dense_kernels_enabled();
   const bool wgmma = head_dim_bucket(p.D) <= 128 && wgmma_forward(q);
-  if (wgmma && dense && p.kpm == nullptr) {  // fwd_wgmma_dense_kernel has no key_padding_mask code
+  if (wgmma && dense && !masked(p)) {  // fwd_wgmma_dense_kernel has no mask code
     if (head_dim_bucket(p.D) == 64) {
       half ? run_fwd_wgmma_dense<__half, 64>(p) : run_fwd_wgmma_dense<__nv_bfloat16, 64>(p);
     } else {
@@ -1179,10 +1198,10 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     pkv.o2_sb = dv_.stride(0), pkv.o2_sh = dv_.stride(1), pkv.o2_sm = dv_.stride(2);
     set_out(pq, dq_);
     const bool half = q.scalar_type() == at::kHalf;
-    // No attn_mask, no dropout, D <= 128: the kernels without their mask and dropout code (as the
-    // forward's fwd_dense_kernel; the same switch turns both off; a key_padding_mask is fine).
-    const bool dense = p.am_type == kMaskNone && p.rng == nullptr && p.D <= 128 && dense_kernels_enabled();
-    const bool wg = dense && p.kpm == nullptr && wgmma_forward(q);  // the backward on wgmma too
+    // No dropout, D <= 128: the dense kernels (as the forward's fwd_dense_kernel; the same switch
+    // turns both off), on wgmma too where the forward's switch is on and there is no mask.
+    const bool dense = p.rng == nullptr && p.D <= 128 && dense_kernels_enabled();
+    const bool wg = dense && !masked(p) && wgmma_forward(q);
     if (dense && head_dim_bucket(p.D) == 64) {
       half ? run_bwd<__half, 64, true>(pkv, pq, wg) : run_bwd<__nv_bfloat16, 64, true>(pkv, pq, wg);
     } else if (dense) {

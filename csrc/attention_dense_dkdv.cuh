@@ -1,5 +1,6 @@
-// dK / dV of the dense backward (no attn_mask, no dropout; is_causal and key_padding_mask
-// allowed; 16-byte aligned rows, D <= 128): dkdv_kernel rewritten the way fwd_dense_kernel rewrote fwd_kernel.  Included by
+// dK / dV of the dense backward (no dropout; is_causal, key_padding_mask and attn_mask allowed;
+// 16-byte aligned rows, D <= 128): dkdv_kernel rewritten the way fwd_dense_kernel rewrote
+// fwd_kernel.  Included by
 // attention_cuda.cu after attention_dense_dq.cuh (it uses dense_copy_rows and exp2_approx).
 //
 // One CTA of 4 warps per (b, kv head, 64 keys), warp w owning keys 16w..16w+15, as dkdv_kernel:
@@ -37,7 +38,7 @@ __device__ __forceinline__ void store_dkdv_rows(const Params& p, int b, int hk, 
   }
 }
 
-template <typename T, int DP, bool kCausal>
+template <typename T, int DP, bool kCausal, bool kAttnMask>
 __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p) {
   constexpr int BN = kDenseKvBN, BM = kDenseKvBM, PITCH = DP + kPad;
   constexpr int kCh = DP / 8, kRowsPerPass = kThreads / kCh;
@@ -72,6 +73,7 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
     }
   }
   const bool warp_pad = __any_sync(0xffffffffu, pad_bits != 0);  // warp-uniform
+  constexpr bool has_am = kAttnMask;  // p.am_type != kMaskNone (an instantiation of its own)
 
   const int r0 = tid / kCh, c0 = (tid % kCh) * 8;
   const bool col_ok = c0 < p.D;
@@ -157,15 +159,17 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
     }
 
     // st <- P^T, dpt <- dS^T.  Masked (warp-uniform test per tile): key j > query i (causal),
-    // padded keys.
-    const bool edge = (kCausal && n0 + warp * 16 + 15 > m0) || warp_pad;
+    // padded keys, attn_mask (every tile).  Keys past Lk need no mask (never stored) but must
+    // not read one: dense_score gives them -inf.
+    const bool edge = (kCausal && n0 + warp * 16 + 15 > m0) || warp_pad || has_am;
+    const int h = hk * group + it / nm;
 #pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int ii = nt * 8 + 2 * t + (e & 1);
-        float x = st[nt][e] * scale2;
-        if (edge) x = (kCausal && key_a + 8 * (e >> 1) > m0 + ii) || ((pad_bits >> (e >> 1)) & 1) ? -INFINITY : x;
+        const float x = dense_score<kCausal, kAttnMask>(p, st[nt][e] * scale2, edge, b, h, m0 + ii, key_a + 8 * (e >> 1),
+                                             (pad_bits >> (e >> 1)) & 1);
         const float pe = exp2_approx(x - lse_s[ii]);
         dpt[nt][e] = pe * (dpt[nt][e] - delta_s[ii]);
         st[nt][e] = pe;

@@ -1,15 +1,17 @@
-// dQ of the dense backward (no attn_mask, no dropout; is_causal and key_padding_mask allowed;
-// 16-byte aligned rows, D <= 128): dq_kernel rewritten the way fwd_dense_kernel rewrote fwd_kernel.  Included by
-// attention_cuda.cu after attention_dense_fwd.cuh (it uses dense_copy_rows and exp2_approx).
+// dQ of the dense backward (no dropout; is_causal, key_padding_mask and attn_mask allowed;
+// 16-byte aligned rows, D <= 128): dq_kernel rewritten the way fwd_dense_kernel rewrote
+// fwd_kernel.  Included by attention_cuda.cu after attention_dense_fwd.cuh (it uses
+// dense_copy_rows, exp2_approx, DensePadBits and dense_score).
 //
 // One CTA of 4 warps per (b, h, 64 query rows), warp w owning rows 16w..16w+15, as dq_kernel; key
 // tiles of 32 rows of K and V double-buffered by cp.async.  Per tile: S = Q K^T and dP = dO V^T
 // (ldmatrix.x4 over K / V rows), P = exp2(S * scale * log2 e - lse * log2 e), dS = P (dP - delta),
 // dQ += dS K (ldmatrix.x4.trans over K).  Q and dO are staged through shared memory (cp.async +
 // ldmatrix) instead of two-byte global loads; copy addresses are computed once; the only
-// per-element test (causal diagonal, keys past Lk, padding: DensePadBits as in the forward) sits
-// behind a warp-uniform branch, and a tile of padding alone is skipped.  Rows past
-// Lq, and rows whose lse is -inf (no key visible in the forward), get P = 0 through an lse of +inf.
+// per-element test (causal diagonal, keys past Lk, padding: DensePadBits as in the forward;
+// attn_mask: dense_score) sits behind a warp-uniform branch, and a tile of padding alone is
+// skipped.  Rows past Lq, and rows whose lse is -inf (no key visible in the forward), get P = 0
+// through an lse of +inf.
 // Written without a GPU; checked against the oracle in the CPU emulation.
 
 constexpr int kDenseDqBN = 32;  // keys per tile
@@ -22,7 +24,7 @@ __device__ __forceinline__ void dense_row_stats(const Params& p, int bh, int i, 
   delta = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
 }
 
-template <typename T, int DP, bool kCausal>
+template <typename T, int DP, bool kCausal, bool kAttnMask>
 __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
   constexpr int BM = kDenseBM, BN = kDenseDqBN, PITCH = DP + kPad;
   constexpr int kBuf = 2 * BN * PITCH;  // K then V of one buffer (halves)
@@ -67,6 +69,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
   const float kLog2e = 1.4426950408889634f;
   const float scale2 = p.scale * kLog2e;
   const int row_a = m0 + warp * 16 + g;  // this thread's rows: row_a, row_a + 8
+  constexpr bool has_am = kAttnMask;  // p.am_type != kMaskNone (an instantiation of its own)
   float lse2[2], delta_r[2];
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) dense_row_stats(p, bh, row_a + 8 * rh, lse2[rh], delta_r[rh]);
@@ -127,14 +130,14 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
     }
 
     // dS = P (dP - delta), P recomputed in base 2 from the forward's lse.
-    const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk || pad != 0;
+    const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk || pad != 0 || has_am;
     const uint64_t pad_t = pad >> (2 * t);  // bit nt * 8 + (e & 1): this thread's key of (nt, e)
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float x = dense_masked<kCausal>(s[nt][e] * scale2, edge, n0 + nt * 8 + 2 * t + (e & 1),
-                                              row_a + 8 * (e >> 1), p.Lk, (pad_t >> (nt * 8 + (e & 1))) & 1);
+        const float x = dense_score<kCausal, kAttnMask>(p, s[nt][e] * scale2, edge, b, h, row_a + 8 * (e >> 1),
+                                             n0 + nt * 8 + 2 * t + (e & 1), (pad_t >> (nt * 8 + (e & 1))) & 1);
         const float pe = exp2_approx(x - lse2[e >> 1]);
         s[nt][e] = pe * (dp[nt][e] - delta_r[e >> 1]);
       }

@@ -1,14 +1,14 @@
-// The dense fast path of the fp16 / bf16 forward: no attn_mask, no dropout (is_causal and
-// key_padding_mask allowed), 16-byte aligned rows, head dim <= 128.  Included by attention_cuda.cu
+// The dense fast path of the fp16 / bf16 forward: no dropout (is_causal, key_padding_mask and
+// attn_mask allowed), 16-byte aligned rows, head dim <= 128.  Included by attention_cuda.cu
 // inside its anonymous namespace (it uses that file's Params, Traits, ldmatrix and cp.async
 // helpers); attention_fwd_cuda sends every other forward to fwd_kernel.
 //
 // Same algorithm and tiles as fwd_kernel (one CTA of 4 warps per (b, h, 64 query rows), 16 rows
 // per warp, 64-key K/V tiles double-buffered by cp.async, mma.sync m16n8k16, P kept in
 // registers), with what is per element and run-time generic taken out of the loop:
-//   * no mask / dropout code per element: the 32 scores a thread owns per tile are straight-line
-//     code; the only per-element test (causal diagonal, keys past Lk) sits behind a warp-uniform
-//     branch taken by the diagonal / last tile alone;
+//   * no dropout code, and the 32 scores a thread owns per tile are straight-line code; the
+//     per-element test (causal diagonal, keys past Lk, padding, attn_mask: dense_score) sits
+//     behind a warp-uniform branch taken by the tiles that need it alone;
 //   * scores scaled once by scale * log2(e) and exponentiated with ex2.approx.ftz (the running
 //     max is kept in base-2 units; lse is converted back to the natural log at the end);
 //   * ldmatrix.x4 for K and V (two n-tiles or two k-slabs per instruction), Q staged through
@@ -17,7 +17,9 @@
 //   * causal: the CTAs with the most key tiles are scheduled first;
 //   * key_padding_mask: a tile's 64 pad flags become one 64-bit mask in shared memory (a ballot
 //     by warps 0-1 over flags loaded one tile ahead, so the load's latency hides behind a tile's
-//     MMAs); a tile with padding takes the masked branch, a tile of padding alone is skipped.
+//     MMAs); a tile with padding takes the masked branch, a tile of padding alone is skipped;
+//   * attn_mask: every tile takes the masked branch, which reads the mask per score through its
+//     strides (as the generic kernels do; no tile can be skipped without reading it).
 // Measured before it was ported (benchmarks/cuda_attn, the same kernel outside the package,
 // NVIDIA H200, bf16, D = 128): 0.544 ms (252 TFLOP/s) at B16 H16 L1024 against fwd_kernel's
 // 2.04 ms (67), 2.01 ms (273) at B4 H16 L4096; causal 211-254 TFLOP/s; 216 registers, no
@@ -95,11 +97,40 @@ __device__ __forceinline__ void store_row_pairs(uint16_t* row, const float (*acc
 }
 
 // Score (times scale * log2 e) of key j for this thread's row of row half rh, -inf where the key
-// is past Lk, (causal) past the row, or padding (`padded`: its key_padding_mask bit); `edge`
-// (warp-uniform) says whether the tile needs the test.
+// is past Lk or (causal) past the row; `edge` (warp-uniform) says whether the tile needs the
+// test.  (The wgmma dense kernels, which take no masks.)
 template <bool kCausal>
-__device__ __forceinline__ float dense_masked(float x, bool edge, int j, int row, int Lk, bool padded = false) {
-  return edge && (j >= Lk || (kCausal && j > row) || padded) ? -INFINITY : x;
+__device__ __forceinline__ float dense_masked(float x, bool edge, int j, int row, int Lk) {
+  return edge && (j >= Lk || (kCausal && j > row)) ? -INFINITY : x;
+}
+
+// attn_mask (p.am, read through its strides) applied to the base-2 score x of (query i, key j)
+// of head (b, h), i < Lq and j < Lk: a bool mask's False gives -inf, a float mask is added
+// (times log2 e, the scores' unit).  The type switch is uniform over the grid.
+__device__ __forceinline__ float dense_attn_masked(const Params& p, float x, int b, int h, int i, int j) {
+  const int64_t off = b * p.am_sb + h * p.am_sh + static_cast<int64_t>(i) * p.am_sm + static_cast<int64_t>(j) * p.am_sn;
+  constexpr float kLog2e = 1.4426950408889634f;
+  switch (p.am_type) {
+    case kMaskBool: return static_cast<const bool*>(p.am)[off] ? x : -INFINITY;
+    case kMaskHalf: return x + __half2float(static_cast<const __half*>(p.am)[off]) * kLog2e;
+    case kMaskBf16: return x + __bfloat162float(static_cast<const __nv_bfloat16*>(p.am)[off]) * kLog2e;
+    default: return x + static_cast<const float*>(p.am)[off] * kLog2e;
+  }
+}
+
+// The dense mma.sync kernels' score (times scale * log2 e) of (query i, key j) of head (b, h) in
+// a tile that needs the per-element test (`edge`, warp-uniform; else x as it is): -inf where the
+// key is past Lk, (causal) past the query or padding (`padded`: its key_padding_mask bit); else
+// with attn_mask applied, where a query past Lq (never stored) gets -inf instead of a read
+// (kAttnMask: the kernels' instantiations for calls with one, so that those without keep the
+// registers and schedule they had).
+template <bool kCausal, bool kAttnMask>
+__device__ __forceinline__ float dense_score(const Params& p, float x, bool edge, int b, int h, int i, int j,
+                                             bool padded) {
+  if (!edge) return x;
+  if (j >= p.Lk || (kCausal && j > i) || padded) return -INFINITY;
+  if constexpr (kAttnMask) return i < p.Lq ? dense_attn_masked(p, x, b, h, i, j) : -INFINITY;
+  return x;
 }
 
 // key_padding_mask in the dense kernels over key tiles (fwd_dense_kernel, dq_dense_kernel): the
@@ -196,7 +227,7 @@ __device__ __forceinline__ void finish_dense_rows(const Params& p, int bh, uint1
   }
 }
 
-template <typename T, int DP, bool kCausal>
+template <typename T, int DP, bool kCausal, bool kAttnMask>
 __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) {
   constexpr int BM = kDenseBM, BN = kDenseBN, PITCH = DP + kPad;
   constexpr int kBuf = 2 * BN * PITCH;  // K then V of one buffer (halves)
@@ -246,6 +277,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.0f, 0.0f};  // base-2 running max, sums
   const float scale2 = p.scale * 1.4426950408889634f;           // scale * log2(e)
   const int row_a = m0 + warp * 16 + g;                          // this thread's rows: row_a, row_a + 8
+  constexpr bool has_am = kAttnMask;  // p.am_type != kMaskNone (an instantiation of its own)
 
   // ldmatrix lane offsets (elements) inside a tile: K as four 8-column slabs of 8 keys, V as
   // two 8-key halves x two 8-column groups (transposed).
@@ -286,16 +318,17 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
       }
     }
 
-    // Online softmax in base 2.  Masking (warp-uniform): the causal diagonal, keys past Lk, padding.
-    const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk || pad != 0;
+    // Online softmax in base 2.  Masking (warp-uniform): the causal diagonal, keys past Lk,
+    // padding, attn_mask (every tile).
+    const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk || pad != 0 || has_am;
     const uint64_t pad_t = pad >> (2 * t);  // bit nt * 8 + (e & 1): this thread's key of (nt, e)
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float x = dense_masked<kCausal>(s[nt][e] * scale2, edge, n0 + nt * 8 + 2 * t + (e & 1),
-                                              row_a + 8 * (e >> 1), p.Lk, (pad_t >> (nt * 8 + (e & 1))) & 1);
+        const float x = dense_score<kCausal, kAttnMask>(p, s[nt][e] * scale2, edge, b, h, row_a + 8 * (e >> 1),
+                                             n0 + nt * 8 + 2 * t + (e & 1), (pad_t >> (nt * 8 + (e & 1))) & 1);
         s[nt][e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);  // a NaN score propagates through p, not the max
       }

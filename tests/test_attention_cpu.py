@@ -312,9 +312,14 @@ void set_dense(bool on) { transformer_fast::emulate_dense_kernels = on; }
 template <typename T, int DP, bool kCausal>
 void name_dense_kernels(std::map<void*, std::string>& names) {
   using namespace transformer_fast;
-  names[reinterpret_cast<void*>(&fwd_dense_kernel<T, DP, kCausal>)] = "fwd_dense_kernel";
-  names[reinterpret_cast<void*>(&dq_dense_kernel<T, DP, kCausal>)] = "dq_dense_kernel";
-  names[reinterpret_cast<void*>(&dkdv_dense_kernel<T, DP, kCausal>)] = "dkdv_dense_kernel";
+  for (const bool am : {false, true}) {
+    names[reinterpret_cast<void*>(am ? &fwd_dense_kernel<T, DP, kCausal, true> : &fwd_dense_kernel<T, DP, kCausal, false>)] =
+        "fwd_dense_kernel";
+    names[reinterpret_cast<void*>(am ? &dq_dense_kernel<T, DP, kCausal, true> : &dq_dense_kernel<T, DP, kCausal, false>)] =
+        "dq_dense_kernel";
+    names[reinterpret_cast<void*>(am ? &dkdv_dense_kernel<T, DP, kCausal, true> : &dkdv_dense_kernel<T, DP, kCausal, false>)] =
+        "dkdv_dense_kernel";
+  }
 }
 std::vector<std::string> launched_kernels() {
   std::map<void*, std::string> names;
@@ -540,7 +545,8 @@ def test_cuda_wgmma_forward_matches_mma_sync_emulated(cuda_emulation, d, dtype):
 # Lq / Lk that are not multiples of the 64-row tiles (and Lq != Lk, causal top-left), one query
 # row, GQA, packed (B, L, 3, H, D) views; key_padding_mask scattered (kpm) and as right padding
 # (kpm_tail: tiles and whole dK / dV CTAs of padding only, which the kernels skip, and a batch
-# with every key padded: dead rows).
+# with every key padded: dead rows); attn_mask bool and float (fp16 / bf16), broadcast from 2-D,
+# (B, 1) and (B, H), with padding and causal, rows with nothing visible (dead).
 _EMU_DENSE_CASES = [
     (1, 2, 2, 128, 128, 128, torch.bfloat16, "none", 0.0),
     (1, 2, 1, 130, 67, 64, torch.float16, "causal", 0.0),
@@ -554,6 +560,11 @@ _EMU_DENSE_CASES = [
     (1, 2, 1, 70, 300, 96, torch.bfloat16, "kpm_tail", 0.0),
     (3, 2, 2, 100, 140, 40, torch.bfloat16, "kpm_tail", 0.0),
     (2, 2, 2, 37, 37, 64, torch.float16, "packed+causal+kpm", 0.0),
+    (2, 4, 2, 130, 200, 128, torch.bfloat16, "bool_b1", 0.0),
+    (2, 2, 2, 150, 100, 64, torch.float16, "causal+float_bh+kpm", 0.0),
+    (2, 2, 1, 70, 67, 40, torch.bfloat16, "dead", 0.0),
+    (1, 2, 2, 100, 70, 96, torch.float16, "float_2d", 0.0),
+    (2, 2, 2, 64, 130, 64, torch.bfloat16, "causal+bool_bh", 0.0),
 ]
 
 
@@ -568,7 +579,8 @@ def _run_dense_emulated(emu, case):
     assert {"fwd_dense_kernel", "dq_dense_kernel", "dkdv_dense_kernel"} <= set(emu.launched_kernels())
 
 
-@pytest.mark.parametrize("case", [_EMU_DENSE_CASES[1], _EMU_DENSE_CASES[3], _EMU_DENSE_CASES[8]], ids=_emu_id)
+@pytest.mark.parametrize("case", [_EMU_DENSE_CASES[1], _EMU_DENSE_CASES[3], _EMU_DENSE_CASES[8],
+                                  _EMU_DENSE_CASES[13]], ids=_emu_id)
 def test_cuda_dense_forward_emulated_quick(cuda_emulation, case):
     _run_dense_emulated(cuda_emulation, case)
 
@@ -630,30 +642,34 @@ def test_cuda_wgmma_dense_forward_runs_emulated(cuda_emulation):
     assert not torch.equal(dense[0], wgmma[0]) or not torch.equal(dense[1], wgmma[1])
 
 
-def _emulated_bwd_args(emu, lq, lk, d, causal, kpm=False):
+def _emulated_bwd_args(emu, lq, lk, d, causal, kpm=False, am=False):
     """attention_bwd's arguments from one emulated forward: bf16, B 1, H 4 over Hkv 2 (GQA),
-    fresh draws, no attn_mask or dropout; with kpm a key_padding_mask padding 30% of the keys and
-    keys 64..127 (a whole tile of each dense kernel)."""
+    fresh draws, no dropout; with kpm a key_padding_mask padding 30% of the keys and keys 64..127
+    (a whole tile of each dense kernel); with am a (1, 4, lq, lk) float attn_mask (bf16, -inf at
+    20%)."""
     g = generator()
     q = randn(1, 4, lq, d, dtype=torch.bfloat16, g=g)
     k, v = randn(1, 2, lk, d, dtype=torch.bfloat16, g=g), randn(1, 2, lk, d, dtype=torch.bfloat16, g=g)
     do = randn(1, 4, lq, d, dtype=torch.bfloat16, g=g)
-    pad = None
+    pad = mask = None
     if kpm:
         pad = torch.rand(1, lk, generator=g) < 0.3
         pad[:, 64:128] = True
-    out, lse = emu.fwd(q, k, v, None, pad, causal, d ** -0.5, 0.0, None)
-    return (do, q, k, v, out, lse, None, pad, causal, d ** -0.5, 0.0, None)
+    if am:
+        mask = make_masks("float_bh", 1, 4, lq, lk, torch.bfloat16, g)["attn_mask"]
+    out, lse = emu.fwd(q, k, v, mask, pad, causal, d ** -0.5, 0.0, None)
+    return (do, q, k, v, out, lse, mask, pad, causal, d ** -0.5, 0.0, None)
 
 
-@pytest.mark.parametrize("kpm", [False, True], ids=["nomask", "kpm"])
+@pytest.mark.parametrize("mask", ["nomask", "kpm", "am"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [40, 128])
-def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal, kpm):
+def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal, mask):
     """From the same forward (odd lengths, GQA): dkdv_dense_kernel and dq_dense_kernel (base-2
     exponent, their own fragment loads) agree with the generic kernels to bf16 rounding (the
-    oracle cases check them against float64 too); with a key_padding_mask as well."""
-    args = _emulated_bwd_args(cuda_emulation, 70, 131, d, causal, kpm)
+    oracle cases check them against float64 too); with a key_padding_mask or an attn_mask too."""
+    kpm = mask == "kpm"
+    args = _emulated_bwd_args(cuda_emulation, 70, 131, d, causal, kpm, mask == "am")
     want = cuda_emulation.bwd(*args)
     assert "dq_dense_kernel" not in cuda_emulation.launched_kernels()
     with _dense_forward(cuda_emulation):
@@ -666,12 +682,13 @@ def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal,
         assert not got[1][0, :, pad].any() and not got[2][0, :, pad].any()
 
 
-def test_cuda_wgmma_switch_sends_kpm_to_dense_emulated(cuda_emulation):
-    """The wgmma dense kernels have no key_padding_mask code: with the wgmma switch on, a call
-    with one runs the dense mma.sync kernels forward and backward (bit for bit what they give
-    with the switch off)."""
-    args = _emulated_bwd_args(cuda_emulation, 70, 200, 64, True, kpm=True)
-    fwd_args = (args[1], args[2], args[3], None, args[7], True, 0.125, 0.0, None)
+@pytest.mark.parametrize("mask", ["kpm", "am"])
+def test_cuda_wgmma_switch_sends_masks_to_dense_emulated(cuda_emulation, mask):
+    """The wgmma dense kernels have no mask code: with the wgmma switch on, a call with a
+    key_padding_mask or an attn_mask runs the dense mma.sync kernels forward and backward (bit for
+    bit what they give with the switch off)."""
+    args = _emulated_bwd_args(cuda_emulation, 70, 200, 64, True, kpm=mask == "kpm", am=mask == "am")
+    fwd_args = (args[1], args[2], args[3], args[6], args[7], True, 0.125, 0.0, None)
     with _dense_forward(cuda_emulation):
         want = cuda_emulation.fwd(*fwd_args), cuda_emulation.bwd(*args)
     cuda_emulation.launched_kernels()

@@ -94,13 +94,6 @@ def _kernel_names(fn):
     return {e.name for e in prof.events()}
 
 
-def _one_false_mask(device, n=64):
-    """A (n, n) bool attn_mask with one False entry: a mask no layer above could drop as empty."""
-    m = torch.ones(n, n, dtype=torch.bool, device=device)
-    m[0, -1] = False
-    return m
-
-
 @pytest.fixture
 def wgmma(device, monkeypatch):
     """The wgmma forward switched on, and shown to run (a profiled call launches its kernel)."""
@@ -108,8 +101,8 @@ def wgmma(device, monkeypatch):
         pytest.skip("the wgmma forward runs on compute capability 9.x (Hopper) only")
     monkeypatch.setenv(WGMMA_ENV, "1")
     q = torch.randn(1, 2, 64, 64, device=device, dtype=torch.float16)
-    names = _kernel_names(lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=_one_false_mask(device),
-                                                                 backend="cuda"))
+    # with dropout: the generic wgmma forward (the dense kernels take no dropout)
+    names = _kernel_names(lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5, backend="cuda"))
     assert any("fwd_wgmma_kernel" in n for n in names), (
         f"{WGMMA_ENV}=1 on a 9.x GPU did not launch fwd_wgmma_kernel (extension built without "
         f"sm_90a? TORCH_CUDA_ARCH_LIST must include 9.0a); kernels: {sorted(names)}")
@@ -119,9 +112,9 @@ def wgmma(device, monkeypatch):
 def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
     """With the wgmma forward on, an unmasked 16-bit forward runs fwd_wgmma_dense_kernel
     (csrc/attention_wgmma_dense.cuh) and its backward dkdv_wgmma_dense_kernel and
-    dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); one with an attn_mask fwd_wgmma_kernel;
-    one with a key_padding_mask the mma.sync dense kernels (the wgmma ones have no padding code);
-    TRANSFORMER_FAST_CUDA_DENSE=0 sends both to fwd_wgmma_kernel and the generic backward."""
+    dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); one with a key_padding_mask or an
+    attn_mask the mma.sync dense kernels (the wgmma ones have no mask code);
+    TRANSFORMER_FAST_CUDA_DENSE=0 sends them to fwd_wgmma_kernel and the generic backward."""
     q = torch.randn(1, 2, 300, 128, device=wgmma, dtype=torch.bfloat16, requires_grad=True)
 
     def call(**kw):
@@ -132,28 +125,31 @@ def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
         assert any(kernel in n for n in names), (kernel, sorted(names))
     kpm = torch.zeros(1, 300, dtype=torch.bool, device=wgmma)
     kpm[0, -1] = True
-    names = _kernel_names(lambda: call(key_padding_mask=kpm))
-    for kernel in ("fwd_dense_kernel", "dkdv_dense_kernel", "dq_dense_kernel"):
-        assert any(kernel in n and "wgmma" not in n for n in names), (kernel, sorted(names))
+    for kw in (dict(key_padding_mask=kpm), dict(attn_mask=~kpm[0].expand(300, 300))):
+        names = _kernel_names(lambda: call(**kw))
+        for kernel in ("fwd_dense_kernel", "dkdv_dense_kernel", "dq_dense_kernel"):
+            assert any(kernel in n and "wgmma" not in n for n in names), (kernel, sorted(names))
     monkeypatch.setenv(DENSE_ENV, "0")
     names = _kernel_names(call)
     assert not any("wgmma_dense" in n for n in names) and any("fwd_wgmma_kernel" in n for n in names)
 
 
-def _bwd_args(ops, device, d, causal, kpm=False):
+def _bwd_args(ops, device, d, causal, mask="nomask"):
     """attention_bwd's arguments from one forward: bf16, B 1, H 4 over Hkv 2 (GQA), Lq 300,
-    Lk 517, fresh draws, no attn_mask or dropout; with kpm 30% of the keys and keys 64..191
-    padding."""
+    Lk 517, fresh draws, no dropout; mask "kpm": 30% of the keys and keys 64..191 padding, "am":
+    a (1, 4, 300, 517) bf16 attn_mask (-inf at 20%)."""
     g = generator()
     q = base._qkv(1, 4, 2, 300, 517, d, torch.bfloat16, device, g)  # (q, k, v)
     do = torch.randn_like(q[0])
-    pad = None
-    if kpm:
+    pad = am = None
+    if mask == "kpm":
         pad = torch.rand(1, 517, generator=g) < 0.3
         pad[:, 64:192] = True
         pad = pad.to(device)
-    out, lse = ops.attention_fwd(*q, None, pad, causal, d ** -0.5, 0.0, None, False)
-    return (do, *q, out, lse, None, pad, causal, d ** -0.5, 0.0, None, False)
+    if mask == "am":
+        am = make_masks("float_bh", 1, 4, 300, 517, torch.bfloat16, g)["attn_mask"].to(device)
+    out, lse = ops.attention_fwd(*q, am, pad, causal, d ** -0.5, 0.0, None, False)
+    return (do, *q, out, lse, am, pad, causal, d ** -0.5, 0.0, None, False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
@@ -188,7 +184,10 @@ def test_wgmma_dense_oracle(wgmma, dtype, d, shape, causal):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("d", [16, 64, 80, 128])
 @pytest.mark.parametrize("kind", ["none", "causal", "causal+float_bh+kpm", "bool_b1", "dead"])
-def test_wgmma_forward_oracle(wgmma, dtype, d, kind):
+def test_wgmma_forward_oracle(wgmma, monkeypatch, dtype, d, kind):
+    """fwd_wgmma_kernel, the generic wgmma forward: with the dense kernels switched off (they
+    would take these calls, masks included)."""
+    monkeypatch.setenv(DENSE_ENV, "0")
     b, h, hkv, lq, lk = 2, 4, 2, 300, 517
     g = generator()
     q, k, v = base._qkv(b, h, hkv, lq, lk, d, dtype, wgmma, g)
@@ -211,15 +210,15 @@ def test_wgmma_forward_packed_views_and_dropout(wgmma, monkeypatch):
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-# ---- The dense forward (csrc/attention_dense_fwd.cuh): the default for fp16 / bf16 forwards with
-# no attn_mask or dropout (is_causal and key_padding_mask allowed), 16-byte aligned rows,
+# ---- The dense forward (csrc/attention_dense_fwd.cuh): the default for fp16 / bf16 forwards
+# without dropout (is_causal, key_padding_mask and attn_mask allowed), 16-byte aligned rows,
 # D <= 128; TRANSFORMER_FAST_CUDA_DENSE=0 sends them to fwd_kernel.
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_dense_forward_runs_where_it_fits(device, monkeypatch, causal):
-    """The dense kernel is what runs for an unmasked 16-bit forward and for one with a
-    key_padding_mask, and fwd_kernel what runs with an attn_mask or with the switch off."""
+    """The dense kernel is what runs for a 16-bit forward with or without masks, and fwd_kernel
+    what runs with dropout or with the switch off."""
     monkeypatch.delenv(DENSE_ENV, raising=False)
     q = torch.randn(1, 2, 64, 64, device=device, dtype=torch.bfloat16)
     call = lambda **kw: F.scaled_dot_product_attention(q, q, q, is_causal=causal, backend="cuda", **kw)  # noqa: E731
@@ -227,18 +226,21 @@ def test_dense_forward_runs_where_it_fits(device, monkeypatch, causal):
     kpm = torch.zeros(1, 64, dtype=torch.bool, device=device)
     kpm[0, -1] = True  # one padded key: a mask no layer above could drop as empty
     assert any("fwd_dense_kernel" in n for n in _kernel_names(lambda: call(key_padding_mask=kpm)))
-    masked = _kernel_names(lambda: call(attn_mask=_one_false_mask(device)))
-    assert not any("fwd_dense_kernel" in n for n in masked) and any("fwd_kernel" in n for n in masked)
+    assert any("fwd_dense_kernel" in n for n in _kernel_names(lambda: call(attn_mask=~kpm[0].expand(64, 64))))
+    dropped = _kernel_names(lambda: call(dropout_p=0.5))
+    assert not any("fwd_dense_kernel" in n for n in dropped) and any("fwd_kernel" in n for n in dropped)
     monkeypatch.setenv(DENSE_ENV, "0")
     assert not any("fwd_dense_kernel" in n for n in _kernel_names(call))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("d", [40, 64, 128])
-@pytest.mark.parametrize("kind", ["kpm", "causal+kpm", "kpm_tail", "causal+kpm_tail"])
-def test_dense_key_padding_oracle(device, dtype, d, kind):
-    """The dense kernels with a key_padding_mask, forward and backward: scattered padding and
-    right padding (tiles and dK / dV blocks of padding only, a batch row of padding only)."""
+@pytest.mark.parametrize("kind", ["kpm", "causal+kpm", "kpm_tail", "causal+kpm_tail", "bool_b1",
+                                  "causal+float_bh+kpm", "float_2d", "dead"])
+def test_dense_masks_oracle(device, dtype, d, kind):
+    """The dense kernels with masks, forward and backward: scattered padding and right padding
+    (tiles and dK / dV blocks of padding only, a batch row of padding only), attn_mask bool and
+    float, broadcast or full, with padding and causal, rows with nothing visible."""
     b, h, lq, lk = 3, 4, 300, 517
     g = generator()
     q, k, v = base._qkv(b, h, 2, lq, lk, d, dtype, device, g)
@@ -272,14 +274,14 @@ def test_dense_forward_packed_views_match_fwd_kernel(device, monkeypatch):
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("kpm", [False, True], ids=["nomask", "kpm"])
+@pytest.mark.parametrize("mask", ["nomask", "kpm", "am"])
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 @pytest.mark.parametrize("d", [40, 128])
-def test_dense_backward_matches_generic(device, monkeypatch, d, causal, kpm):
+def test_dense_backward_matches_generic(device, monkeypatch, d, causal, mask):
     """From the same forward: dkdv_dense_kernel and dq_dense_kernel agree with the generic
-    kernels to bf16 rounding (as in the CPU emulation), with a key_padding_mask too."""
+    kernels to bf16 rounding (as in the CPU emulation), with a key_padding_mask or an attn_mask."""
     ops = torch.ops.transformer_fast_C
-    args = _bwd_args(ops, device, d, causal, kpm)
+    args = _bwd_args(ops, device, d, causal, mask)
     monkeypatch.setenv(DENSE_ENV, "0")
     want = ops.attention_bwd(*args)
     monkeypatch.delenv(DENSE_ENV)
