@@ -261,9 +261,9 @@ def _attention_jobs(dtypes=DTYPES, quick=False):
             p, rng = (0.1, _rng()) if drop else (0.0, None)
             rec = []
             with _patched(A, FORCE_GQA_SPLIT=split, FORCE_OFF64=off64):
-                with _recording(A, ("_fwd",), rec):
+                with _recording(A, ("_fwd", "_kpm_ranges_kernel"), rec):
                     out, lse = A.attention_fwd(q, k, v, am, pad, causal, D ** -0.5, p, rng, tf32)
-                with _recording(A, ("_dkdv", "_dq", "_attn_bwd_delta_kernel"), rec):
+                with _recording(A, ("_dkdv", "_dq", "_attn_bwd_delta_kernel", "_kpm_ranges_kernel"), rec):
                     A.attention_bwd(out, q, k, v, out, lse, am, pad, causal, D ** -0.5, p, rng, tf32)
             label = (f"attention {dt}{' tf32' if tf32 else ''} D={D} L={L} causal={int(causal)} "
                      f"mask={mask} kpm={int(kpm)} dropout={int(drop)}"
