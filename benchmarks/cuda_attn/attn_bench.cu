@@ -177,10 +177,10 @@ int main(int argc, char** argv) {
        [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_wgmma_kernel<__nv_bfloat16, 128>, p, blocks, 128, smem, s); }},
       {"wgmma dense (change 1 only)", (const void*)fwd_wgmma_dense_kernel<128>, 128, 64, smem_wg, true, false,
        [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_wgmma_dense_kernel<128>, p, blocks, 128, smem, s); }},
-      {"repo fwd_dense_kernel", (const void*)fwd_dense_kernel<__nv_bfloat16, 128, false>, 128, 64, smem_repo, true, false,
-       [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_dense_kernel<__nv_bfloat16, 128, false>, p, blocks, 128, smem, s); }},
-      {"repo fwd_dense_kernel causal", (const void*)fwd_dense_kernel<__nv_bfloat16, 128, true>, 128, 64, smem_repo, true, true,
-       [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_dense_kernel<__nv_bfloat16, 128, true>, p, blocks, 128, smem, s); }},
+      {"repo fwd_dense_kernel", (const void*)fwd_dense_kernel<__nv_bfloat16, 128, false, false>, 128, 64, smem_repo, true, false,
+       [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_dense_kernel<__nv_bfloat16, 128, false, false>, p, blocks, 128, smem, s); }},
+      {"repo fwd_dense_kernel causal", (const void*)fwd_dense_kernel<__nv_bfloat16, 128, true, false>, 128, 64, smem_repo, true, true,
+       [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_dense_kernel<__nv_bfloat16, 128, true, false>, p, blocks, 128, smem, s); }},
       {"repo fwd_wgmma_dense_kernel", (const void*)fwd_wgmma_dense_kernel<__nv_bfloat16, 128, false>, kWdThreads, kWdBM,
        wgmma_dense_smem_bytes<128>(), true, false,
        [](const Params& p, int blocks, size_t smem, cudaStream_t s) { launch_any(fwd_wgmma_dense_kernel<__nv_bfloat16, 128, false>, p, blocks, kWdThreads, smem, s); }},
@@ -200,10 +200,10 @@ int main(int argc, char** argv) {
     const int kv_smem = (int)((size_t{2} * kKvBN + size_t{4} * kKvBM) * (128 + kPad) * 2 + size_t{4} * kKvBM * 4);
     const int q_smem = (int)(size_t{4} * kDenseDqBN * (128 + kPad) * 2);
     const std::pair<const void*, int> bwd[] = {
-        {(const void*)dkdv_dense_kernel<__nv_bfloat16, 128, false>, kv_smem},
-        {(const void*)dkdv_dense_kernel<__nv_bfloat16, 128, true>, kv_smem},
-        {(const void*)dq_dense_kernel<__nv_bfloat16, 128, false>, q_smem},
-        {(const void*)dq_dense_kernel<__nv_bfloat16, 128, true>, q_smem},
+        {(const void*)dkdv_dense_kernel<__nv_bfloat16, 128, false, false>, kv_smem},
+        {(const void*)dkdv_dense_kernel<__nv_bfloat16, 128, true, false>, kv_smem},
+        {(const void*)dq_dense_kernel<__nv_bfloat16, 128, false, false>, q_smem},
+        {(const void*)dq_dense_kernel<__nv_bfloat16, 128, true, false>, q_smem},
         {(const void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, false>, (int)wgmma_dkdv_smem_bytes<128>()},
         {(const void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, true>, (int)wgmma_dkdv_smem_bytes<128>()},
         {(const void*)dq_wgmma_dense_kernel<__nv_bfloat16, 128, false>, (int)wgmma_dq_smem_bytes<128>()},
@@ -331,8 +331,8 @@ int main(int argc, char** argv) {
         p.B = sh.B; p.H = sh.H; p.Hkv = sh.H; p.Lq = sh.L; p.Lk = sh.L; p.D = D;
         p.scale = scale; p.causal = causal; p.am_type = 0; p.vec16 = true;
         const int fwd_blocks = sh.B * sh.H * (sh.L / 64);
-        causal ? launch_any(fwd_dense_kernel<__nv_bfloat16, 128, true>, p, fwd_blocks, 128, smem_repo, st)
-               : launch_any(fwd_dense_kernel<__nv_bfloat16, 128, false>, p, fwd_blocks, 128, smem_repo, st);
+        causal ? launch_any(fwd_dense_kernel<__nv_bfloat16, 128, true, false>, p, fwd_blocks, 128, smem_repo, st)
+               : launch_any(fwd_dense_kernel<__nv_bfloat16, 128, false, false>, p, fwd_blocks, 128, smem_repo, st);
         delta_kernel<<<1024, 256, 0, st>>>(dout, o, delta, (size_t)sh.B * sh.H * sh.L, D);
         CK(cudaStreamSynchronize(st));
         CK(cudaGetLastError());
@@ -346,10 +346,10 @@ int main(int argc, char** argv) {
               const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (128 + kPad) * 2 + size_t{4} * kKvBM * 4;
               const size_t q_smem = size_t{4} * kDenseDqBN * (128 + kPad) * 2;
               const int kvb = sh.B * sh.H * (sh.L / 64), qb = sh.B * sh.H * (sh.L / 64);
-              causal ? launch_any(dkdv_dense_kernel<__nv_bfloat16, 128, true>, pkv, kvb, 128, kv_smem, st)
-                     : launch_any(dkdv_dense_kernel<__nv_bfloat16, 128, false>, pkv, kvb, 128, kv_smem, st);
-              causal ? launch_any(dq_dense_kernel<__nv_bfloat16, 128, true>, pq, qb, 128, q_smem, st)
-                     : launch_any(dq_dense_kernel<__nv_bfloat16, 128, false>, pq, qb, 128, q_smem, st);
+              causal ? launch_any(dkdv_dense_kernel<__nv_bfloat16, 128, true, false>, pkv, kvb, 128, kv_smem, st)
+                     : launch_any(dkdv_dense_kernel<__nv_bfloat16, 128, false, false>, pkv, kvb, 128, kv_smem, st);
+              causal ? launch_any(dq_dense_kernel<__nv_bfloat16, 128, true, false>, pq, qb, 128, q_smem, st)
+                     : launch_any(dq_dense_kernel<__nv_bfloat16, 128, false, false>, pq, qb, 128, q_smem, st);
             } else {
               const int kvb = sh.B * sh.H * (sh.L / kWkBN), qb = sh.B * sh.H * (sh.L / kWqBM);
               causal ? launch_any(dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, true>, pkv, kvb, kWdThreads, wgmma_dkdv_smem_bytes<128>(), st)
