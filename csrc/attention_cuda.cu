@@ -33,8 +33,9 @@
 //                (K/V double-buffered with cp.async like the forward).
 //   delta = rowsum(dO * O) is computed with ATen before the two backward kernels.
 //   fwd_dense_kernel (attention_dense_fwd.cuh)  the forward without dropout (causal,
-//                key_padding_mask and attn_mask allowed), D <= 128: fwd_kernel's tiles with the generic per-element code out of
-//                the loop (3.7x fwd_kernel's speed in benchmarks/cuda_attn on an H200).  For the
+//                key_padding_mask and attn_mask allowed), D <= 128: fwd_kernel's tiles with the
+//                generic per-element code out of the loop, behind a warp-uniform branch (3.7x
+//                fwd_kernel's speed in benchmarks/cuda_attn on an H200, unmasked).  For the
 //                same calls dkdv_dense_kernel / dq_dense_kernel (attention_dense_{dkdv,dq}.cuh) are
 //                the backward kernels rewritten like it; where rows are not 16-byte aligned, the
 //                generic kernels' kDense instantiations (no mask or dropout code) run instead
@@ -47,8 +48,8 @@
 // (no masks, in bounds, below the causal diagonal) skip the mask code.  On sm_90a the forward
 // may instead run fwd_wgmma_kernel (attention_wgmma.cuh: warpgroup MMA; opt-in through
 // TRANSFORMER_FAST_CUDA_WGMMA=1, head dims <= 128), and the calls fwd_dense_kernel takes (those
-// without masks) then run fwd_wgmma_dense_kernel (attention_wgmma_dense.cuh: two warpgroups, 128 x 128 tiles, the
-// softmax of one tile overlapping the MMAs of the previous), their backward
+// without masks) then run fwd_wgmma_dense_kernel (attention_wgmma_dense.cuh: two warpgroups,
+// 128 x 128 tiles, the softmax of one tile overlapping the MMAs of the previous), their backward
 // dkdv_wgmma_dense_kernel and dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh).  Out of
 // scope for this version (benchmarks/NOTES.md): TMA, warp specialisation, swizzled tiles, a
 // wgmma backward for masked calls, padding-tile skipping outside the dense mma.sync kernels.
