@@ -369,37 +369,28 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
+    # Without a key_padding_mask: [0, full) unmasked, [full, hi) masked.  With one, only the batch
+    # row's [first valid key, last valid key] range: [lo, a) and [full, hi) masked, [a, full) (the
+    # blocks inside the run of valid keys from the first: a right-padded row's bar its last)
+    # unmasked.
+    a = 0
     if HAS_KPM:
-        # Only the batch row's [first valid key, last valid key] range: masked where a block may
-        # hold padding; the blocks inside the run of valid keys that starts at the first (all of
-        # a right-padded row's, bar its last) run the unmasked loop.
-        lo, a, c, hi = _kpm_blocks(KVR, b, hi, full, BLOCK_N)
+        lo, a, full, hi = _kpm_blocks(KVR, b, hi, full, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, a, Lq, Lk,
                                    qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
                                    HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, a, c, Lq, Lk,
-                                   qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
-                                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
-                                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                                   False, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, c, hi, Lq, Lk,
-                                   qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
-                                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
-                                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
-    else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, 0, full, Lq, Lk,
-                                   qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
-                                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
-                                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk,
-                                   qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
-                                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
-                                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, a, full, Lq, Lk,
+                               qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                               seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
+                               False, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk,
+                               qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
+                               seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
+                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
