@@ -186,6 +186,10 @@ step benchmarks $PY -m benchmarks ${BENCH_ARGS---quick} --output "$OUT"
 # after the benchmarks, whose compiles it reuses from Triton's cache); output to logs.txt.
 # shellcheck disable=SC2086
 step profile $PY benchmarks/profile_ops.py ${PROFILE_ARGS---op feed_forward scaled_dot_product_attention --providers torch,triton,cuda --python-top 12}
+# Nsight Compute over one launch each of the Triton FFN GEMM, the Triton attention forward and the
+# CUDA dense / wgmma forwards (benchmarks/ncu_kernels.sh; after the benchmarks, whose Triton
+# compiles it reuses); summaries to logs.txt.
+step ncu_kernels env PY="$PY" bash benchmarks/ncu_kernels.sh
 
 echo; echo "=== summary ($OUT)"; cat "$SUMMARY"
 exit $FAILED

@@ -24,6 +24,15 @@ def _run_suite(tmp_path, steps: str, **env):
 
 def test_script_parses():
     subprocess.run(["bash", "-n", str(SUITE)], check=True)
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "ncu_kernels.sh")], check=True)
+
+
+def test_ncu_step_without_ncu(tmp_path):
+    # Where ncu is missing the step says so and passes (the next steps still run).
+    path = ":".join(p for p in os.environ.get("PATH", "").split(":") if not (Path(p) / "ncu").exists())
+    proc, summary, out = _run_suite(tmp_path, "ncu_kernels", PATH=path)
+    assert summary.split()[0] == "ncu_kernels" and "rc=0" in summary, summary + proc.stdout[-2000:]
+    assert "ncu not found" in (out / "logs.txt").read_text()
 
 
 def test_exact_step_names_and_the_exceptions_diagnostic(tmp_path):
