@@ -24,15 +24,5 @@ if command -v ncu > /dev/null && [ "${NO_NCU:-0}" != 1 ]; then
       "$HERE/attn_bench" --quick --once > "$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?" >> "$OUT/ncu.txt"
   grep -E "fwd_|Duration|Issue Slots Busy|Executed Ipc Active|Warp Cycles Per Issued|No Instruction|Stall|Achieved Occupancy|Registers Per|inst_executed.sum|cycles_elapsed|ncu rc" "$OUT/ncu.txt" | head -150 | tee "$OUT/ncu_summary.txt"
-  # A second, short pass (separate, so that a metric this ncu lacks cannot cost the pass above):
-  # the tensor pipes' busy share (wgmma = gmma, mma.sync = hmma), shared-memory bank conflicts of
-  # the LSU accesses (wgmma's operand reads are not among them: a low gmma share with few conflicts
-  # points at the per-tile barrier or instruction issue rather than the tile layout) and L2 / DRAM
-  # bytes (whether concurrent query blocks re-read K / V from DRAM).
-  timeout "${NCU_TIMEOUT:-200}" ncu --target-processes all -k regex:'fwd_wgmma_dense|fwd_dense' \
-      --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,lts__t_bytes.sum,dram__bytes_read.sum,sm__cycles_elapsed.avg \
-      "$HERE/attn_bench" --quick --once > "$OUT/ncu_extra.txt" 2>&1
-  echo "ncu extra rc=$?" >> "$OUT/ncu_extra.txt"
-  grep -E "fwd_|pipe_tensor|bank_conflicts|lts__t_bytes|dram__bytes|cycles_elapsed|ERROR|rc=" "$OUT/ncu_extra.txt" | head -80
 fi
 exit "$rc"
