@@ -63,6 +63,50 @@ def test_auto_on_cpu_picks_a_supported_backend_and_never_reference():
             assert "reference" not in order
 
 
+def _sdpa_inputs(dtype=torch.bfloat16, d=64, mask_dtype=torch.bool, dropout_p=0.0):
+    q = torch.randn(2, 2, 5, d, dtype=dtype)
+    mask = None if mask_dtype is None else torch.ones(5, 5, dtype=mask_dtype)
+    return {"query": q, "key": q, "value": q, "attn_mask": mask, "key_padding_mask": None,
+            "dropout_p": dropout_p}
+
+
+def test_auto_order_rules_for_inputs(monkeypatch):
+    sdpa = "scaled_dot_product_attention"
+    default = backends.AUTO_ORDER["cuda"][sdpa]
+    assert default[0] == "torch"
+    # A bool attn_mask on 16-bit inputs, head dim <= 128, no dropout: triton first (measured).
+    for dtype in (torch.float16, torch.bfloat16):
+        assert backends.auto_order(sdpa, "cuda", _sdpa_inputs(dtype))[0] == "triton"
+    assert backends.auto_order(sdpa, "cuda", _sdpa_inputs(d=128))[0] == "triton"
+    # Anything not measured keeps the table's order.
+    for inputs in (_sdpa_inputs(torch.float32), _sdpa_inputs(d=256), _sdpa_inputs(mask_dtype=torch.bfloat16),
+                   _sdpa_inputs(mask_dtype=None), _sdpa_inputs(dropout_p=0.1)):
+        assert backends.auto_order(sdpa, "cuda", inputs) == default
+    assert backends.auto_order(sdpa, "cuda") == default
+    assert backends.auto_order(sdpa, "cpu", _sdpa_inputs()) == backends.AUTO_ORDER["cpu"][sdpa]
+    # resolve() walks the rule's order (devices faked: every backend supported).
+    monkeypatch.setattr(backends, "_device_type", lambda inputs: "cuda")
+    monkeypatch.setattr(backends, "not_supported_reasons", lambda b, op, inputs: [])
+    assert backends.resolve(sdpa, "auto", _sdpa_inputs()) == "triton"
+    assert backends.resolve(sdpa, "auto", _sdpa_inputs(dropout_p=0.1)) == "torch"
+    for order in (o for rules in backends.AUTO_RULES.values() for _, o in rules):
+        assert "reference" not in order
+
+
+def test_functional_sdpa_passes_dropout_to_the_selection(monkeypatch):
+    seen = {}
+    real = backends.resolve
+
+    def spy(op, backend, inputs):
+        seen.update(inputs)
+        return real(op, backend, inputs)
+
+    monkeypatch.setattr(backends, "resolve", spy)
+    q = torch.randn(1, 2, 3, 16)
+    F.scaled_dot_product_attention(q, q, q, dropout_p=0.25, backend="torch")
+    assert seen["dropout_p"] == 0.25
+
+
 def test_auto_falls_through_unsupported_dtype():
     # float64 is not a kernel dtype: auto falls through to torch.
     assert backends.resolve(OP, "auto", _inputs(dtype=torch.float64)) == "torch"
