@@ -406,8 +406,24 @@ Tensor linear_onednn_fp32(const Tensor& x, const Tensor& w, const std::optional<
   return out;
 }
 
+// fp32 GEMMs of at most this many flops run in fp64 and round once.  A GEMM with few outputs is
+// judged by the oracle on a handful of sums, each with the rounding of one fp32 reduction chain,
+// against torch's own fp32 GEMM of slightly different inputs (its gelu's): two draws of the same
+// random error, and fresh draws put ours past twice torch's now and then (the slow fuzz: M 100,
+// d_model = d_ff = 1, gelu, grad w2 4.5e-6 > 2.4e-6; 10 of 200 upstream gradients on one such
+// input failed grad w1 / w2, 3 of 200 with this).  In fp64 the sums carry no error of their own;
+// the rest is the shared-rounding class of benchmarks/NOTES.md ("The oracle's flakes").  Tiny
+// GEMMs only (<= ~20 us here), so no model's speed changes.
+constexpr double kExactMaxFlops = 2.6e5;
+
 Tensor cpu_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias = std::nullopt,
                 bool keep_fp32 = false) {
+  if (a.scalar_type() == at::kFloat &&
+      2.0 * static_cast<double>(a.size(0)) * static_cast<double>(a.size(1)) * static_cast<double>(b.size(1)) <=
+          kExactMaxFlops) {
+    const Tensor a64 = a.to(at::kDouble), b64 = b.to(at::kDouble);
+    return (present(bias) ? at::addmm(bias->to(at::kDouble), a64, b64) : at::mm(a64, b64)).to(at::kFloat);
+  }
   if (!fp16_gemm(a)) return present(bias) ? at::addmm(*bias, a, b) : at::mm(a, b);
   const Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
   Tensor r = present(bias) ? at::addmm(bias->to(at::kFloat), a32, b32) : at::mm(a32, b32);

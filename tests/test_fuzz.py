@@ -361,3 +361,28 @@ def test_sdpa_16bit_large_mask_offset_backward(backend, dtype, lk):
             pytest.skip(f"{backend} does not run this case")
         results = reference.run_oracle(kernel, ref, inputs, list(inputs), atol=oracle_atol(backend, dtype), seed=seed)
         reference.assert_oracle(results, f"{backend} seed {seed}")
+
+
+def test_cpu_ffn_tiny_fp32_gemms_are_exact():
+    """Found by the slow fuzz: cpu feed_forward x (100, 1), d_ff 1, fp32, gelu, grad w2 at 1.9x the
+    bound (a 1 x 1 weight gradient: one fp32 reduction chain of 100 terms against torch's).  The
+    C++ cpu backend's tiny fp32 GEMMs now run in fp64 and round once: bit for bit that here."""
+    ok, why = backends.available("cpu", "cpu")
+    if not ok:
+        pytest.skip(why)
+    g = torch.Generator().manual_seed(1)
+    dy, x = torch.randn(100, 1, generator=g), torch.randn(100, 3, generator=g)
+    w = torch.randn(5, 3, generator=g)
+    ops = torch.ops.transformer_fast_C
+    dw, _ = ops.ffn_linear_wgrad(dy, x, False, False)
+    assert torch.equal(dw, (dy.double().t() @ x.double()).float())
+    y, _ = ops.ffn_linear_fwd(x, w, None, "none", 0.0, None, False, False)
+    assert torch.equal(y, (x.double() @ w.double().t()).float())
+    # The failing draw itself (inputs seeded 1 / 203 / 0, upstream gradient 1085).
+    x1, w1, w2 = (torch.randn(*s, generator=torch.Generator().manual_seed(sd)) for s, sd in
+                  (((100, 1), 1), ((1, 1), 203), ((1, 1), 0)))
+    results = reference.run_oracle(
+        lambda x, w1, w2: F.feed_forward(x, w1, None, w2, None, activation="gelu", backend="cpu"),
+        lambda x, w1, w2: reference.feed_forward(x, w1, None, w2, None, "gelu", 0.0),
+        {"x": x1, "w1": w1, "w2": w2}, ["x", "w1", "w2"], atol=oracle_atol("cpu", torch.float32), seed=1085)
+    reference.assert_oracle(results, "cpu (100, 1) d_ff 1 gelu")
