@@ -366,7 +366,7 @@ def test_sdpa_16bit_large_mask_offset_backward(backend, dtype, lk):
 def test_cpu_ffn_tiny_fp32_gemms_are_exact():
     """Found by the slow fuzz: cpu feed_forward x (100, 1), d_ff 1, fp32, gelu, grad w2 at 1.9x the
     bound (a 1 x 1 weight gradient: one fp32 reduction chain of 100 terms against torch's).  The
-    C++ cpu backend's tiny fp32 GEMMs now run in fp64 and round once: bit for bit that here."""
+    C++ cpu backend's small fp32 GEMMs (<= 4.2 MFLOP) now run in fp64 and round once: bit for bit that here."""
     ok, why = backends.available("cpu", "cpu")
     if not ok:
         pytest.skip(why)
@@ -386,3 +386,26 @@ def test_cpu_ffn_tiny_fp32_gemms_are_exact():
         lambda x, w1, w2: reference.feed_forward(x, w1, None, w2, None, "gelu", 0.0),
         {"x": x1, "w1": w1, "w2": w2}, ["x", "w1", "w2"], atol=oracle_atol("cpu", torch.float32), seed=1085)
     reference.assert_oracle(results, "cpu (100, 1) d_ff 1 gelu")
+
+
+def test_cpu_ffn_small_fp32_weight_gradient():
+    """Found by the slow fuzz: cpu feed_forward x (100, 32) transposed, d_ff 87, fp32, gelu: grad w2
+    3.5e-5 against a bound of 2.9e-5 (torch's own fp32 chain erred 1.4e-5 on its slightly
+    different hidden activations; |dW2| up to 65).  Its fp64 GEMMs leave 5e-6."""
+    ok, why = backends.available("cpu", "cpu")
+    if not ok:
+        pytest.skip(why)
+
+    def draw(shape, seed, transposed=False):
+        g = torch.Generator().manual_seed(seed)
+        if transposed:
+            return torch.randn(shape[1], shape[0], generator=g).t()
+        return torch.randn(*shape, generator=g)
+
+    inputs = {"x": draw((100, 32), 610, True), "w1": draw((87, 32), 458) / 32**0.5,
+              "w2": draw((32, 87), 0) / 87**0.5, "b1": draw((87,), 1458), "b2": draw((32,), 0)}
+    results = reference.run_oracle(
+        lambda x, w1, w2, b1, b2: F.feed_forward(x, w1, b1, w2, b2, activation="gelu", backend="cpu"),
+        lambda x, w1, w2, b1, b2: reference.feed_forward(x, w1, b1, w2, b2, "gelu", 0.0),
+        inputs, list(inputs), atol=oracle_atol("cpu", torch.float32), seed=1_569_325_055)
+    reference.assert_oracle(results, "cpu (100, 32) d_ff 87 gelu")
