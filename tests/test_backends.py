@@ -202,3 +202,18 @@ except tf.BackendError as e:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ok", "torch", "error", "True"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_gives_bool_masked_sdpa_to_triton_on_cuda():
+    if not backends.available("triton", "cuda")[0]:
+        pytest.skip("triton is not available")
+    q = torch.randn(2, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
+    mask = torch.rand(64, 64, device="cuda") < 0.7
+    inputs = {"query": q, "key": q, "value": q, "attn_mask": mask, "key_padding_mask": None, "dropout_p": 0.0}
+    assert backends.resolve("scaled_dot_product_attention", "auto", inputs) == "triton"
+    assert backends.resolve("scaled_dot_product_attention", "auto", {**inputs, "attn_mask": None}) == "torch"
+    out = F.scaled_dot_product_attention(q, q, q, mask)
+    ref = F.scaled_dot_product_attention(q, q, q, mask, backend="triton")
+    assert torch.equal(out, ref)
