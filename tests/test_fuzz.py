@@ -363,6 +363,23 @@ def test_sdpa_16bit_large_mask_offset_backward(backend, dtype, lk):
         reference.assert_oracle(results, f"{backend} seed {seed}")
 
 
+
+def _assert_cpu_ffn_oracle(inputs, seed, context):
+    """The oracle for the C++ cpu feed_forward (gelu) on fixed fp32 inputs x, w1, w2 (b1, b2)."""
+    results = reference.run_oracle(
+        lambda x, w1, w2, b1=None, b2=None: F.feed_forward(x, w1, b1, w2, b2, activation="gelu", backend="cpu"),
+        lambda x, w1, w2, b1=None, b2=None: reference.feed_forward(x, w1, b1, w2, b2, "gelu", 0.0),
+        inputs, list(inputs), atol=oracle_atol("cpu", torch.float32), seed=seed)
+    reference.assert_oracle(results, context)
+
+
+def _seeded_randn(shape, seed, transposed=False):
+    g = torch.Generator().manual_seed(seed)
+    if transposed:  # the fuzz's "transposed" layout: a transposed view of a contiguous draw
+        return torch.randn(shape[1], shape[0], generator=g).t()
+    return torch.randn(*shape, generator=g)
+
+
 def test_cpu_ffn_tiny_fp32_gemms_are_exact():
     """Found by the slow fuzz: cpu feed_forward x (100, 1), d_ff 1, fp32, gelu, grad w2 at 1.9x the
     bound (a 1 x 1 weight gradient: one fp32 reduction chain of 100 terms against torch's).  The
@@ -379,13 +396,8 @@ def test_cpu_ffn_tiny_fp32_gemms_are_exact():
     y, _ = ops.ffn_linear_fwd(x, w, None, "none", 0.0, None, False, False)
     assert torch.equal(y, (x.double() @ w.double().t()).float())
     # The failing draw itself (inputs seeded 1 / 203 / 0, upstream gradient 1085).
-    x1, w1, w2 = (torch.randn(*s, generator=torch.Generator().manual_seed(sd)) for s, sd in
-                  (((100, 1), 1), ((1, 1), 203), ((1, 1), 0)))
-    results = reference.run_oracle(
-        lambda x, w1, w2: F.feed_forward(x, w1, None, w2, None, activation="gelu", backend="cpu"),
-        lambda x, w1, w2: reference.feed_forward(x, w1, None, w2, None, "gelu", 0.0),
-        {"x": x1, "w1": w1, "w2": w2}, ["x", "w1", "w2"], atol=oracle_atol("cpu", torch.float32), seed=1085)
-    reference.assert_oracle(results, "cpu (100, 1) d_ff 1 gelu")
+    inputs = {"x": _seeded_randn((100, 1), 1), "w1": _seeded_randn((1, 1), 203), "w2": _seeded_randn((1, 1), 0)}
+    _assert_cpu_ffn_oracle(inputs, 1085, "cpu (100, 1) d_ff 1 gelu")
 
 
 def test_cpu_ffn_small_fp32_weight_gradient():
@@ -395,17 +407,7 @@ def test_cpu_ffn_small_fp32_weight_gradient():
     ok, why = backends.available("cpu", "cpu")
     if not ok:
         pytest.skip(why)
-
-    def draw(shape, seed, transposed=False):
-        g = torch.Generator().manual_seed(seed)
-        if transposed:
-            return torch.randn(shape[1], shape[0], generator=g).t()
-        return torch.randn(*shape, generator=g)
-
-    inputs = {"x": draw((100, 32), 610, True), "w1": draw((87, 32), 458) / 32**0.5,
-              "w2": draw((32, 87), 0) / 87**0.5, "b1": draw((87,), 1458), "b2": draw((32,), 0)}
-    results = reference.run_oracle(
-        lambda x, w1, w2, b1, b2: F.feed_forward(x, w1, b1, w2, b2, activation="gelu", backend="cpu"),
-        lambda x, w1, w2, b1, b2: reference.feed_forward(x, w1, b1, w2, b2, "gelu", 0.0),
-        inputs, list(inputs), atol=oracle_atol("cpu", torch.float32), seed=1_569_325_055)
-    reference.assert_oracle(results, "cpu (100, 32) d_ff 87 gelu")
+    inputs = {"x": _seeded_randn((100, 32), 610, True), "w1": _seeded_randn((87, 32), 458) / 32**0.5,
+              "w2": _seeded_randn((32, 87), 0) / 87**0.5, "b1": _seeded_randn((87,), 1458),
+              "b2": _seeded_randn((32,), 0)}
+    _assert_cpu_ffn_oracle(inputs, 1_569_325_055, "cpu (100, 32) d_ff 87 gelu")
