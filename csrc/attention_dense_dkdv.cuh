@@ -166,11 +166,24 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
 #pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
+      for (int e = 0; e < 4; ++e) st[nt][e] *= scale2;
+    }
+    if (edge) {  // a branch of its own, not a select per score (see fwd_dense_kernel)
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          st[nt][e] = dense_score<kCausal, kAttnMask>(p, st[nt][e], true, b, h, m0 + nt * 8 + 2 * t + (e & 1),
+                                                      key_a + 8 * (e >> 1), (pad_bits >> (e >> 1)) & 1);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int ii = nt * 8 + 2 * t + (e & 1);
-        const float x = dense_score<kCausal, kAttnMask>(p, st[nt][e] * scale2, edge, b, h, m0 + ii, key_a + 8 * (e >> 1),
-                                             (pad_bits >> (e >> 1)) & 1);
-        const float pe = exp2_approx(x - lse_s[ii]);
+        const float pe = exp2_approx(st[nt][e] - lse_s[ii]);
         dpt[nt][e] = pe * (dpt[nt][e] - delta_s[ii]);
         st[nt][e] = pe;
       }

@@ -322,17 +322,29 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
     // Online softmax in base 2.  Masking (warp-uniform): the causal diagonal, keys past Lk,
     // padding, attn_mask (every tile).
     const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk || pad != 0 || has_am;
-    const uint64_t pad_t = pad >> (2 * t);  // bit nt * 8 + (e & 1): this thread's key of (nt, e)
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= scale2;
+    }
+    // The per-score test as a branch of its own: written as one select per score, ptxas
+    // if-converted it into every tile (compares, bit tests and selects per score, SASS).
+    if (edge) {
+      const uint64_t pad_t = pad >> (2 * t);  // bit nt * 8 + (e & 1): this thread's key of (nt, e)
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] = dense_score<kCausal, kAttnMask>(p, s[nt][e], true, b, h, row_a + 8 * (e >> 1),
+                                                     n0 + nt * 8 + 2 * t + (e & 1), (pad_t >> (nt * 8 + (e & 1))) & 1);
+        }
+      }
+    }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = dense_score<kCausal, kAttnMask>(p, s[nt][e] * scale2, edge, b, h, row_a + 8 * (e >> 1),
-                                             n0 + nt * 8 + 2 * t + (e & 1), (pad_t >> (nt * 8 + (e & 1))) & 1);
-        s[nt][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);  // a NaN score propagates through p, not the max
-      }
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);  // a NaN score propagates through p
     }
     float m_use[2];
 #pragma unroll

@@ -44,6 +44,14 @@ struct WgCopy {
   __device__ __forceinline__ explicit WgCopy(int tid)
       : r0((tid / (8 * kChunks)) * 8 + tid % 8), c0(((tid / 8) % kChunks) * 8), dst(cm_offset<ROWS>(r0, c0)) {}
 
+  // A tile whose ROWS rows all exist: `src` is this thread's element (r0, c0) and `step` the
+  // distance of kRowsPerPass rows (col_ok false: any valid address and step 0).  No per-row
+  // test: the copies of an interior tile are an add and a cp.async each.
+  __device__ __forceinline__ void full(uint16_t* s, const uint16_t* src, int64_t step, bool col_ok) const {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) cp_async16(s + dst + i * (kRowsPerPass / 8) * 64, src + i * step, col_ok);
+  }
+
   // Rows [0, ROWS) of a tile whose row 0 is `tile` (rows `ld` apart), zero-filled from row
   // `nrows` and (col_ok false) in this thread's columns >= D; `base` is any valid address.
   __device__ __forceinline__ void operator()(uint16_t* s, const uint16_t* tile, const uint16_t* base, int64_t ld,
@@ -88,6 +96,11 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
+  // This thread's first element of K / V tile 0 and the row steps of its copies (full tiles).
+  const uint16_t* const k_thr = col_ok ? kh + static_cast<int64_t>(copy.r0) * p.k_sm + copy.c0 : kh;
+  const uint16_t* const v_thr = col_ok ? vh + static_cast<int64_t>(copy.r0) * p.v_sm + copy.c0 : vh;
+  const int64_t k_row = col_ok ? p.k_sm : 0, v_row = col_ok ? p.v_sm : 0;
+  const int64_t k_step = WgCopy<BN, DP>::kRowsPerPass * k_row, v_step = WgCopy<BN, DP>::kRowsPerPass * v_row;
 
   const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
   const int ntiles = (n_end + BN - 1) / BN;
@@ -110,20 +123,33 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   const int row_a = row_w + g;                       // this thread's rows: row_a, row_a + 8
 
   // Iteration j waits for buffer j % 2 ({K_j, V_{j-1}}: this thread's copies landed, fenced
-  // into the async proxy, then everyone's) and, since everyone has also finished iteration j - 1
-  // at that barrier, refills buffer (j + 1) % 2 with K_{j+1} and V_j.
-  const auto next_tile = [&](int j) {
+  // into the async proxy, then everyone's) ...
+  const auto wait_tile = [&](int j) {
     cp_async_wait<0>();
     fence_proxy_async_smem();
     __syncthreads();
-    if (j < ntiles) {
-      uint16_t* nb = kv + ((j + 1) & 1) * 2 * kTile;
-      const int n1 = (j + 1) * BN;
-      if (j + 1 < ntiles) copy(nb, kh + static_cast<int64_t>(n1) * p.k_sm, kh, p.k_sm, p.Lk - n1, col_ok);
-      copy(nb + kTile, vh + static_cast<int64_t>(j * BN) * p.v_sm, vh, p.v_sm, p.Lk - j * BN, col_ok);
-      cp_async_commit();
-    }
     return kv + (j & 1) * 2 * kTile;  // K_j; V_{j-1} follows it
+  };
+  // ... and, since everyone has also finished iteration j - 1 at that barrier, refills buffer
+  // (j + 1) % 2 with K_{j+1} and V_j.  Called after iteration j's MMAs are issued, so that the
+  // tensor cores work while the copies' addresses are computed and issued (before, the copies
+  // came first: ~400 instructions per thread of each tile with no MMA in flight, SASS).
+  const auto prefetch = [&](int j) {
+    uint16_t* nb = kv + ((j + 1) & 1) * 2 * kTile;
+    const int n1 = (j + 1) * BN;
+    if (j + 1 < ntiles) {
+      if (n1 + BN <= p.Lk) {
+        copy.full(nb, k_thr + n1 * k_row, k_step, col_ok);
+      } else {
+        copy(nb, kh + static_cast<int64_t>(n1) * p.k_sm, kh, p.k_sm, p.Lk - n1, col_ok);
+      }
+    }
+    if (n1 <= p.Lk) {  // V_j complete
+      copy.full(nb + kTile, v_thr + j * BN * v_row, v_step, col_ok);
+    } else {
+      copy(nb + kTile, vh + static_cast<int64_t>(j * BN) * p.v_sm, vh, p.v_sm, p.Lk - j * BN, col_ok);
+    }
+    cp_async_commit();
   };
   // S = Q K^T for the keys of tile Ks, issued as one wgmma group (not waited for).
   const auto issue_s = [&](float (&s)[BN / 2], const uint16_t* Ks) {
@@ -150,17 +176,25 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
     wgmma_commit();
   };
   // Online softmax (base 2) of the finished S of keys n0..: the new running max and sums, the
-  // factor alpha that rescales O, and P packed as the A operand of keys 16kk..16kk+15.
-  const auto softmax = [&](float (&s)[BN / 2], int n0, uint32_t (&pn)[BN / 16][4], float (&alpha)[2]) {
+  // factor alpha that rescales O, and P in place of S (fp32; acc_to_a_slabs packs it as the
+  // A operand of keys 16kk..16kk+15 once the previous P V product has released the registers).
+  const auto softmax = [&](float (&s)[BN / 2], int n0, float (&alpha)[2]) {
     pin_registers(s);
-    const bool edge = (kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk;  // warp-uniform
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] *= scale2;
+    // Masking only on the tiles that cross the causal diagonal or Lk (warp-uniform): a branch,
+    // so that interior tiles run no per-score test (a select per score would be if-converted
+    // into every tile: 64 compares and selects per thread).
+    if ((kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) {
+        s[i] = dense_masked<kCausal>(s[i], true, n0 + 8 * (i / 4) + 2 * t + (i & 1), row_a + 8 * ((i >> 1) & 1), p.Lk);
+      }
+    }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
-      const float x = dense_masked<kCausal>(s[i] * scale2, edge, n0 + 8 * (i / 4) + 2 * t + (i & 1),
-                                            row_a + 8 * ((i >> 1) & 1), p.Lk);
-      s[i] = x;
-      mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], x);  // a NaN score propagates through p, not the max
+      mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);  // a NaN score propagates through p, not the max
     }
     float m_use[2];
 #pragma unroll
@@ -178,40 +212,40 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
       s[i] = exp2_approx(s[i] - m_use[(i >> 1) & 1]);  // -inf -> +0
       l_i[(i >> 1) & 1] += s[i];
     }
-    acc_to_a_slabs<T>(pn, s);
   };
 
   // Tile 0: S only (O is still zero: nothing to rescale).
   {
-    const uint16_t* Ks = next_tile(0);
+    const uint16_t* Ks = wait_tile(0);
     float s[BN / 2], alpha[2];
     issue_s(s, Ks);
+    prefetch(0);
     wgmma_wait<0>();
-    softmax(s, 0, pa, alpha);
+    softmax(s, 0, alpha);
+    acc_to_a_slabs<T>(pa, s);
   }
   // Tiles 1 .. ntiles - 1, straight-line (ptxas tracks the two groups in flight only without
   // branches around them): S_j and P_{j-1} V_{j-1} issued, the softmax of S_j while the second runs.
   for (int j = 1; j < ntiles; ++j) {
-    const uint16_t* Ks = next_tile(j);
+    const uint16_t* Ks = wait_tile(j);
     float s[BN / 2], alpha[2];
-    uint32_t pn[BN / 16][4];
     issue_s(s, Ks);
     issue_pv(Ks + kTile);
+    prefetch(j);
     wgmma_wait<1>();  // S_j done
-    softmax(s, j * BN, pn, alpha);
+    // P stays in s (fp32) until the wait: the old P's registers are in flight.  (ptxas places
+    // this wait right after the row max whatever the source order: benchmarks/NOTES.md,
+    // 2026-11-27; a second warpgroup's MMAs are what can fill that gap.)
+    softmax(s, j * BN, alpha);
     wgmma_wait<0>();  // P_{j-1} V_{j-1} done: O and the old P are free
     pin_registers(o);
     pin_registers(pa);
 #pragma unroll
     for (int i = 0; i < DP / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pa[kk][e] = pn[kk][e];
-    }
+    acc_to_a_slabs<T>(pa, s);
   }
   // The last tile's P V.
-  issue_pv(next_tile(ntiles) + kTile);
+  issue_pv(wait_tile(ntiles) + kTile);
   wgmma_wait<0>();
   pin_registers(o);
 

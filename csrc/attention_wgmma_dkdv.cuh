@@ -121,14 +121,20 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
     const bool edge = kCausal && key_w + 15 > m0;
     uint32_t pa[BM / 16][4];
 #pragma unroll
+    for (int i = 0; i < BM / 2; ++i) st[i] *= scale2;
+    if (edge) {  // a branch of its own, not a select per score (see fwd_dense_kernel)
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (key_a + 8 * (e >> 1) > m0 + nt * 8 + 2 * t + (e & 1)) st[4 * nt + e] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
     for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ii = nt * 8 + 2 * t + (e & 1);
-        float x = st[4 * nt + e] * scale2;
-        if (edge) x = key_a + 8 * (e >> 1) > m0 + ii ? -INFINITY : x;
-        st[4 * nt + e] = exp2_approx(x - lse_s[ii]);
-      }
+      for (int e = 0; e < 4; ++e) st[4 * nt + e] = exp2_approx(st[4 * nt + e] - lse_s[nt * 8 + 2 * t + (e & 1)]);
     }
     acc_to_a_slabs<T>(pa, st);
     pin_registers(pa);

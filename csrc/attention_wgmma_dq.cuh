@@ -94,11 +94,15 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
     pin_registers(s);
     const bool edge = (kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk;  // warp-uniform
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const float x = dense_masked<kCausal>(s[i] * scale2, edge, n0 + 8 * (i / 4) + 2 * t + (i & 1),
-                                            row_a + 8 * ((i >> 1) & 1), p.Lk);
-      s[i] = exp2_approx(x - lse2[(i >> 1) & 1]);
+    for (int i = 0; i < BN / 2; ++i) s[i] *= scale2;
+    if (edge) {  // a branch of its own, not a select per score (see fwd_dense_kernel)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) {
+        s[i] = dense_masked<kCausal>(s[i], true, n0 + 8 * (i / 4) + 2 * t + (i & 1), row_a + 8 * ((i >> 1) & 1), p.Lk);
+      }
     }
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = exp2_approx(s[i] - lse2[(i >> 1) & 1]);
     wgmma_wait<0>();
     pin_registers(dp);
 #pragma unroll

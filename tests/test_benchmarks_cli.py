@@ -317,3 +317,33 @@ def test_profile_ops_names_the_python_functions(capsys):
     assert 0 < len(py) <= 40
     assert all(float(words[1]) >= 0 and words[2] == "ms" for words in py)
     assert any("feed_forward" in ln[-1] for ln in py), py
+
+
+def test_sass_loop_mix_reads_the_main_loop():
+    """benchmarks/sass_loop_mix.py: the widest backward branch is the loop; its opcodes (predicate
+    guards skipped) and the instructions between its barriers / wgmma waits are counted."""
+    from benchmarks.sass_loop_mix import report
+
+    listing = "\n".join([
+        "\t\tFunction : _Z6kernelv",
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;",
+        "        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;",
+        "        /*0030*/                   FMUL R2, R2, R3 ;",
+        "        /*0040*/              @!P0 FADD R2, R2, R3 ;",
+        "        /*0050*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+        "        /*0060*/                   FMUL R4, R2, R3 ;",
+        "        /*0070*/               @P1 BRA 0x10 ;",
+        "        /*0080*/                   EXIT ;",
+        "\t\tFunction : _Z5otherv",
+        "        /*0000*/                   EXIT ;",
+    ])
+    text = report(listing, "kernel")
+    assert "loop 0x10-0x70: 7 instructions" in text
+    assert "FMUL:2" in text and "FADD:1" in text and "BRA:1" in text and "MOV" not in text
+    lines = text.splitlines()
+    assert lines[-4].strip().startswith("0 instr, then BAR.SYNC")
+    assert lines[-3].strip().startswith("1 instr, then HGMMA")
+    assert lines[-2].strip().startswith("3 instr, then WARPGROUP.DEPBAR")
+    assert lines[-1].strip() == "3 instr to the loop's end"
+    assert report(listing, "other") == "_Z5otherv: no loop"
