@@ -11,15 +11,16 @@
 // 64w..64w+63 (its warps 16 rows each, as wgmma's accumulators give them).  Keys in tiles of 128:
 //   * S = Q K^T is wgmma m64n128k16 with Q and K read from shared memory (K-major);
 //   * O += P V is wgmma m64n{64,128}k16 with P in registers and V read MN-major;
-//   * the MMAs of one tile overlap the softmax of the next: iteration j issues S_j and then the
-//     P_{j-1} V_{j-1} product of the previous tile, waits for S_j only (wait_group 1), computes
-//     the softmax of S_j while the tensor cores run P_{j-1} V_{j-1}, then waits for that product
-//     and rescales O.  P therefore lives in two register sets (the one in flight, the new one);
+//   * Q, K and V tiles in the 128-byte swizzled layout (below);
+//   * iteration j issues S_j and then the P_{j-1} V_{j-1} product of the previous tile, then the
+//     copies of the next tile, waits for S_j only (wait_group 1), runs the softmax of S_j, waits
+//     for the product and rescales O (ptxas moves that second wait up to the row max, so only
+//     part of the softmax overlaps the product: benchmarks/NOTES.md, 2026-11-27);
 //   * shared memory: Q (128 rows) and two buffers of {K_j, V_{j-1}}: iteration j reads buffer
 //     j % 2 while cp.async fills buffer (j + 1) % 2 with K_{j+1} and V_j, one barrier per tile
-//     (160 KB at head dim 128, one CTA per SM).
-// Not here yet (plan step 3): TMA, a producer warp with setmaxnreg, 128-byte swizzled tiles, and
-// ping-pong scheduling of the two warpgroups' softmax against each other's MMAs.
+//     (161 KB at head dim 128, one CTA per SM).
+// Not here yet (plan step 3): TMA, a producer warp with setmaxnreg, and ping-pong scheduling of
+// the two warpgroups' softmax against each other's MMAs.
 
 constexpr int kWdThreads = 256;  // two warpgroups
 constexpr int kWdBM = 128;       // query rows per CTA
@@ -27,29 +28,65 @@ constexpr int kWdBN = 128;       // keys per tile
 
 template <int DP>
 constexpr size_t wgmma_dense_smem_bytes() {
-  return size_t{kWdBM + 4 * kWdBN} * DP * sizeof(uint16_t);  // Q, 2 x {K, V}
+  // Q, 2 x {K, V}, and 1 KB to start them on a 1024-byte boundary (the swizzle pattern's).
+  return size_t{kWdBM + 4 * kWdBN} * DP * sizeof(uint16_t) + 1024;
 }
 
-// This thread's share of a ROWS x DP tile copy into the core-matrix layout (load_tile_cm's
-// mapping over 256 threads: 8 consecutive threads fill one core matrix from 8 rows; a warp reads
-// 64 contiguous bytes of each of its 8 rows): rows r0 + i * kRowsPerPass, chunk column c0; in
-// shared memory pass i lands kRowsPerPass / 8 core matrices (64 elements each) after pass i - 1.
-template <int ROWS, int DP>
+// ---- 128-byte swizzled tiles, the layout TMA writes and FlashAttention-3 / CUTLASS feed wgmma
+// (the no-swizzle core-matrix layout of attention_wgmma.cuh ran at 240 TFLOP/s in H100 run 3,
+// below the mma.sync kernels; benchmarks/NOTES.md).  A ROWS x DP tile of 16-bit elements is
+// DP / 64 atoms of ROWS rows x 64 columns (128 bytes a row), one after the other; inside a row
+// the 16-byte chunk c of the atom sits at chunk c ^ (row % 8): what the hardware's 128B mode
+// does to an address (bits 4-6 ^= bits 7-9), so a tile must start on a 1024-byte boundary.
+// As a K-major operand (Q, K: rows = M / N) one 16-column slab is the 32 bytes at column
+// 16 (kc % 4) of atom kc / 4 (descriptor: stride byte offset 1024 between 8-row groups, leading
+// offset unused); as an MN-major operand (V: rows = keys = K) a 16-key slab starts at its first
+// row (stride byte offset 1024 between 8-key groups, leading byte offset ROWS * 128 between the
+// 64-column atoms).  The PTX ISA's canonical layouts: K-major ((8,m),(T,2k)):((8T,SBO),(1,T)),
+// MN-major ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)), both under Swizzle<3,4,3>.
+template <int ROWS>
+__device__ __forceinline__ int sw128_offset(int row, int col) {
+  return (col >> 6) * (ROWS * 64) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) + (col & 7);
+}
+
+// The first element of K-major slab kc (columns 16 kc .. 16 kc + 15) of rows row0 .. (row0 % 8 == 0).
+template <int ROWS>
+__device__ __forceinline__ int sw128_k_slab(int row0, int kc) {
+  return (kc >> 2) * (ROWS * 64) + row0 * 64 + (kc & 3) * 16;
+}
+
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(const uint16_t* start, uint32_t leading_bytes) {
+  return wgmma_desc(start, leading_bytes, 1024) | (uint64_t{1} << 62);
+}
+
+// This thread's share of a ROWS x DP tile copy over 256 threads, rows r0 + i * kRowsPerPass,
+// chunk column c0:
+//   * kSwizzled (the forward's 128-byte swizzled tiles): consecutive threads take consecutive
+//     16-byte chunks of a row (a warp reads whole rows; each 8 threads store one 128-byte atom
+//     row, its chunks permuted: no bank conflicts);
+//   * else the core-matrix layout of the backward kernels (load_tile_cm's mapping: 8 consecutive
+//     threads fill one core matrix from 8 rows; a warp reads 64 contiguous bytes of 8 rows).
+template <int ROWS, int DP, bool kSwizzled = false>
 struct WgCopy {
   static constexpr int kChunks = DP / 8;
   static constexpr int kRowsPerPass = kWdThreads / kChunks;
   static constexpr int kPasses = ROWS / kRowsPerPass;
-  static_assert(ROWS % kRowsPerPass == 0, "whole passes");
+  // Shared-memory elements from one pass to the next (both layouts keep a row's position in
+  // its 8-row group, which the swizzle depends on).
+  static constexpr int kPassElems = kSwizzled ? kRowsPerPass * 64 : (kRowsPerPass / 8) * 64;
+  static_assert(ROWS % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "whole passes of whole 8-row groups");
   int r0, c0, dst;  // first row, first column, shared-memory element offset of pass 0
   __device__ __forceinline__ explicit WgCopy(int tid)
-      : r0((tid / (8 * kChunks)) * 8 + tid % 8), c0(((tid / 8) % kChunks) * 8), dst(cm_offset<ROWS>(r0, c0)) {}
+      : r0(kSwizzled ? tid / kChunks : (tid / (8 * kChunks)) * 8 + tid % 8),
+        c0(kSwizzled ? (tid % kChunks) * 8 : ((tid / 8) % kChunks) * 8),
+        dst(kSwizzled ? sw128_offset<ROWS>(r0, c0) : cm_offset<ROWS>(r0, c0)) {}
 
   // A tile whose ROWS rows all exist: `src` is this thread's element (r0, c0) and `step` the
   // distance of kRowsPerPass rows (col_ok false: any valid address and step 0).  No per-row
   // test: the copies of an interior tile are an add and a cp.async each.
   __device__ __forceinline__ void full(uint16_t* s, const uint16_t* src, int64_t step, bool col_ok) const {
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i) cp_async16(s + dst + i * (kRowsPerPass / 8) * 64, src + i * step, col_ok);
+    for (int i = 0; i < kPasses; ++i) cp_async16(s + dst + i * kPassElems, src + i * step, col_ok);
   }
 
   // Rows [0, ROWS) of a tile whose row 0 is `tile` (rows `ld` apart), zero-filled from row
@@ -60,8 +97,7 @@ struct WgCopy {
     for (int i = 0; i < kPasses; ++i) {
       const int r = r0 + i * kRowsPerPass;
       const bool valid = col_ok && r < nrows;
-      cp_async16(s + dst + i * (kRowsPerPass / 8) * 64, valid ? tile + static_cast<int64_t>(r) * ld + c0 : base,
-                 valid);
+      cp_async16(s + dst + i * kPassElems, valid ? tile + static_cast<int64_t>(r) * ld + c0 : base, valid);
     }
   }
 };
@@ -83,15 +119,17 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
 #else
   constexpr int BM = kWdBM, BN = kWdBN, kTile = BN * DP;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* const Qs = smem;       // [BM x DP]
-  uint16_t* const kv = smem + kTile;  // [2 buffers][K, V][BN x DP]
+  // The tiles from the first 1024-byte boundary of the shared window (the launch adds 1 KB).
+  uint16_t* const Qs = smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u) / 2;  // [BM x DP]
+  uint16_t* const kv = Qs + kTile;  // [2 buffers][K, V][BN x DP]
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int warp_in_wg = (tid % 128) / 32;
   const auto [bh, b, h, hk, m0] = dense_query_block<kCausal, BM>(p);  // causal: longest blocks first
 
   static_assert(BM == BN, "Q and the K / V tiles share one copy mapping");
-  const WgCopy<BN, DP> copy(tid);
+  using Copy = WgCopy<BN, DP, /*kSwizzled=*/true>;
+  const Copy copy(tid);
   const bool col_ok = copy.c0 < p.D;
   const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
@@ -100,14 +138,11 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   const uint16_t* const k_thr = col_ok ? kh + static_cast<int64_t>(copy.r0) * p.k_sm + copy.c0 : kh;
   const uint16_t* const v_thr = col_ok ? vh + static_cast<int64_t>(copy.r0) * p.v_sm + copy.c0 : vh;
   const int64_t k_row = col_ok ? p.k_sm : 0, v_row = col_ok ? p.v_sm : 0;
-  const int64_t k_step = WgCopy<BN, DP>::kRowsPerPass * k_row, v_step = WgCopy<BN, DP>::kRowsPerPass * v_row;
+  const int64_t k_step = Copy::kRowsPerPass * k_row, v_step = Copy::kRowsPerPass * v_row;
 
   const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
   const int ntiles = (n_end + BN - 1) / BN;
 
-  // Descriptor strides (bytes) of the 128-row core-matrix tiles: K-major Q and K step 8 columns
-  // by kColGroup (leading) and 8 rows by kCore (stride); MN-major V the other way round.
-  constexpr uint32_t kCore = 128, kColGroup = BN * 16;
   // Prologue: Q and K_0 (buffer 0), one group.
   copy(Qs, qh + static_cast<int64_t>(m0) * p.q_sm, qh, p.q_sm, p.Lq - m0, col_ok);
   copy(kv, kh, kh, p.k_sm, p.Lk, col_ok);
@@ -159,8 +194,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
     wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < DP / 16; ++kc) {
-      wgmma_m64n128k16_ss<T>(s, wgmma_desc(Qs + cm_offset<BM>(64 * wg, 16 * kc), BM * 16, kCore),
-                             wgmma_desc(Ks + cm_offset<BN>(0, 16 * kc), kColGroup, kCore), kc);
+      wgmma_m64n128k16_ss<T>(s, wgmma_desc_sw128(Qs + sw128_k_slab<BM>(64 * wg, kc), 16),
+                             wgmma_desc_sw128(Ks + sw128_k_slab<BN>(0, kc), 16), kc);
     }
     wgmma_commit();
   };
@@ -171,7 +206,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      wgmma_m64k16_rs<T, DP>(o, pa[kk], wgmma_desc(Vs + cm_offset<BN>(16 * kk, 0), kCore, kColGroup));
+      wgmma_m64k16_rs<T, DP>(o, pa[kk], wgmma_desc_sw128(Vs + 16 * kk * 64, BN * 128));
     }
     wgmma_commit();
   };

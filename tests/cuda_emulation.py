@@ -16,7 +16,9 @@ emulates what a kernel uses of the CUDA programming model:
     memory, K-major or MN-major, no-swizzle descriptors only) likewise, over the warpgroup's 128
     threads, decoding its matrix descriptors against the CTA's shared memory;
   * dynamic shared memory is a buffer of the harness's choosing, filled with 0xFF (NaN bit
-    patterns) before every CTA so that reads of unwritten shared memory show up.
+    patterns) before every CTA so that reads of unwritten shared memory show up; it sits at
+    shared-window address 0 unless a test sets emu::smem_window (a GPU promises 16-byte
+    alignment only: a kernel that needs 1024-byte aligned tiles must align them itself).
 A kernel file guards what the emulation provides itself (its launch function, its device checks)
 with `#ifndef TF_CUDA_EMULATE`.  The harness (`build(...)`) then defines the launch and the
 bindings the test calls.
@@ -78,8 +80,9 @@ struct WarpGroup {
   const uint32_t* a[128];
 };
 WarpGroup* warpgroups = nullptr;
-char* smem_base = nullptr;  // the launch's dynamic shared memory: address 0 of the shared window
-size_t smem_size = 0;
+char* smem_base = nullptr;  // the launch's dynamic shared memory, at address smem_window of the
+size_t smem_size = 0;       // shared window (0 unless a test moves it: a GPU only promises 16-byte
+uint32_t smem_window = 0;   // alignment, which kernels that need more must restore themselves)
 std::barrier<>* block_bar = nullptr;
 
 inline float bits_to_float(uint16_t h, bool bf16) {
@@ -254,16 +257,20 @@ inline void emulated_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t 
 inline uint32_t emulated_smem_address(const void* ptr) {
   const char* c = static_cast<const char*>(ptr);
   if (emu::smem_base == nullptr || c < emu::smem_base || c >= emu::smem_base + emu::smem_size) std::abort();
-  return static_cast<uint32_t>(c - emu::smem_base);
+  return static_cast<uint32_t>(c - emu::smem_base) + emu::smem_window;
 }
 
 // wgmma.mma_async m64nNk16 .f32 (fp16 / bf16 inputs), issued by the calling thread's warpgroup:
 // d = A B (+ d when scale_d).  Accumulators: warp w of the group owns rows 16w..16w+15, d[4i + e]
 // is (row 16w + g + 8 (e >> 1), col 8i + 2t + (e & 1)).  A from registers (a_regs, descriptor
 // unused): warp w holds rows 16w.. as mma.m16n8k16's A fragment; else A from shared memory, K-major.
-// Descriptors (no swizzle): element (mn, k) of a 16-deep slab is at start + (mn / 8) * SBO +
-// (k / 8) * LBO + within the 8 x 16-byte core matrix (mn % 8) * 16 + (k % 8) * 2 (K-major) or
-// (k % 8) * 16 + (mn % 8) * 2 (MN-major).
+// Descriptors, no swizzle (layout 0): element (mn, k) of a 16-deep slab is at start + (mn / 8) *
+// SBO + (k / 8) * LBO + within the 8 x 16-byte core matrix (mn % 8) * 16 + (k % 8) * 2 (K-major)
+// or (k % 8) * 16 + (mn % 8) * 2 (MN-major).  128-byte swizzle (layout 1), the PTX ISA's
+// canonical layouts: K-major start + (mn / 8) * SBO + (mn % 8) * 128 + k * 2 (LBO unused);
+// MN-major start + (mn / 64) * LBO + (mn % 64) * 2 + (k / 8) * SBO + (k % 8) * 128; then the
+// address's bits 4-6 are XORed with its bits 7-9 (Swizzle<3,4,3>, base offset 0: patterns start
+// at 1024-byte boundaries of the shared window).  Other layouts abort.
 inline void emulated_wgmma(float* d, int n, uint64_t desc_a, const uint32_t* a_regs, uint64_t desc_b,
                            bool b_mn_major, bool scale_d, bool bf16) {
   const unsigned tid = emu::linear_tid();
@@ -271,16 +278,24 @@ inline void emulated_wgmma(float* d, int n, uint64_t desc_a, const uint32_t* a_r
   const int r = static_cast<int>(tid % 128);
   wg.a[r] = a_regs;
   wg.bar.arrive_and_wait();
-  auto check = [](uint64_t desc) {  // base offset and swizzle mode: not used by our kernels
-    if (((desc >> 49) & 7) != 0 || (desc >> 62) != 0 || ((desc >> 14) & 3) != 0) std::abort();
+  auto check = [](uint64_t desc) {  // base offset 0; no swizzle or 128-byte swizzle
+    if (((desc >> 49) & 7) != 0 || (desc >> 62) > 1 || ((desc >> 14) & 3) != 0) std::abort();
   };
   auto field = [](uint64_t desc, int lo) { return static_cast<size_t>((desc >> lo) & 0x3FFF) << 4; };
   auto element = [&](uint64_t desc, int mn, int k, bool mn_major) {
-    const size_t at = field(desc, 0) + (mn / 8) * field(desc, 32) + (k / 8) * field(desc, 16) +
-                      (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
-    if (at + 2 > emu::smem_size) std::abort();
+    size_t at;
+    if ((desc >> 62) == 1) {
+      at = field(desc, 0) + (mn_major ? (mn / 64) * field(desc, 16) + (mn % 64) * 2 + (k / 8) * field(desc, 32) +
+                                            (k % 8) * 128
+                                      : (mn / 8) * field(desc, 32) + (mn % 8) * 128 + k * 2);
+      at ^= ((at >> 7) & 7) << 4;
+    } else {
+      at = field(desc, 0) + (mn / 8) * field(desc, 32) + (k / 8) * field(desc, 16) +
+           (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
+    }
+    if (at < emu::smem_window || at - emu::smem_window + 2 > emu::smem_size) std::abort();
     uint16_t bits;
-    std::memcpy(&bits, emu::smem_base + at, 2);
+    std::memcpy(&bits, emu::smem_base + (at - emu::smem_window), 2);
     return emu::bits_to_float(bits, bf16);
   };
   auto A = [&](int row, int k) {

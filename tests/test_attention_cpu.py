@@ -304,6 +304,8 @@ std::vector<at::Tensor> fwd(at::Tensor q, at::Tensor k, at::Tensor v, std::optio
 
 // Whether the fp16 / bf16 forward runs fwd_wgmma_kernel (attention_wgmma.cuh) or fwd_kernel.
 void set_wgmma(bool on) { transformer_fast::emulate_wgmma_forward = on; }
+// The shared-window address of the emulated dynamic shared memory (0 by default).
+void set_smem_window(int64_t address) { emu::smem_window = static_cast<uint32_t>(address); }
 // Whether the forwards that fit it run fwd_dense_kernel (attention_dense_fwd.cuh; on a GPU they
 // do unless TRANSFORMER_FAST_CUDA_DENSE=0) or, as in the other emulated cases, fwd_kernel.
 void set_dense(bool on) { transformer_fast::emulate_dense_kernels = on; }
@@ -354,7 +356,8 @@ def cuda_emulation():
                                  "attention_wgmma_dkdv.cuh", "attention_wgmma_dq.cuh",
                                  "attention_dense_fwd.cuh", "attention_dense_dq.cuh", "attention_dense_dkdv.cuh",
                                  "attention_cuda.h", "attention_device.cuh", "ops.h",
-                                 "philox.h"), ("fwd", "bwd", "set_wgmma", "set_dense", "launched_kernels"))
+                                 "philox.h"),
+                                ("fwd", "bwd", "set_wgmma", "set_dense", "set_smem_window", "launched_kernels"))
 
 
 _EMU_CASES = [  # B, H, Hkv, Lq, Lk, D, dtype, mask kind, dropout
@@ -640,6 +643,25 @@ def test_cuda_wgmma_dense_forward_runs_emulated(cuda_emulation):
     with _wgmma_dense_forward(cuda_emulation):
         wgmma = cuda_emulation.fwd(*args)
     assert not torch.equal(dense[0], wgmma[0]) or not torch.equal(dense[1], wgmma[1])
+
+
+@pytest.mark.parametrize("window", [16, 528, 1008])
+def test_cuda_wgmma_dense_forward_aligns_its_swizzled_tiles_emulated(cuda_emulation, window):
+    """fwd_wgmma_dense_kernel's 128-byte swizzled tiles must start on a 1024-byte boundary of the
+    shared window (the hardware XORs address bits); a GPU promises 16 bytes, so the kernel aligns
+    them itself.  With the dynamic shared memory moved off the boundary the output is the same bits
+    (without the alignment the emulated wgmma reads every row's chunks permuted)."""
+    g = generator()
+    q, k, v = (randn(1, 2, 200, 128, dtype=torch.bfloat16, g=g) for _ in range(3))
+    args = (q, k, v, None, None, True, 0.088, 0.0, None)
+    with _wgmma_dense_forward(cuda_emulation):
+        want = cuda_emulation.fwd(*args)
+        cuda_emulation.set_smem_window(window)
+        try:
+            got = cuda_emulation.fwd(*args)
+        finally:
+            cuda_emulation.set_smem_window(0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def _emulated_bwd_args(emu, lq, lk, d, causal, kpm=False, am=False):
