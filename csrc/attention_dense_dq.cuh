@@ -131,22 +131,7 @@ __global__ void __launch_bounds__(kThreads, 2) dq_dense_kernel(const Params p) {
 
     // dS = P (dP - delta), P recomputed in base 2 from the forward's lse.
     const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk || pad != 0 || has_am;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] *= scale2;
-    }
-    if (edge) {  // a branch of its own, not a select per score (see fwd_dense_kernel)
-      const uint64_t pad_t = pad >> (2 * t);  // bit nt * 8 + (e & 1): this thread's key of (nt, e)
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] = dense_score<kCausal, kAttnMask>(p, s[nt][e], true, b, h, row_a + 8 * (e >> 1),
-                                                     n0 + nt * 8 + 2 * t + (e & 1), (pad_t >> (nt * 8 + (e & 1))) & 1);
-        }
-      }
-    }
+    dense_scale_and_mask<kCausal, kAttnMask>(s, p, scale2, edge, pad, b, h, row_a, n0, t);
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll

@@ -134,6 +134,32 @@ __device__ __forceinline__ float dense_score(const Params& p, float x, bool edge
   return x;
 }
 
+// A warp's 16 x BN raw scores (this thread's rows row_a, row_a + 8; keys n0 + 8 nt + 2 t (+1))
+// scaled to base 2, then, on the tiles that need it (edge, warp-uniform), the per-score test
+// (causal diagonal, keys past Lk, padding bits `pad`, attn_mask).  The test is a branch of its
+// own: written as one select per score, ptxas if-converted it into every tile (compares, bit
+// tests and selects per score in the SASS; benchmarks/NOTES.md, 2026-11-27).
+template <bool kCausal, bool kAttnMask, int NT>
+__device__ __forceinline__ void dense_scale_and_mask(float (&s)[NT][4], const Params& p, float scale2, bool edge,
+                                                     uint64_t pad, int b, int h, int row_a, int n0, int t) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] *= scale2;
+  }
+  if (edge) {
+    const uint64_t pad_t = pad >> (2 * t);  // bit nt * 8 + (e & 1): this thread's key of (nt, e)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = dense_score<kCausal, kAttnMask>(p, s[nt][e], true, b, h, row_a + 8 * (e >> 1),
+                                                   n0 + nt * 8 + 2 * t + (e & 1), (pad_t >> (nt * 8 + (e & 1))) & 1);
+      }
+    }
+  }
+}
+
 // key_padding_mask in the dense kernels over key tiles (fwd_dense_kernel, dq_dense_kernel): the
 // tile's BN pad flags as one bit mask (bit c: key n0 + c is padding).  The first BN threads each
 // load the flag of their key one tile ahead (`next`), and at a tile's start publish it by a warp
@@ -322,24 +348,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_dense_kernel(const Params p) 
     // Online softmax in base 2.  Masking (warp-uniform): the causal diagonal, keys past Lk,
     // padding, attn_mask (every tile).
     const bool edge = (kCausal && n0 + BN - 1 > m0 + warp * 16) || n0 + BN > p.Lk || pad != 0 || has_am;
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] *= scale2;
-    }
-    // The per-score test as a branch of its own: written as one select per score, ptxas
-    // if-converted it into every tile (compares, bit tests and selects per score, SASS).
-    if (edge) {
-      const uint64_t pad_t = pad >> (2 * t);  // bit nt * 8 + (e & 1): this thread's key of (nt, e)
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] = dense_score<kCausal, kAttnMask>(p, s[nt][e], true, b, h, row_a + 8 * (e >> 1),
-                                                     n0 + nt * 8 + 2 * t + (e & 1), (pad_t >> (nt * 8 + (e & 1))) & 1);
-        }
-      }
-    }
+    dense_scale_and_mask<kCausal, kAttnMask>(s, p, scale2, edge, pad, b, h, row_a, n0, t);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
