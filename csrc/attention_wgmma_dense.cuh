@@ -81,18 +81,19 @@ struct WgCopy {
         c0(kSwizzled ? (tid % kChunks) * 8 : ((tid / 8) % kChunks) * 8),
         dst(kSwizzled ? sw128_offset<ROWS>(r0, c0) : cm_offset<ROWS>(r0, c0)) {}
 
-  // A tile whose ROWS rows all exist: `src` is this thread's element (r0, c0) and `step` the
-  // distance of kRowsPerPass rows (col_ok false: any valid address and step 0).  No per-row
-  // test: the copies of an interior tile are an add and a cp.async each.
-  __device__ __forceinline__ void full(uint16_t* s, const uint16_t* src, int64_t step, bool col_ok) const {
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) cp_async16(s + dst + i * kPassElems, src + i * step, col_ok);
-  }
-
   // Rows [0, ROWS) of a tile whose row 0 is `tile` (rows `ld` apart), zero-filled from row
   // `nrows` and (col_ok false) in this thread's columns >= D; `base` is any valid address.
   __device__ __forceinline__ void operator()(uint16_t* s, const uint16_t* tile, const uint16_t* base, int64_t ld,
                                              int nrows, bool col_ok) const {
+    if (nrows >= ROWS) {
+      // Every row exists (all tiles but a sequence's last): no per-row test, an add per copy
+      // (as dense_copy_rows).
+      const uint16_t* from = col_ok ? tile + static_cast<int64_t>(r0) * ld + c0 : base;
+      const int64_t step = col_ok ? kRowsPerPass * ld : 0;
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i) cp_async16(s + dst + i * kPassElems, from + i * step, col_ok);
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = r0 + i * kRowsPerPass;
@@ -128,17 +129,11 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   const auto [bh, b, h, hk, m0] = dense_query_block<kCausal, BM>(p);  // causal: longest blocks first
 
   static_assert(BM == BN, "Q and the K / V tiles share one copy mapping");
-  using Copy = WgCopy<BN, DP, /*kSwizzled=*/true>;
-  const Copy copy(tid);
+  const WgCopy<BN, DP, /*kSwizzled=*/true> copy(tid);
   const bool col_ok = copy.c0 < p.D;
   const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
-  // This thread's first element of K / V tile 0 and the row steps of its copies (full tiles).
-  const uint16_t* const k_thr = col_ok ? kh + static_cast<int64_t>(copy.r0) * p.k_sm + copy.c0 : kh;
-  const uint16_t* const v_thr = col_ok ? vh + static_cast<int64_t>(copy.r0) * p.v_sm + copy.c0 : vh;
-  const int64_t k_row = col_ok ? p.k_sm : 0, v_row = col_ok ? p.v_sm : 0;
-  const int64_t k_step = Copy::kRowsPerPass * k_row, v_step = Copy::kRowsPerPass * v_row;
 
   const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
   const int ntiles = (n_end + BN - 1) / BN;
@@ -172,18 +167,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   const auto prefetch = [&](int j) {
     uint16_t* nb = kv + ((j + 1) & 1) * 2 * kTile;
     const int n1 = (j + 1) * BN;
-    if (j + 1 < ntiles) {
-      if (n1 + BN <= p.Lk) {
-        copy.full(nb, k_thr + n1 * k_row, k_step, col_ok);
-      } else {
-        copy(nb, kh + static_cast<int64_t>(n1) * p.k_sm, kh, p.k_sm, p.Lk - n1, col_ok);
-      }
-    }
-    if (n1 <= p.Lk) {  // V_j complete
-      copy.full(nb + kTile, v_thr + j * BN * v_row, v_step, col_ok);
-    } else {
-      copy(nb + kTile, vh + static_cast<int64_t>(j * BN) * p.v_sm, vh, p.v_sm, p.Lk - j * BN, col_ok);
-    }
+    if (j + 1 < ntiles) copy(nb, kh + static_cast<int64_t>(n1) * p.k_sm, kh, p.k_sm, p.Lk - n1, col_ok);
+    copy(nb + kTile, vh + static_cast<int64_t>(j * BN) * p.v_sm, vh, p.v_sm, p.Lk - j * BN, col_ok);
     cp_async_commit();
   };
   // S = Q K^T for the keys of tile Ks, issued as one wgmma group (not waited for).
