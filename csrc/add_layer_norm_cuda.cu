@@ -71,6 +71,12 @@ __device__ __forceinline__ T from_f(float v) { return static_cast<T>(v); }
 
 // Loads VEC contiguous elements as floats.  VEC == 1: a scalar access; otherwise VEC * sizeof(T)
 // is a multiple of 16 and p is 16-byte aligned (checked on the host): 128-bit accesses.
+// 1 / sqrt(v) correctly rounded twice (IEEE sqrt and division; nvcc's defaults without
+// fast-math), as the Triton kernel's div_rn(1, sqrt_rn) and the reference's division by sqrt:
+// rsqrtf is approximate (up to 2 ulps), and that error scales every xhat of a row, which put the
+// fp32 dweight of a (67, 1000) case 1.02x past the oracle's bound on an H100 (2026-11-27).
+__device__ __forceinline__ float rstd_rn(float v) { return __frcp_rn(__fsqrt_rn(v)); }
+
 template <typename T, int VEC>
 __device__ __forceinline__ void load_f(const T* __restrict__ p, float (&out)[VEC]) {
   if constexpr (VEC == 1) {
@@ -285,7 +291,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
       }
     }
     const float var = team_sum2(sq, 0.0f, red, wpt, team * wpt).x * inv_n;
-    const float rs = rsqrtf(var + a.eps);
+    const float rs = rstd_rn(var + a.eps);
     if (valid) {
       if (t == 0) {
         a.mean[row] = mu;
@@ -381,7 +387,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
     }
     const Welford s = block_welford(w, red);
     const float mu = s.mean;
-    const float rs = rsqrtf(fmaxf(s.m2, 0.0f) / static_cast<float>(N) + a.eps);
+    const float rs = rstd_rn(fmaxf(s.m2, 0.0f) / static_cast<float>(N) + a.eps);
     if (threadIdx.x == 0) {
       a.mean[row] = mu;
       a.rstd[row] = rs;

@@ -180,6 +180,7 @@ inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return std::sqrt(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // the device one is approximate (<= 2 ulp)
 
 // Warp votes: every lane publishes its predicate between two warp barriers.
