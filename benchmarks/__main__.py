@@ -20,7 +20,7 @@ from pathlib import Path
 ALL_OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
            "add_layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "train_step",
            "greedy_decode")
-PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cuda.wgmma", "cpu")
+PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cuda.mma_sync", "cpu")
 
 
 def parse_args(argv=None):
@@ -49,7 +49,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     if args.providers:
-        known = PROVIDERS + ("torch.nn", "torch.nn+compile") + tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.wgmma"))
+        known = PROVIDERS + ("torch.nn", "torch.nn+compile") + tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.mma_sync"))
         unknown = [n for n in args.providers.split(",") if n.strip() and n.strip() not in known]
         if unknown:
             p.error(f"--providers: unknown {', '.join(unknown)}; expected names from {', '.join(known)}")
@@ -140,8 +140,11 @@ def main(argv=None) -> int:
     model_ops = [op for op in selected if op in models.MODEL_OPS]
     for op in common.progress(model_ops, "end to end"):
         for dtype in dtypes:
-            rows += models.run(op, device, dtype, args.mode, peaks, skip, provider_filter)
-            write_results()
+            def add_row(row):
+                rows.append(row)
+                write_results()
+
+            models.run(op, device, dtype, args.mode, peaks, skip, provider_filter, on_row=add_row)
 
     write_results()
     plots = [] if args.no_plots else common.write_plots(out_dir, rows, ops.X_KEYS)

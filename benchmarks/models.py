@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -246,11 +247,14 @@ def _pad_mask(g, batch, length, device):
 
 
 class Runner:
-    def __init__(self, device, dtype, mode, peaks, skip, providers=None):
+    def __init__(self, device, dtype, mode, peaks, skip, providers=None, on_row=None):
         self.device, self.dtype, self.mode, self.peaks, self.skip = device, dtype, mode, peaks, skip
         self.cfg = config(device, mode)
         self.rows: list[dict] = []
         self.providers = providers  # None = all; else a filter on names (backend names match ours:<name>)
+        # Called with each row as it is made: the caller writes its results files then, so that a
+        # run killed at its time limit keeps the rows measured so far (a GPU run lost a whole op).
+        self.on_row = on_row
 
     def wanted(self, provider):
         if self.providers is None:
@@ -280,16 +284,21 @@ class Runner:
             shape["note"] = note
         self.rows.append(common.make_row(op, provider, self.dtype, mask, shape, timing, peaks=self.peaks,
                                          error=error, peak_mem=mem))
+        if self.on_row is not None:
+            self.on_row(self.rows[-1])
 
     def measure(self, op, provider, mask, shape, fn, tokens, error_fn=None):
         """Time ``fn`` and add the row; a failure becomes a row with the error as its note."""
         if not self.wanted(provider):
             return
+        start = time.perf_counter()
         try:
             error = error_fn() if error_fn else None
             timing = common.bench(fn, self.device, self.mode)
             mem = common.peak_memory_mb(fn, self.device)
             self.row(op, provider, mask, shape, timing, tokens, error, mem)
+            common.log(f"{op} {provider} {common._shape_text(shape)}: {self.rows[-1]['shape'].get('tokens_per_s')} "
+                       f"tokens/s, {timing[0]:.3g} ms per call ({time.perf_counter() - start:.0f} s to measure)")
         except Exception as exc:
             msg = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             common.log(f"FAILED {op} {provider}: {msg}")
@@ -529,8 +538,8 @@ class _null:
         return False
 
 
-def run(op: str, device, dtype, mode, peaks, skip, providers=None) -> list[dict]:
-    runner = Runner(device, dtype, mode, peaks, skip, providers)
+def run(op: str, device, dtype, mode, peaks, skip, providers=None, on_row=None) -> list[dict]:
+    runner = Runner(device, dtype, mode, peaks, skip, providers, on_row)
     if op in ("encoder_layer", "decoder_layer"):
         runner.layer(op)
     elif op == "train_step":

@@ -347,3 +347,14 @@ def test_sass_loop_mix_reads_the_main_loop():
     assert lines[-2].strip().startswith("3 instr, then WARPGROUP.DEPBAR")
     assert lines[-1].strip() == "3 instr to the loop's end"
     assert report(listing, "other") == "_Z5otherv: no loop"
+
+
+def test_model_rows_reach_the_caller_as_measured():
+    """Each end-to-end row is handed to on_row when it is made (the CLI writes its results files
+    then), so a run killed at its time limit keeps the rows measured so far."""
+    seen = []
+    peaks = {"copy_gbps": 1.0, "matmul_tflops": 1.0}
+    rows = models.run("greedy_decode", torch.device("cpu"), torch.float32, "smoke", peaks,
+                      lambda *a: None, ["torch.nn", "ours:torch"], on_row=lambda r: seen.append(r["provider"]))
+    assert seen and seen == [r["provider"] for r in rows]
+    assert {"torch.nn", "ours:torch"} <= set(seen)
