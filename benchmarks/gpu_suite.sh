@@ -12,7 +12,7 @@
 #   PROFILE_ARGS  arguments for the profile step (benchmarks/profile_ops.py; default: the FFN and
 #             attention cases, torch / triton / cuda, with the 12 Python functions of most own time)
 #   STEPS     run only these steps: each word is a step name, or a prefix ending in '*'
-#             ("sanitizer*" runs every sanitizer step; "verify" runs verify, not verify_wgmma),
+#             ("sanitizer*" runs every sanitizer step; "verify" runs verify, not verify_mma_sync),
 #             (benchmarks/results/README.md has the two calls planned for 15 minutes of device
 #             time; one device call may run 10 minutes, and all of it may not fit)
 #   PYTEST_PAR  pytest's flags for the gpu tests (default "-n 16 -vv --timeout=120" when
@@ -88,7 +88,10 @@ step() {  # step NAME COMMAND...: run (output straight into $LOGS, so a killed c
 
 ARCH=$($PY -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}.{n}' + ('a' if m == 9 else ''))" 2>/dev/null || echo "9.0a")
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH}
-export TRANSFORMER_FAST_CUDA=1
+# TRANSFORMER_FAST_CUDA=0 builds _C without its CUDA sources (CPU kernels only, seconds instead of
+# two minutes): for a short call that needs only the triton / torch backends (train_demo, the
+# end-to-end benchmarks' ours:triton rows).
+export TRANSFORMER_FAST_CUDA=${TRANSFORMER_FAST_CUDA:-1}
 # A step killed at its budget keeps what it printed (Python block-buffers a redirected stdout).
 export PYTHONUNBUFFERED=1
 
@@ -143,17 +146,18 @@ TF_TEST_FIRST=$(grep -v '^#' benchmarks/gpu_first.txt 2>/dev/null | paste -sd, -
 export TF_TEST_FIRST
 # shellcheck disable=SC2086
 step pytest_gpu $NO_TUNE $PY -m pytest tests -m "gpu or triton" -q -p no:cacheprovider $PYTEST_PAR
-# The opt-in sm_90a wgmma forward (csrc/attention_wgmma.cuh) on a Hopper; its table goes to logs.txt.
-step verify_wgmma $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=1 $PY -m transformer_fast verify \
+# On a Hopper the cuda attention's unmasked calls run the sm_90a wgmma kernels by default: its
+# mma.sync kernels (what other GPUs run) again with TRANSFORMER_FAST_CUDA_WGMMA=0; table to logs.txt.
+step verify_mma_sync $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=0 $PY -m transformer_fast verify \
     --op scaled_dot_product_attention --backend cuda
 for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer_$tool" $NO_TUNE compute-sanitizer --tool "$tool" --error-exitcode 1 \
         --target-processes all $PY benchmarks/sanitize_kernels.py --backend cuda
 done
-# The sm_90a wgmma forward (csrc/attention_wgmma.cuh, opt-in while unverified) where the GPU is
-# a Hopper: its sdpa cases again with TRANSFORMER_FAST_CUDA_WGMMA=1 (elsewhere they run fwd_kernel).
+# Where the GPU is a Hopper (the steps above ran its wgmma kernels): the sdpa cases again on the
+# mma.sync kernels (TRANSFORMER_FAST_CUDA_WGMMA=0; elsewhere a repeat of the steps above).
 for tool in memcheck racecheck initcheck; do
-    step "sanitizer_wgmma_$tool" $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=1 compute-sanitizer \
+    step "sanitizer_mma_sync_$tool" $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=0 compute-sanitizer \
         --tool "$tool" --error-exitcode 1 $PY benchmarks/sanitize_kernels.py --backend cuda --only sdpa
 done
 # Triton: before the first sanitized run, the cases run once in 16 processes without the sanitizer

@@ -31,9 +31,10 @@ from . import common
 
 OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
        "add_layer_norm", "feed_forward")
-PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cuda.wgmma", "cpu")
-# The cuda backend with its sm_90a wgmma forward switched on (csrc/attention_wgmma.cuh; opt-in
-# while unverified): scaled_dot_product_attention on a compute capability 9.x GPU only.
+PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cuda.mma_sync", "cpu")
+# The cuda backend with its sm_90a wgmma kernels switched off (TRANSFORMER_FAST_CUDA_WGMMA=0: the
+# mma.sync kernels, what the cuda backend runs before Hopper): scaled_dot_product_attention on a
+# compute capability 9.x GPU only, where "cuda" runs the wgmma kernels for unmasked calls.
 WGMMA_ENV = "TRANSFORMER_FAST_CUDA_WGMMA"
 X_KEYS = {"scaled_dot_product_attention": "L", "attention_with_kv_cache": "L",
           "masked_softmax": "L", "add_layer_norm": "N", "feed_forward": "M"}
@@ -478,11 +479,11 @@ def provider_reasons(provider: str, case: Case, inputs: dict, device: torch.devi
             return ["timed only on the cases whose targets name it (feed_forward's GELU + dropout "
                     "layer); end to end: torch.nn+compile"]
         return backends.not_supported_reasons("torch", case.op, inputs)
-    if provider == "cuda.wgmma":
+    if provider == "cuda.mma_sync":
         if case.op != "scaled_dot_product_attention":
-            return ["the wgmma forward exists for scaled_dot_product_attention only"]
+            return ["the wgmma kernels exist for scaled_dot_product_attention only"]
         if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-            return ["the wgmma forward needs a compute capability 9.x (Hopper) GPU"]
+            return ["only on a compute capability 9.x (Hopper) GPU is it other than the cuda row"]
         return backends.not_supported_reasons("cuda", case.op, inputs)
     if provider == "triton" and device.type == "cpu":
         return ["on a CPU Triton runs only through its interpreter (TRITON_INTERPRET=1), which "
@@ -503,13 +504,13 @@ _COMPILED: dict = {}
 
 @contextlib.contextmanager
 def _wgmma_switch(provider: str):
-    """TRANSFORMER_FAST_CUDA_WGMMA=1 for the cuda.wgmma provider (the C++ side reads it at every
+    """TRANSFORMER_FAST_CUDA_WGMMA=0 for the cuda.mma_sync provider (the C++ side reads it at every
     call, the backward's included: hold it across both)."""
-    if provider != "cuda.wgmma":
+    if provider != "cuda.mma_sync":
         yield
         return
     previous = os.environ.get(WGMMA_ENV)
-    os.environ[WGMMA_ENV] = "1"
+    os.environ[WGMMA_ENV] = "0"
     try:
         yield
     finally:
@@ -520,7 +521,7 @@ def _wgmma_switch(provider: str):
 
 
 def _call(case: Case, inputs: dict, provider: str):
-    if provider == "cuda.wgmma":
+    if provider == "cuda.mma_sync":
         with _wgmma_switch(provider):
             return case.call(inputs, "cuda")
     if provider != "torch.compile":
@@ -534,7 +535,7 @@ def _call(case: Case, inputs: dict, provider: str):
 
 
 def _forward_backward(case: Case, inputs: dict, provider: str, upstream):
-    with _wgmma_switch(provider):  # (run 3 timed cuda.wgmma's backward on the mma.sync kernels)
+    with _wgmma_switch(provider):  # (run 3 timed its forward's switch without the backward)
         out = _call(case, inputs, provider)
         if not case.backward:
             return [out], []

@@ -45,15 +45,17 @@
 // Shared-memory fragments are read with ldmatrix; tiles are copied with 16-byte loads when every
 // row start is aligned (2-byte loads otherwise), and then every kernel double-buffers its
 // streamed tiles with cp.async (fwd / dq: K and V; dkdv: Q and dO); tiles that need no masking
-// (no masks, in bounds, below the causal diagonal) skip the mask code.  On sm_90a the forward
-// may instead run fwd_wgmma_kernel (attention_wgmma.cuh: warpgroup MMA; opt-in through
-// TRANSFORMER_FAST_CUDA_WGMMA=1, head dims <= 128), and the calls fwd_dense_kernel takes (those
-// without masks) then run fwd_wgmma_dense_kernel (attention_wgmma_dense.cuh: two warpgroups,
-// 128 x 128 tiles, the softmax of one tile overlapping the MMAs of the previous), their backward
-// dkdv_wgmma_dense_kernel and dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh).  Out of
-// scope for this version (benchmarks/NOTES.md): TMA, warp specialisation, swizzled tiles, a
-// wgmma backward for masked calls, padding-tile skipping outside the dense mma.sync kernels.
-// Speed: benchmarks/results (the dense kernels measured on H200 / H100; the rest is slower).
+// (no masks, in bounds, below the causal diagonal) skip the mask code.  On a Hopper GPU with
+// sm_90a code (wgmma_mode), the calls fwd_dense_kernel takes without masks run
+// fwd_wgmma_dense_kernel instead (attention_wgmma_dense.cuh: two warpgroups, 128 x 128 tiles,
+// 128-byte swizzled shared memory), and their backward dkdv_wgmma_dense_kernel and
+// dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); TRANSFORMER_FAST_CUDA_WGMMA=0 turns
+// them off, =1 also sends the forwards no dense kernel takes to fwd_wgmma_kernel
+// (attention_wgmma.cuh, slower than fwd_kernel).  Out of scope for this version
+// (benchmarks/NOTES.md): TMA, warp specialisation and ping-pong scheduling, a wgmma backward
+// for masked calls, padding-tile skipping outside the dense mma.sync kernels.
+// Speed: benchmarks/results (H100 2026-11-27: the wgmma dense forward 466 TFLOP/s at
+// B4 H16 L4096 D128 bf16; the mma.sync dense one 264).
 //
 // TF_CUDA_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
 // warp primitives emulated by threads and barriers (mma.sync by its documented fragment layout),
@@ -983,38 +985,48 @@ bool emulate_dense_kernels = false;  // the emulation harness chooses (its older
 bool dense_kernels_enabled() { return emulate_dense_kernels; }
 #endif
 
+// Which sm_90a warpgroup-MMA kernels run.  kDense: the two-warpgroup dense kernels
+// (fwd_wgmma_dense_kernel, dkdv/dq_wgmma_dense_kernel) for the unmasked calls the dense kernels
+// take; every other call runs what it runs without wgmma.  kAll: fwd_wgmma_kernel as well, for
+// the forwards the dense kernels do not take (slower than fwd_kernel on an H100: 60 against 68
+// TFLOP/s, benchmarks/NOTES.md; kept for tests and measurements).
+enum class Wgmma { kOff, kDense, kAll };
+
 #ifndef TF_CUDA_EMULATE
-// Whether the forward runs fwd_wgmma_kernel: only on request (TRANSFORMER_FAST_CUDA_WGMMA=1)
-// until it has run on a Hopper GPU, on compute capability 9.x, and where this build holds sm_90a
-// code (probed once per device: one tiny kernel and one host sync, the first time only).
-// Every forward reads the environment variable, so a test or benchmark may switch it per call.
-bool wgmma_forward(const Tensor& q) {
+// kDense by default, kAll with TRANSFORMER_FAST_CUDA_WGMMA=1, kOff with =0; kOff as well below
+// or above compute capability 9.x, and where this build holds no sm_90a code (probed once per
+// device: one tiny kernel and one host sync, the first time only).  The dense wgmma kernels
+// became the default after their first H100 runs (2026-11-26 and -27: the oracle on fresh draws,
+// head dims 16-128, ragged lengths, GQA, causal; forward 466 against mma.sync's 264 TFLOP/s at
+// B4 H16 L4096 D128).  Every call reads the variable, so a test or benchmark may switch it.
+Wgmma wgmma_mode(const Tensor& q) {
   const char* env = std::getenv("TRANSFORMER_FAST_CUDA_WGMMA");
-  if (env == nullptr || std::strcmp(env, "1") != 0) return false;
+  if (env != nullptr && std::strcmp(env, "0") == 0) return Wgmma::kOff;
+  const Wgmma wanted = env != nullptr && std::strcmp(env, "1") == 0 ? Wgmma::kAll : Wgmma::kDense;
   const int dev = q.get_device();
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (major != 9) return false;
+  if (major != 9) return Wgmma::kOff;
   static std::mutex mutex;
   static std::map<int, bool> built;
   const std::lock_guard<std::mutex> lock(mutex);
   auto it = built.find(dev);
   if (it == built.end()) {
-    // The probe syncs the host: not inside a CUDA graph capture (fwd_kernel runs there until a
-    // call outside one has probed this device).
+    // The probe syncs the host: not inside a CUDA graph capture (the mma.sync kernels run there
+    // until a call outside one has probed this device).
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &capture));
-    if (capture != cudaStreamCaptureStatusNone) return false;
+    if (capture != cudaStreamCaptureStatusNone) return Wgmma::kOff;
     Tensor flag = at::zeros({1}, q.options().dtype(at::kInt));
     sm90a_probe_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(flag.mutable_data_ptr<int>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     it = built.emplace(dev, flag.item<int>() == 1).first;
   }
-  return it->second;
+  return it->second ? wanted : Wgmma::kOff;
 }
 #else
-bool emulate_wgmma_forward = false;  // the emulation harness chooses the kernel
-bool wgmma_forward(const Tensor&) { return emulate_wgmma_forward; }
+bool emulate_wgmma_forward = false;  // the emulation harness chooses the kernels (on: kAll)
+Wgmma wgmma_mode(const Tensor&) { return emulate_wgmma_forward ? Wgmma::kAll : Wgmma::kOff; }
 #endif
 
 // wgmma: the dense dK / dV and dQ on dkdv_wgmma_dense_kernel / dq_wgmma_dense_kernel (the wgmma
@@ -1109,8 +1121,8 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
   p.lse_out = lse.mutable_data_ptr<float>();
   const bool half = q.scalar_type() == at::kHalf;
   const bool dense = dense_forward_fits(p) && dense_kernels_enabled();
-  const bool wgmma = head_dim_bucket(p.D) <= 128 && wgmma_forward(q);
-  if (wgmma && dense && !masked(p)) {  // fwd_wgmma_dense_kernel has no mask code
+  const Wgmma wgmma = head_dim_bucket(p.D) <= 128 ? wgmma_mode(q) : Wgmma::kOff;
+  if (wgmma != Wgmma::kOff && dense && !masked(p)) {  // fwd_wgmma_dense_kernel has no mask code
     if (head_dim_bucket(p.D) == 64) {
       half ? run_fwd_wgmma_dense<__half, 64>(p) : run_fwd_wgmma_dense<__nv_bfloat16, 64>(p);
     } else {
@@ -1118,7 +1130,7 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
     }
     return {out, lse};
   }
-  if (wgmma && !dense) {
+  if (wgmma == Wgmma::kAll && !dense) {
     if (head_dim_bucket(p.D) == 64) {
       half ? run_fwd_wgmma<__half, 64>(p) : run_fwd_wgmma<__nv_bfloat16, 64>(p);
     } else {
@@ -1200,9 +1212,9 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     set_out(pq, dq_);
     const bool half = q.scalar_type() == at::kHalf;
     // No dropout, D <= 128: the dense kernels (as the forward's fwd_dense_kernel; the same switch
-    // turns both off), on wgmma too where the forward's switch is on and there is no mask.
+    // turns both off), on wgmma too where there is no mask and wgmma_mode allows it.
     const bool dense = p.rng == nullptr && p.D <= 128 && dense_kernels_enabled();
-    const bool wg = dense && !masked(p) && wgmma_forward(q);
+    const bool wg = dense && !masked(p) && wgmma_mode(q) != Wgmma::kOff;
     if (dense && head_dim_bucket(p.D) == 64) {
       half ? run_bwd<__half, 64, true>(pkv, pq, wg) : run_bwd<__nv_bfloat16, 64, true>(pkv, pq, wg);
     } else if (dense) {

@@ -80,8 +80,9 @@ def test_large_shapes(device, dtype, d, kind):
     check_sdpa("cuda", q, k, v, context=f"{kind} d={d}", **m)
 
 
-# ---- The sm_90a wgmma forward (csrc/attention_wgmma.cuh): opt-in through
-# TRANSFORMER_FAST_CUDA_WGMMA=1 until these tests and compute-sanitizer have passed on a Hopper GPU.
+# ---- The sm_90a wgmma kernels: on a Hopper GPU the dense ones (csrc/attention_wgmma_{dense,dkdv,dq}.cuh)
+# take the unmasked calls by default; TRANSFORMER_FAST_CUDA_WGMMA=0 turns them off, =1 also sends the
+# forwards no dense kernel takes to fwd_wgmma_kernel (csrc/attention_wgmma.cuh).
 
 WGMMA_ENV = "TRANSFORMER_FAST_CUDA_WGMMA"
 DENSE_ENV = "TRANSFORMER_FAST_CUDA_DENSE"
@@ -107,6 +108,41 @@ def wgmma(device, monkeypatch):
         f"{WGMMA_ENV}=1 on a 9.x GPU did not launch fwd_wgmma_kernel (extension built without "
         f"sm_90a? TORCH_CUDA_ARCH_LIST must include 9.0a); kernels: {sorted(names)}")
     return device
+
+
+@pytest.fixture
+def mma_sync(device, monkeypatch):
+    """The wgmma kernels switched off: the mma.sync kernels run on every GPU (on a Hopper the
+    dense wgmma ones would otherwise take the unmasked calls)."""
+    monkeypatch.setenv(WGMMA_ENV, "0")
+    return device
+
+
+def test_wgmma_is_the_default_on_hopper(device, monkeypatch):
+    """Without the variable, a Hopper GPU runs the dense wgmma kernels for an unmasked 16-bit call
+    (forward and backward), the mma.sync dense ones for a masked call and fwd_kernel (not
+    fwd_wgmma_kernel) for one with dropout; TRANSFORMER_FAST_CUDA_WGMMA=0 runs no wgmma kernel.
+    Elsewhere no wgmma kernel runs."""
+    monkeypatch.delenv(WGMMA_ENV, raising=False)
+    monkeypatch.delenv(DENSE_ENV, raising=False)
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    q = torch.randn(1, 2, 200, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def call(**kw):
+        F.scaled_dot_product_attention(q, q, q, backend="cuda", **kw).sum().backward()
+
+    names = _kernel_names(call)
+    for kernel in ("fwd_wgmma_dense_kernel", "dkdv_wgmma_dense_kernel", "dq_wgmma_dense_kernel"):
+        assert any(kernel in n for n in names) == hopper, (kernel, sorted(names))
+    kpm = torch.zeros(1, 200, dtype=torch.bool, device=device)
+    kpm[0, -1] = True
+    names = _kernel_names(lambda: call(key_padding_mask=kpm))
+    assert not any("wgmma" in n for n in names) and any("fwd_dense_kernel" in n for n in names), sorted(names)
+    names = _kernel_names(lambda: call(dropout_p=0.3))
+    assert not any("wgmma" in n for n in names) and any("fwd_kernel" in n for n in names), sorted(names)
+    monkeypatch.setenv(WGMMA_ENV, "0")
+    names = _kernel_names(call)
+    assert not any("wgmma" in n for n in names) and any("fwd_dense_kernel" in n for n in names), sorted(names)
 
 
 def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
@@ -160,7 +196,7 @@ def test_wgmma_backward_matches_dense(wgmma, monkeypatch, d, causal):
     ops = torch.ops.transformer_fast_C
     args = _bwd_args(ops, wgmma, d, causal)
     got = ops.attention_bwd(*args)
-    monkeypatch.delenv(WGMMA_ENV)
+    monkeypatch.setenv(WGMMA_ENV, "0")
     want = ops.attention_bwd(*args)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
@@ -204,7 +240,7 @@ def test_wgmma_forward_packed_views_and_dropout(wgmma, monkeypatch):
     check_sdpa("cuda", q, k, v, is_causal=True, context="wgmma, packed views")
     torch.manual_seed(7)
     got = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True, backend="cuda")
-    monkeypatch.delenv(WGMMA_ENV)
+    monkeypatch.setenv(WGMMA_ENV, "0")
     torch.manual_seed(7)
     want = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True, backend="cuda")
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
@@ -216,7 +252,7 @@ def test_wgmma_forward_packed_views_and_dropout(wgmma, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-def test_dense_forward_runs_where_it_fits(device, monkeypatch, causal):
+def test_dense_forward_runs_where_it_fits(device, mma_sync, monkeypatch, causal):
     """The dense kernel is what runs for a 16-bit forward with or without masks, and fwd_kernel
     what runs with dropout or with the switch off."""
     monkeypatch.delenv(DENSE_ENV, raising=False)
@@ -237,7 +273,7 @@ def test_dense_forward_runs_where_it_fits(device, monkeypatch, causal):
 @pytest.mark.parametrize("d", [40, 64, 128])
 @pytest.mark.parametrize("kind", ["kpm", "causal+kpm", "kpm_tail", "causal+kpm_tail", "bool_b1",
                                   "causal+float_bh+kpm", "float_2d", "dead"])
-def test_dense_masks_oracle(device, dtype, d, kind):
+def test_dense_masks_oracle(device, mma_sync, dtype, d, kind):
     """The dense kernels with masks, forward and backward: scattered padding and right padding
     (tiles and dK / dV blocks of padding only, a batch row of padding only), attn_mask bool and
     float, broadcast or full, with padding and causal, rows with nothing visible."""
@@ -253,14 +289,14 @@ def test_dense_masks_oracle(device, dtype, d, kind):
 @pytest.mark.parametrize("shape", [(2, 4, 2, 300, 517), (1, 2, 2, 1, 129), (2, 2, 1, 256, 64), (1, 4, 4, 1024, 1024)],
                          ids=lambda s: "B{}H{}kv{}q{}k{}".format(*s))
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
-def test_dense_forward_oracle(device, dtype, d, shape, causal):
+def test_dense_forward_oracle(device, mma_sync, dtype, d, shape, causal):
     b, h, hkv, lq, lk = shape
     g = generator()
     q, k, v = base._qkv(b, h, hkv, lq, lk, d, dtype, device, g)
     check_sdpa("cuda", q, k, v, is_causal=causal, enable_gqa=True, context=f"dense d={d} {shape}")
 
 
-def test_dense_forward_packed_views_match_fwd_kernel(device, monkeypatch):
+def test_dense_forward_packed_views_match_fwd_kernel(device, mma_sync, monkeypatch):
     """q/k/v as views of one packed projection: the dense forward reads them through their
     strides and agrees with fwd_kernel (same math, base-2 exponent: rounding differences only)."""
     b, l, h, d = 2, 197, 4, 128
@@ -277,7 +313,7 @@ def test_dense_forward_packed_views_match_fwd_kernel(device, monkeypatch):
 @pytest.mark.parametrize("mask", ["nomask", "kpm", "am"])
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 @pytest.mark.parametrize("d", [40, 128])
-def test_dense_backward_matches_generic(device, monkeypatch, d, causal, mask):
+def test_dense_backward_matches_generic(device, mma_sync, monkeypatch, d, causal, mask):
     """From the same forward: dkdv_dense_kernel and dq_dense_kernel agree with the generic
     kernels to bf16 rounding (as in the CPU emulation), with a key_padding_mask or an attn_mask."""
     ops = torch.ops.transformer_fast_C

@@ -46,7 +46,7 @@ def test_exact_step_names_and_the_exceptions_diagnostic(tmp_path):
 
 
 def test_prefix_star_and_step_budget(tmp_path):
-    # "verify" alone must not select verify_wgmma (it did by prefix once, and ate a lease); a
+    # "verify" alone must not select verify_mma_sync (once verify_wgmma) (it did by prefix once, and ate a lease); a
     # word ending in '*' selects by prefix.  The diagnostic takes seconds: a 1 s budget kills it.
     proc, summary, _ = _run_suite(tmp_path, "exc*", STEP_TIMEOUT_exceptions="1")
     lines = summary.splitlines()
