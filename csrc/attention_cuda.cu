@@ -46,10 +46,10 @@
 // row start is aligned (2-byte loads otherwise), and then every kernel double-buffers its
 // streamed tiles with cp.async (fwd / dq: K and V; dkdv: Q and dO); tiles that need no masking
 // (no masks, in bounds, below the causal diagonal) skip the mask code.  On a Hopper GPU with
-// sm_90a code (wgmma_mode), the calls fwd_dense_kernel takes without masks run
+// sm_90a code (wgmma_mode), the calls fwd_dense_kernel takes without an attn_mask run
 // fwd_wgmma_dense_kernel instead (attention_wgmma_dense.cuh: two warpgroups, 128 x 128 tiles,
-// 128-byte swizzled shared memory), and their backward dkdv_wgmma_dense_kernel and
-// dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); TRANSFORMER_FAST_CUDA_WGMMA=0 turns
+// 128-byte swizzled shared memory), and the backward of those without a key_padding_mask
+// either dkdv_wgmma_dense_kernel and dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); TRANSFORMER_FAST_CUDA_WGMMA=0 turns
 // them off, =1 also sends the forwards no dense kernel takes to fwd_wgmma_kernel
 // (attention_wgmma.cuh, slower than fwd_kernel).  Out of scope for this version
 // (benchmarks/NOTES.md): TMA, warp specialisation and ping-pong scheduling, a wgmma backward
@@ -985,9 +985,9 @@ bool emulate_dense_kernels = false;  // the emulation harness chooses (its older
 bool dense_kernels_enabled() { return emulate_dense_kernels; }
 #endif
 
-// Which sm_90a warpgroup-MMA kernels run.  kDense: the two-warpgroup dense kernels
-// (fwd_wgmma_dense_kernel, dkdv/dq_wgmma_dense_kernel) for the unmasked calls the dense kernels
-// take; every other call runs what it runs without wgmma.  kAll: fwd_wgmma_kernel as well, for
+// Which sm_90a warpgroup-MMA kernels run.  kDense: the two-warpgroup dense kernels for the calls
+// the dense kernels take (forward: without an attn_mask; backward: without any mask); every
+// other call runs what it runs without wgmma.  kAll: fwd_wgmma_kernel as well, for
 // the forwards the dense kernels do not take (slower than fwd_kernel on an H100: 60 against 68
 // TFLOP/s, benchmarks/NOTES.md; kept for tests and measurements).
 enum class Wgmma { kOff, kDense, kAll };
@@ -1122,7 +1122,7 @@ Tensor2 attention_fwd_cuda(TF_ATTENTION_FWD_ARGS) {
   const bool half = q.scalar_type() == at::kHalf;
   const bool dense = dense_forward_fits(p) && dense_kernels_enabled();
   const Wgmma wgmma = head_dim_bucket(p.D) <= 128 ? wgmma_mode(q) : Wgmma::kOff;
-  if (wgmma != Wgmma::kOff && dense && !masked(p)) {  // fwd_wgmma_dense_kernel has no mask code
+  if (wgmma != Wgmma::kOff && dense && p.am_type == kMaskNone) {  // no attn_mask code there (key padding: yes)
     if (head_dim_bucket(p.D) == 64) {
       half ? run_fwd_wgmma_dense<__half, 64>(p) : run_fwd_wgmma_dense<__nv_bfloat16, 64>(p);
     } else {

@@ -190,6 +190,8 @@ struct DensePadBits {
       if (tid % 32 == 0) bits[(it & 1) * (BN / 32) + tid / 32] = w;
     }
   }
+  // Word w (keys n0 + 32 w ..) of tile `it`'s mask (after that barrier; kpm not null).
+  __device__ __forceinline__ uint32_t word(int it, int w) const { return bits[(it & 1) * (BN / 32) + w]; }
   // Tile `it`'s mask (after that barrier).
   __device__ __forceinline__ uint64_t mask(int it) const {
     if (kpm == nullptr) return 0;

@@ -1,12 +1,13 @@
 // The sm_90a dense forward on warpgroup MMA, laid out after FlashAttention-3 (step 2 of the plan in
-// benchmarks/NOTES.md): for the calls fwd_dense_kernel takes (fp16 / bf16, no attn_mask,
-// key_padding_mask or dropout, is_causal allowed, 16-byte aligned rows, head dim <= 128) when the
-// wgmma kernels are on (by default on a Hopper GPU with sm_90a code; TRANSFORMER_FAST_CUDA_WGMMA=0
+// benchmarks/NOTES.md): for the calls fwd_dense_kernel takes without an attn_mask (fp16 / bf16,
+// no dropout, is_causal and key_padding_mask allowed, 16-byte aligned rows, head dim <= 128) when
+// the wgmma kernels are on (by default on a Hopper GPU with sm_90a code; TRANSFORMER_FAST_CUDA_WGMMA=0
 // turns them off; attention_cuda.cu's wgmma_mode).  Included by attention_cuda.cu inside its anonymous
 // namespace after attention_wgmma.cuh (descriptors, core-matrix layout, wgmma wrappers) and
 // attention_dense_fwd.cuh (exp2_approx).  Written without a GPU; its gpu tests (the oracle, head
-// dims 16-128, ragged lengths, GQA, causal) passed on an H100 (2026-11-26 and -27), and the CPU
-// emulation runs its indexing, descriptors and online softmax against the oracle.
+// dims 16-128, ragged lengths, GQA, causal) passed on an H100 (2026-11-26 and -27; the
+// key_padding_mask since, emulation only), and the CPU emulation runs its indexing,
+// descriptors, masking and online softmax against the oracle.
 //
 // One CTA = two warpgroups (256 threads) per (b, h, 128 query rows); warpgroup w owns rows
 // 64w..64w+63 (its warps 16 rows each, as wgmma's accumulators give them).  Keys in tiles of 128:
@@ -29,8 +30,31 @@ constexpr int kWdBN = 128;       // keys per tile
 
 template <int DP>
 constexpr size_t wgmma_dense_smem_bytes() {
-  // Q, 2 x {K, V}, and 1 KB to start them on a 1024-byte boundary (the swizzle pattern's).
-  return size_t{kWdBM + 4 * kWdBN} * DP * sizeof(uint16_t) + 1024;
+  // Q, 2 x {K, V}, 1 KB to start them on a 1024-byte boundary (the swizzle pattern's), and the
+  // key_padding_mask's words: 2 x 4 tile masks, 8 for the end-of-row reduction.
+  return size_t{kWdBM + 4 * kWdBN} * DP * sizeof(uint16_t) + 1024 + 16 * sizeof(uint32_t);
+}
+
+// One past the last key of a key_padding_mask row that is not padding (0: all padding), over the
+// CTA: each thread scans keys tid, tid + 256, ..., then the warps' maxima meet in `red` (8
+// words).  A right-padded row's tiles past it are then never loaded nor computed.
+__device__ __forceinline__ int wg_kpm_end(const bool* kpm, int64_t stride, int Lk, uint32_t* red) {
+  const int tid = static_cast<int>(threadIdx.x);
+  int end = 0;
+  for (int j = tid; j < Lk; j += kWdThreads) {
+    if (!kpm[j * stride]) end = j + 1;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const int other = __shfl_xor_sync(0xffffffffu, end, o);
+    end = other > end ? other : end;
+  }
+  if (tid % 32 == 0) red[tid / 32] = static_cast<uint32_t>(end);
+  __syncthreads();
+  int r = 0;
+#pragma unroll
+  for (int w = 0; w < kWdThreads / 32; ++w) r = static_cast<int>(red[w]) > r ? static_cast<int>(red[w]) : r;
+  return r;
 }
 
 // ---- 128-byte swizzled tiles, the layout TMA writes and FlashAttention-3 / CUTLASS feed wgmma
@@ -124,25 +148,34 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t* const Qs = sw128_base(smem);  // [BM x DP]
   uint16_t* const kv = Qs + kTile;  // [2 buffers][K, V][BN x DP]
+  uint32_t* const pad_words = reinterpret_cast<uint32_t*>(kv + 4 * kTile);  // [2][BN / 32] masks, [8]
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int warp_in_wg = (tid % 128) / 32;
   const auto [bh, b, h, hk, m0] = dense_query_block<kCausal, BM>(p);  // causal: longest blocks first
 
   static_assert(BM == BN, "Q and the K / V tiles share one copy mapping");
+  static_assert(BN == 128, "four 32-bit pad words per tile");
   const WgCopy<BN, DP> copy(tid);
   const bool col_ok = copy.c0 < p.D;
   const uint16_t* qh = p.q + b * p.q_sb + h * p.q_sh;
   const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
 
-  const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
-  const int ntiles = (n_end + BN - 1) / BN;
-
   // Prologue: Q and K_0 (buffer 0), one group.
   copy(Qs, qh + static_cast<int64_t>(m0) * p.q_sm, qh, p.q_sm, p.Lq - m0, col_ok);
   copy(kv, kh, kh, p.k_sm, p.Lk, col_ok);
   cp_async_commit();
+
+  // key_padding_mask (row b): the tiles end after the row's last valid key (right padding costs
+  // nothing), and each tile's 128 pad bits (fwd_dense_kernel's ballot, loaded a tile ahead)
+  // send the tiles with padding through the masking branch.  A row of padding only still runs
+  // tile 0, all of it masked: output 0, lse -inf.
+  DensePadBits<BN> pads(p, b, pad_words);
+  int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
+  if (pads.kpm != nullptr) n_end = min(n_end, wg_kpm_end(pads.kpm, pads.stride, p.Lk, pad_words + 2 * (BN / 32)));
+  const int ntiles = n_end > 0 ? (n_end + BN - 1) / BN : 1;
+  pads.load(0, p.Lk);
 
   float o[DP / 2];  // o[4 * dt + e]: rows g + 8 (e >> 1), columns 8 dt + 2 t + (e & 1)
 #pragma unroll
@@ -156,9 +189,11 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   // Iteration j waits for buffer j % 2 ({K_j, V_{j-1}}: this thread's copies landed, fenced
   // into the async proxy, then everyone's) ...
   const auto wait_tile = [&](int j) {
+    pads.publish(j);  // (the mask buffer j % 2 was last read before the previous barrier)
     cp_async_wait<0>();
     fence_proxy_async_smem();
     __syncthreads();
+    pads.load((j + 1) * BN, p.Lk);
     return kv + (j & 1) * 2 * kTile;  // K_j; V_{j-1} follows it
   };
   // ... and, since everyone has also finished iteration j - 1 at that barrier, refills buffer
@@ -203,13 +238,21 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
     pin_registers(s);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] *= scale2;
-    // Masking only on the tiles that cross the causal diagonal or Lk (warp-uniform): a branch,
-    // so that interior tiles run no per-score test (a select per score would be if-converted
-    // into every tile: 64 compares and selects per thread).
-    if ((kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk) {
+    // Masking only on the tiles that cross the causal diagonal or Lk or hold padding
+    // (warp-uniform): a branch, so that interior tiles run no per-score test (a select per score
+    // would be if-converted into every tile: 64 compares and selects per thread).
+    uint32_t pw[BN / 32] = {};  // the tile's pad bits: key n0 + 32 w + c is bit c of pw[w]
+    if (pads.kpm != nullptr) {
+#pragma unroll
+      for (int w = 0; w < BN / 32; ++w) pw[w] = pads.word(n0 / BN, w);
+    }
+    if ((kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk || (pw[0] | pw[1] | pw[2] | pw[3]) != 0) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) {
-        s[i] = dense_masked<kCausal>(s[i], true, n0 + 8 * (i / 4) + 2 * t + (i & 1), row_a + 8 * ((i >> 1) & 1), p.Lk);
+        const int c = 8 * (i / 4) + 2 * t + (i & 1);  // the key's column: word i / 16, bit c % 32
+        s[i] = (pw[i / 16] >> (8 * ((i / 4) % 4) + 2 * t + (i & 1))) & 1u
+                   ? -INFINITY
+                   : dense_masked<kCausal>(s[i], true, n0 + c, row_a + 8 * ((i >> 1) & 1), p.Lk);
       }
     }
     float mx[2] = {-INFINITY, -INFINITY};

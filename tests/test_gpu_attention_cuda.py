@@ -120,7 +120,8 @@ def mma_sync(device, monkeypatch):
 
 def test_wgmma_is_the_default_on_hopper(device, monkeypatch):
     """Without the variable, a Hopper GPU runs the dense wgmma kernels for an unmasked 16-bit call
-    (forward and backward), the mma.sync dense ones for a masked call and fwd_kernel (not
+    (forward and backward), the wgmma forward and the mma.sync dense backward for one with a
+    key_padding_mask, the mma.sync dense kernels for one with an attn_mask and fwd_kernel (not
     fwd_wgmma_kernel) for one with dropout; TRANSFORMER_FAST_CUDA_WGMMA=0 runs no wgmma kernel.
     Elsewhere no wgmma kernel runs."""
     monkeypatch.delenv(WGMMA_ENV, raising=False)
@@ -136,7 +137,10 @@ def test_wgmma_is_the_default_on_hopper(device, monkeypatch):
         assert any(kernel in n for n in names) == hopper, (kernel, sorted(names))
     kpm = torch.zeros(1, 200, dtype=torch.bool, device=device)
     kpm[0, -1] = True
-    names = _kernel_names(lambda: call(key_padding_mask=kpm))
+    names = _kernel_names(lambda: call(key_padding_mask=kpm))  # wgmma forward, mma.sync backward
+    assert any("fwd_wgmma_dense_kernel" in n for n in names) == hopper, sorted(names)
+    assert any("dkdv_dense_kernel" in n and "wgmma" not in n for n in names), sorted(names)
+    names = _kernel_names(lambda: call(attn_mask=~kpm[0].expand(200, 200)))
     assert not any("wgmma" in n for n in names) and any("fwd_dense_kernel" in n for n in names), sorted(names)
     names = _kernel_names(lambda: call(dropout_p=0.3))
     assert not any("wgmma" in n for n in names) and any("fwd_kernel" in n for n in names), sorted(names)
@@ -148,9 +152,10 @@ def test_wgmma_is_the_default_on_hopper(device, monkeypatch):
 def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
     """With the wgmma forward on, an unmasked 16-bit forward runs fwd_wgmma_dense_kernel
     (csrc/attention_wgmma_dense.cuh) and its backward dkdv_wgmma_dense_kernel and
-    dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); one with a key_padding_mask or an
-    attn_mask the mma.sync dense kernels (the wgmma ones have no mask code);
-    TRANSFORMER_FAST_CUDA_DENSE=0 sends them to fwd_wgmma_kernel and the generic backward."""
+    dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); one with a key_padding_mask the wgmma
+    forward and the mma.sync dense backward; one with an attn_mask the mma.sync dense kernels
+    (the wgmma ones have no attn_mask code); TRANSFORMER_FAST_CUDA_DENSE=0 sends them to
+    fwd_wgmma_kernel and the generic backward."""
     q = torch.randn(1, 2, 300, 128, device=wgmma, dtype=torch.bfloat16, requires_grad=True)
 
     def call(**kw):
@@ -163,7 +168,9 @@ def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
     kpm[0, -1] = True
     for kw in (dict(key_padding_mask=kpm), dict(attn_mask=~kpm[0].expand(300, 300))):
         names = _kernel_names(lambda: call(**kw))
-        for kernel in ("fwd_dense_kernel", "dkdv_dense_kernel", "dq_dense_kernel"):
+        forward = "fwd_wgmma_dense_kernel" if "key_padding_mask" in kw else "fwd_dense_kernel"
+        assert any(forward in n for n in names), (forward, sorted(names))
+        for kernel in ("dkdv_dense_kernel", "dq_dense_kernel"):
             assert any(kernel in n and "wgmma" not in n for n in names), (kernel, sorted(names))
     monkeypatch.setenv(DENSE_ENV, "0")
     names = _kernel_names(call)
@@ -215,6 +222,20 @@ def test_wgmma_dense_oracle(wgmma, dtype, d, shape, causal):
     g = generator()
     q, k, v = base._qkv(b, h, hkv, lq, lk, d, dtype, wgmma, g)
     check_sdpa("cuda", q, k, v, is_causal=causal, enable_gqa=True, context=f"wgmma dense d={d} {shape}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d", [40, 64, 128])
+@pytest.mark.parametrize("kind", ["kpm", "causal+kpm", "kpm_tail", "causal+kpm_tail"])
+def test_wgmma_dense_kpm_oracle(device, dtype, d, kind):
+    """The default path with a key_padding_mask (on a Hopper: fwd_wgmma_dense_kernel's padding
+    bits and right-padding end, then the mma.sync dense backward): scattered and right padding,
+    rows of one key and of none, causal or not, forward and gradients."""
+    b, h, lq, lk = 3, 4, 300, 517
+    g = generator()
+    q, k, v = base._qkv(b, h, 2, lq, lk, d, dtype, device, g)
+    m = base._to(make_masks(kind, b, h, lq, lk, dtype, g), device)
+    check_sdpa("cuda", q, k, v, enable_gqa=True, context=f"wgmma kpm {kind} d={d}", **m)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
