@@ -166,6 +166,9 @@ def time_cpu(fn: Callable[[], object], min_run_time: float) -> tuple[float, floa
     return _quantiles_ms(times)
 
 
+SLOW_CALL_MS = 100.0  # time_gpu --quick: calls at least this long get ~3 repeats
+
+
 def time_gpu(fn: Callable[[], object], cudagraph: bool = False, quick: bool = False):
     """(median, p20, p80, timer) in ms with Triton's do_bench (L2 flushed) or, for tiny steps,
     do_bench_cudagraph (no launch overhead); falls back to do_bench when capture fails."""
@@ -179,6 +182,11 @@ def time_gpu(fn: Callable[[], object], cudagraph: bool = False, quick: bool = Fa
     one_ms = (time.perf_counter() - start) * 1e3
     # do_bench repeats for ``rep`` ms: ask for at least ~10 calls so the quantiles mean something
     rep = max(50 if quick else 100, min(10 * one_ms, 5000))  # slow calls: at least ~5 of them
+    if quick and one_ms >= SLOW_CALL_MS:
+        # Whole-model calls (greedy decoding, 0.1-2 s each): do_bench adds 5 estimating calls and
+        # a warm-up to its repeats; ~10 repeats made ~20 s a row, which kept a GPU run's decoding
+        # rows from finishing.  --quick: 3 repeats.
+        rep = 3.5 * one_ms
     if cudagraph:
         try:
             q = triton.testing.do_bench_cudagraph(fn, rep=max(20, rep / 2), quantiles=QUANTILES)

@@ -48,12 +48,12 @@
 // (no masks, in bounds, below the causal diagonal) skip the mask code.  On a Hopper GPU with
 // sm_90a code (wgmma_mode), the calls fwd_dense_kernel takes without an attn_mask run
 // fwd_wgmma_dense_kernel instead (attention_wgmma_dense.cuh: two warpgroups, 128 x 128 tiles,
-// 128-byte swizzled shared memory), and the backward of those without a key_padding_mask
-// either dkdv_wgmma_dense_kernel and dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); TRANSFORMER_FAST_CUDA_WGMMA=0 turns
-// them off, =1 also sends the forwards no dense kernel takes to fwd_wgmma_kernel
-// (attention_wgmma.cuh, slower than fwd_kernel).  Out of scope for this version
-// (benchmarks/NOTES.md): TMA, warp specialisation and ping-pong scheduling, a wgmma backward
-// for masked calls, padding-tile skipping outside the dense mma.sync kernels.
+// 128-byte swizzled shared memory), and their backward dkdv_wgmma_dense_kernel and
+// dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh; is_causal and key_padding_mask too);
+// TRANSFORMER_FAST_CUDA_WGMMA=0 turns them off, =1 also sends the forwards no dense kernel takes
+// to fwd_wgmma_kernel (attention_wgmma.cuh, slower than fwd_kernel).  Out of scope for this
+// version (benchmarks/NOTES.md): TMA, warp specialisation and ping-pong scheduling, attn_mask
+// and dropout on wgmma.
 // Speed: benchmarks/results (H100 2026-11-27: the wgmma dense forward 466 TFLOP/s at
 // B4 H16 L4096 D128 bf16; the mma.sync dense one 264).
 //
@@ -1030,7 +1030,7 @@ Wgmma wgmma_mode(const Tensor&) { return emulate_wgmma_forward ? Wgmma::kAll : W
 #endif
 
 // wgmma: the dense dK / dV and dQ on dkdv_wgmma_dense_kernel / dq_wgmma_dense_kernel (the wgmma
-// forward's switch, sm_90a; not with a mask).  kDense with a mask: the dense kernels, or where
+// forward's switch, sm_90a; not with an attn_mask).  kDense with a mask: the dense kernels, or where
 // they do not fit the generic ones (whose kDense forms drop the masks).
 template <typename T, int DP, bool kDense = false>
 void run_bwd(const Params& pkv, const Params& pq, bool wgmma = false) {
@@ -1212,9 +1212,9 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     set_out(pq, dq_);
     const bool half = q.scalar_type() == at::kHalf;
     // No dropout, D <= 128: the dense kernels (as the forward's fwd_dense_kernel; the same switch
-    // turns both off), on wgmma too where there is no mask and wgmma_mode allows it.
+    // turns both off), on wgmma too where there is no attn_mask and wgmma_mode allows it.
     const bool dense = p.rng == nullptr && p.D <= 128 && dense_kernels_enabled();
-    const bool wg = dense && !masked(p) && wgmma_mode(q) != Wgmma::kOff;
+    const bool wg = dense && p.am_type == kMaskNone && wgmma_mode(q) != Wgmma::kOff;
     if (dense && head_dim_bucket(p.D) == 64) {
       half ? run_bwd<__half, 64, true>(pkv, pq, wg) : run_bwd<__nv_bfloat16, 64, true>(pkv, pq, wg);
     } else if (dense) {

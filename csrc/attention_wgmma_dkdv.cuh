@@ -1,6 +1,7 @@
 // dK / dV of the dense backward on warpgroup MMA (sm_90a): for the calls dkdv_dense_kernel takes
-// (no masks, no dropout, is_causal allowed, 16-byte aligned rows, head dim <= 128) when the wgmma
-// kernels are on (by default on a Hopper with sm_90a code; attention_cuda.cu's wgmma_mode).
+// without an attn_mask (no dropout, is_causal and key_padding_mask allowed, 16-byte aligned rows,
+// head dim <= 128) when the wgmma kernels are on (by default on a Hopper with sm_90a code;
+// attention_cuda.cu's wgmma_mode).
 // Included by attention_cuda.cu after attention_wgmma_dense.cuh (WgCopy, kWdThreads) and
 // attention_dense_fwd.cuh (exp2_approx); dQ: attention_wgmma_dq.cuh.  Written without a GPU; its gpu
 // tests passed on an H100 (2026-11-26 and -27); the CPU emulation runs it against the oracle.
@@ -15,8 +16,11 @@
 //   once dP^T is done (wait_group 1): dS^T = P^T (dP^T - delta), and dK += dS^T Q is issued
 //     while dV's product runs; both waited for before the barrier that ends the tile.
 // Queries past Lq and rows whose lse is -inf get P = 0 through an lse of +inf; keys past Lk need
-// no mask (their rows are never stored).  Every wgmma sits outside branches (ptxas tracks groups
-// in flight path-insensitively: see attention_wgmma_dense.cuh).
+// no mask (their rows are never stored).  key_padding_mask as dkdv_dense_kernel: a thread reads
+// its two keys' flags once, the warps owning a padded key take the masking branch on every tile
+// (P^T rows of padded keys 0, as the reference), and a CTA whose 128 keys are all padding writes
+// zeros without loading a tile.  Every wgmma sits outside branches (ptxas tracks groups in flight
+// path-insensitively: see attention_wgmma_dense.cuh).
 
 // Every tile (K, V, Q, dO) in the forward's 128-byte swizzled layout (attention_wgmma_dense.cuh:
 // its descriptors and copies), so that the tensor cores read shared memory without bank
@@ -67,6 +71,24 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
   const int n0 = nb * BN;
   const int key_w = n0 + 64 * wg + 16 * warp_in_wg;  // this warp's first key
   const int key_a = key_w + g;                       // this thread's keys: key_a, key_a + 8
+
+  // key_padding_mask: bit rh set if this thread's key of row half rh is padding (keys past Lk
+  // count as padding: never stored).
+  int pad_bits = 0;
+  if (p.kpm != nullptr) {
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int j = key_a + 8 * rh;
+      if (j >= p.Lk || p.kpm[b * p.kpm_sb + j * p.kpm_sn]) pad_bits |= 1 << rh;
+    }
+    if (__syncthreads_and(pad_bits == 3)) {  // CTA-uniform
+      float zero[DP / 2] = {};
+      store_dkdv_rows<T, DP>(p, b, hk, key_a, t, reinterpret_cast<const float(*)[4]>(zero),
+                             reinterpret_cast<const float(*)[4]>(zero));
+      return;
+    }
+  }
+  const bool warp_pad = __any_sync(0xffffffffu, pad_bits != 0);  // warp-uniform
 
   const WgCopy<BN, DP> copy_kv(tid);
   const WgCopy<BM, DP> copy_qo(tid);
@@ -129,11 +151,11 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
     wgmma_group_64x64<T, DP, BN, BM>(st, Ks, 64 * wg, Qs, 0);
     wgmma_group_64x64<T, DP, BN, BM>(dpt, Vs, 64 * wg, Os, 0);
 
-    // P^T (fp32 in st; packed as the A operand of dV += P^T dO).  Causal: key j > query i is
-    // masked (a warp-uniform test per tile).
+    // P^T (fp32 in st; packed as the A operand of dV += P^T dO).  Masked behind a warp-uniform
+    // test per tile: key j > query i (causal), padded keys (their whole row).
     wgmma_wait<1>();
     pin_registers(st);
-    const bool edge = kCausal && key_w + 15 > m0;
+    const bool edge = (kCausal && key_w + 15 > m0) || warp_pad;
     uint32_t pa[BM / 16][4];
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) st[i] *= scale2;
@@ -142,7 +164,9 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
       for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (key_a + 8 * (e >> 1) > m0 + nt * 8 + 2 * t + (e & 1)) st[4 * nt + e] = -INFINITY;
+          if (((pad_bits >> (e >> 1)) & 1) || (kCausal && key_a + 8 * (e >> 1) > m0 + nt * 8 + 2 * t + (e & 1))) {
+            st[4 * nt + e] = -INFINITY;
+          }
         }
       }
     }

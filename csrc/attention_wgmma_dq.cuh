@@ -1,6 +1,7 @@
-// dQ of the dense backward on warpgroup MMA (sm_90a): for the calls dq_dense_kernel takes (no
-// masks, no dropout, is_causal allowed, 16-byte aligned rows, head dim <= 128) when the wgmma
-// kernels are on (by default on a Hopper with sm_90a code; attention_cuda.cu's wgmma_mode).
+// dQ of the dense backward on warpgroup MMA (sm_90a): for the calls dq_dense_kernel takes without
+// an attn_mask (no dropout, is_causal and key_padding_mask allowed, 16-byte aligned rows, head dim
+// <= 128) when the wgmma kernels are on (by default on a Hopper with sm_90a code;
+// attention_cuda.cu's wgmma_mode).
 // Included by attention_cuda.cu after attention_wgmma_dkdv.cuh.  Written without a GPU; its gpu
 // tests passed on an H100 (2026-11-26 and -27); the CPU emulation runs it against the oracle.
 //
@@ -11,15 +12,19 @@
 // lse log2 e) while dP runs; then dS = P (dP - delta) and dQ += dS K (dS in registers, K
 // MN-major), waited for before the barrier that ends the tile (the next refill overwrites it).
 // Rows past Lq and rows whose lse is -inf get P = 0 through an lse of +inf; keys past Lk and
-// (causal) past the row are masked behind a warp-uniform test.
+// (causal) past the row are masked behind a warp-uniform test.  key_padding_mask as the wgmma
+// forward: each tile's 64 pad bits (DensePadBits, loaded a tile ahead) send the tiles with
+// padding through that test, and the tiles past the row's last valid key (wg_kpm_end) are
+// neither loaded nor computed.
 
 constexpr int kWqBM = 128;  // query rows per CTA (64 per warpgroup)
 constexpr int kWqBN = 64;   // keys per tile
 
 template <int DP>
 constexpr size_t wgmma_dq_smem_bytes() {
-  // Q, dO, 2 x {K, V} (128-byte swizzled, as the dK / dV kernel's), 1 KB for their alignment
-  return size_t{2 * kWqBM + 4 * kWqBN} * DP * sizeof(uint16_t) + 1024;
+  // Q, dO, 2 x {K, V} (128-byte swizzled, as the dK / dV kernel's), 1 KB for their alignment, and
+  // the key_padding_mask's words: 2 x 2 tile masks, 8 for the end-of-row reduction.
+  return size_t{2 * kWqBM + 4 * kWqBN} * DP * sizeof(uint16_t) + 1024 + 12 * sizeof(uint32_t);
 }
 
 template <typename T, int DP, bool kCausal>
@@ -33,6 +38,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
   uint16_t* const Qs = sw128_base(smem);
   uint16_t* const Os = Qs + BM * DP;      // dO
   uint16_t* const kv = Os + BM * DP;      // [2 buffers][K, V][BN x DP]
+  uint32_t* const pad_words = reinterpret_cast<uint32_t*>(kv + 4 * kTile);  // [2][BN / 32] masks, [8]
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int warp_in_wg = (tid % 128) / 32;
@@ -48,8 +54,12 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
   const uint16_t* kh = p.k + b * p.k_sb + hk * p.k_sh;
   const uint16_t* vh = p.v + b * p.v_sb + hk * p.v_sh;
 
-  const int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
-  const int ntiles = (n_end + BN - 1) / BN;
+  static_assert(BN == 64, "two 32-bit pad words per tile");
+  DensePadBits<BN> pads(p, b, pad_words);
+  int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
+  if (pads.kpm != nullptr) n_end = min(n_end, wg_kpm_end(pads.kpm, pads.stride, p.Lk, pad_words + 2 * (BN / 32)));
+  const int ntiles = (n_end + BN - 1) / BN;  // 0: every key padding, dQ = 0
+  pads.load(0, p.Lk);
   // Prologue: Q, dO and key tile 0 (buffer 0), one group.
   copy_qo(Qs, qh + static_cast<int64_t>(m0) * p.q_sm, qh, p.q_sm, p.Lq - m0, col_ok);
   copy_qo(Os, doh + static_cast<int64_t>(m0) * p.do_sm, doh, p.do_sm, p.Lq - m0, col_ok);
@@ -68,9 +78,11 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
 
   for (int it = 0; it < ntiles; ++it) {
     const int n0 = it * BN;
+    pads.publish(it);          // (the mask buffer it % 2 was last read before the previous barrier)
     cp_async_wait<0>();        // this thread's copies of tile `it` (and of Q / dO) have landed
     fence_proxy_async_smem();  // ... visible to the tensor cores' proxy
     __syncthreads();           // everyone's; everyone is done with buffer (it + 1) % 2
+    pads.load(n0 + BN, p.Lk);
     if (it + 1 < ntiles) {
       uint16_t* nb = kv + ((it + 1) & 1) * 2 * kTile;
       const int n1 = n0 + BN;
@@ -92,13 +104,20 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
 
     wgmma_wait<1>();  // S done: P while dP runs
     pin_registers(s);
-    const bool edge = (kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk;  // warp-uniform
+    uint32_t pw[BN / 32] = {};  // the tile's pad bits: key n0 + 32 w + c is bit c of pw[w]
+    if (pads.kpm != nullptr) {
+#pragma unroll
+      for (int w = 0; w < BN / 32; ++w) pw[w] = pads.word(it, w);
+    }
+    const bool edge = (kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk || (pw[0] | pw[1]) != 0;  // warp-uniform
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] *= scale2;
     if (edge) {  // a branch of its own, not a select per score (see fwd_dense_kernel)
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) {
-        s[i] = dense_masked<kCausal>(s[i], true, n0 + 8 * (i / 4) + 2 * t + (i & 1), row_a + 8 * ((i >> 1) & 1), p.Lk);
+        const int c = 8 * (i / 4) + 2 * t + (i & 1);  // the key's column: word i / 16, bit c % 32
+        s[i] = (pw[i / 16] >> (c % 32)) & 1u ? -INFINITY
+                                              : dense_masked<kCausal>(s[i], true, n0 + c, row_a + 8 * ((i >> 1) & 1), p.Lk);
       }
     }
 #pragma unroll

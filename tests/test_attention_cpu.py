@@ -611,8 +611,8 @@ _EMU_WGMMA_DENSE_CASES = [
     (2, 4, 2, 70, 600, 40, torch.bfloat16, "none", 0.0),
     (1, 2, 2, 1, 129, 128, torch.float16, "none", 0.0),
     (1, 2, 2, 260, 260, 64, torch.bfloat16, "packed+causal", 0.0),
-    # key_padding_mask (forward only on wgmma; the backward runs the mma.sync dense kernels):
-    # scattered padding; right padding with a row of one key and one of none, causal or not.
+    # key_padding_mask (forward and backward on wgmma): scattered padding; right padding with a
+    # row of one key and one of none, causal or not.
     (2, 4, 2, 130, 300, 128, torch.bfloat16, "kpm", 0.0),
     (3, 2, 2, 200, 400, 64, torch.float16, "causal+kpm_tail", 0.0),
     (3, 2, 1, 100, 140, 40, torch.bfloat16, "kpm_tail", 0.0),
@@ -715,10 +715,10 @@ def test_cuda_dense_backward_matches_generic_emulated(cuda_emulation, d, causal,
 
 @pytest.mark.parametrize("mask", ["kpm", "am"])
 def test_cuda_wgmma_switch_sends_masks_to_dense_emulated(cuda_emulation, mask):
-    """The wgmma dense kernels have no attn_mask code, and only the forward has key-padding code:
-    with the wgmma switch on, a call with an attn_mask runs the dense mma.sync kernels forward
-    and backward, one with a key_padding_mask fwd_wgmma_dense_kernel forward and the mma.sync
-    kernels backward (bit for bit what they give with the switch off)."""
+    """The wgmma dense kernels have no attn_mask code: with the wgmma switch on, a call with an
+    attn_mask runs the dense mma.sync kernels forward and backward (bit for bit what they give
+    with the switch off), one with a key_padding_mask the wgmma kernels forward and backward
+    (equal to the mma.sync kernels' to bf16 rounding: other tile sizes)."""
     args = _emulated_bwd_args(cuda_emulation, 70, 200, 64, True, kpm=mask == "kpm", am=mask == "am")
     fwd_args = (args[1], args[2], args[3], args[6], args[7], True, 0.125, 0.0, None)
     with _dense_forward(cuda_emulation):
@@ -728,32 +728,42 @@ def test_cuda_wgmma_switch_sends_masks_to_dense_emulated(cuda_emulation, mask):
         got_fwd = cuda_emulation.fwd(*fwd_args)
         forward_kernels = set(cuda_emulation.launched_kernels())
         got_bwd = cuda_emulation.bwd(*args)
-    assert {"dq_dense_kernel", "dkdv_dense_kernel"} <= set(cuda_emulation.launched_kernels())
-    for a, b in zip(got_bwd, want[1]):
-        assert torch.equal(a, b)
+        backward_kernels = set(cuda_emulation.launched_kernels())
     if mask == "am":
         assert "fwd_dense_kernel" in forward_kernels
-        for a, b in zip(got_fwd, want[0]):
+        assert {"dq_dense_kernel", "dkdv_dense_kernel"} <= backward_kernels
+        for a, b in zip(got_fwd + got_bwd, want[0] + want[1]):
             assert torch.equal(a, b)
-    else:  # 128-key tiles round the online softmax differently: equal to bf16 rounding
+    else:
         assert "fwd_wgmma_dense_kernel" in forward_kernels
+        assert {"dq_wgmma_dense_kernel", "dkdv_wgmma_dense_kernel"} <= backward_kernels
+        assert not {"dq_dense_kernel", "dkdv_dense_kernel"} & backward_kernels
         torch.testing.assert_close(got_fwd[0].float(), want[0][0].float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got_fwd[1], want[0][1], rtol=1e-3, atol=1e-3)
+        for a, b in zip(got_bwd, want[1]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("kpm", [False, True], ids=["nomask", "kpm"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [40, 128])
-def test_cuda_wgmma_backward_matches_dense_emulated(cuda_emulation, d, causal):
+def test_cuda_wgmma_backward_matches_dense_emulated(cuda_emulation, d, causal, kpm):
     """From the same forward (odd lengths, GQA): the wgmma backward's dQ, dK and dV
     (dq_wgmma_dense_kernel, dkdv_wgmma_dense_kernel) agree with the dense mma.sync kernels' to
-    bf16 rounding."""
-    args = _emulated_bwd_args(cuda_emulation, 150, 200, d, causal)
+    bf16 rounding; with a key_padding_mask (a whole 64-key tile of padding among scattered
+    keys) too, and padded keys get zero dK / dV rows."""
+    args = _emulated_bwd_args(cuda_emulation, 150, 200, d, causal, kpm)
     with _dense_forward(cuda_emulation):
         want = cuda_emulation.bwd(*args)
+    cuda_emulation.launched_kernels()
     with _wgmma_dense_forward(cuda_emulation):
         got = cuda_emulation.bwd(*args)
+    assert {"dq_wgmma_dense_kernel", "dkdv_wgmma_dense_kernel"} <= set(cuda_emulation.launched_kernels())
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    if kpm:
+        pad = args[7][0]
+        assert not got[1][0, :, pad].any() and not got[2][0, :, pad].any()
 
 
 @pytest.mark.parametrize("window", [16, 1008])

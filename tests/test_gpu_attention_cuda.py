@@ -120,8 +120,7 @@ def mma_sync(device, monkeypatch):
 
 def test_wgmma_is_the_default_on_hopper(device, monkeypatch):
     """Without the variable, a Hopper GPU runs the dense wgmma kernels for an unmasked 16-bit call
-    (forward and backward), the wgmma forward and the mma.sync dense backward for one with a
-    key_padding_mask, the mma.sync dense kernels for one with an attn_mask and fwd_kernel (not
+    (forward and backward) and for one with a key_padding_mask, the mma.sync dense kernels for one with an attn_mask and fwd_kernel (not
     fwd_wgmma_kernel) for one with dropout; TRANSFORMER_FAST_CUDA_WGMMA=0 runs no wgmma kernel.
     Elsewhere no wgmma kernel runs."""
     monkeypatch.delenv(WGMMA_ENV, raising=False)
@@ -137,9 +136,10 @@ def test_wgmma_is_the_default_on_hopper(device, monkeypatch):
         assert any(kernel in n for n in names) == hopper, (kernel, sorted(names))
     kpm = torch.zeros(1, 200, dtype=torch.bool, device=device)
     kpm[0, -1] = True
-    names = _kernel_names(lambda: call(key_padding_mask=kpm))  # wgmma forward, mma.sync backward
-    assert any("fwd_wgmma_dense_kernel" in n for n in names) == hopper, sorted(names)
-    assert any("dkdv_dense_kernel" in n and "wgmma" not in n for n in names), sorted(names)
+    names = _kernel_names(lambda: call(key_padding_mask=kpm))
+    for kernel in ("fwd_wgmma_dense_kernel", "dkdv_wgmma_dense_kernel", "dq_wgmma_dense_kernel"):
+        assert any(kernel in n for n in names) == hopper, (kernel, sorted(names))
+    assert any("dkdv_dense_kernel" in n and "wgmma" not in n for n in names) != hopper, sorted(names)
     names = _kernel_names(lambda: call(attn_mask=~kpm[0].expand(200, 200)))
     assert not any("wgmma" in n for n in names) and any("fwd_dense_kernel" in n for n in names), sorted(names)
     names = _kernel_names(lambda: call(dropout_p=0.3))
@@ -152,26 +152,23 @@ def test_wgmma_is_the_default_on_hopper(device, monkeypatch):
 def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
     """With the wgmma forward on, an unmasked 16-bit forward runs fwd_wgmma_dense_kernel
     (csrc/attention_wgmma_dense.cuh) and its backward dkdv_wgmma_dense_kernel and
-    dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh); one with a key_padding_mask the wgmma
-    forward and the mma.sync dense backward; one with an attn_mask the mma.sync dense kernels
-    (the wgmma ones have no attn_mask code); TRANSFORMER_FAST_CUDA_DENSE=0 sends them to
+    dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh), and so does one with a
+    key_padding_mask; one with an attn_mask the mma.sync dense kernels (the wgmma ones have no
+    attn_mask code); TRANSFORMER_FAST_CUDA_DENSE=0 sends them to
     fwd_wgmma_kernel and the generic backward."""
     q = torch.randn(1, 2, 300, 128, device=wgmma, dtype=torch.bfloat16, requires_grad=True)
 
     def call(**kw):
         F.scaled_dot_product_attention(q, q, q, is_causal=True, backend="cuda", **kw).sum().backward()
 
-    names = _kernel_names(call)
-    for kernel in ("fwd_wgmma_dense_kernel", "dkdv_wgmma_dense_kernel", "dq_wgmma_dense_kernel"):
-        assert any(kernel in n for n in names), (kernel, sorted(names))
     kpm = torch.zeros(1, 300, dtype=torch.bool, device=wgmma)
     kpm[0, -1] = True
-    for kw in (dict(key_padding_mask=kpm), dict(attn_mask=~kpm[0].expand(300, 300))):
-        names = _kernel_names(lambda: call(**kw))
-        forward = "fwd_wgmma_dense_kernel" if "key_padding_mask" in kw else "fwd_dense_kernel"
-        assert any(forward in n for n in names), (forward, sorted(names))
-        for kernel in ("dkdv_dense_kernel", "dq_dense_kernel"):
-            assert any(kernel in n and "wgmma" not in n for n in names), (kernel, sorted(names))
+    for names in (_kernel_names(call), _kernel_names(lambda: call(key_padding_mask=kpm))):
+        for kernel in ("fwd_wgmma_dense_kernel", "dkdv_wgmma_dense_kernel", "dq_wgmma_dense_kernel"):
+            assert any(kernel in n for n in names), (kernel, sorted(names))
+    names = _kernel_names(lambda: call(attn_mask=~kpm[0].expand(300, 300)))
+    for kernel in ("fwd_dense_kernel", "dkdv_dense_kernel", "dq_dense_kernel"):
+        assert any(kernel in n and "wgmma" not in n for n in names), (kernel, sorted(names))
     monkeypatch.setenv(DENSE_ENV, "0")
     names = _kernel_names(call)
     assert not any("wgmma_dense" in n for n in names) and any("fwd_wgmma_kernel" in n for n in names)
@@ -195,13 +192,14 @@ def _bwd_args(ops, device, d, causal, mask="nomask"):
     return (do, *q, out, lse, am, pad, causal, d ** -0.5, 0.0, None, False)
 
 
+@pytest.mark.parametrize("mask", ["nomask", "kpm"])
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 @pytest.mark.parametrize("d", [40, 128])
-def test_wgmma_backward_matches_dense(wgmma, monkeypatch, d, causal):
+def test_wgmma_backward_matches_dense(wgmma, monkeypatch, d, causal, mask):
     """From the same forward: the wgmma backward's dQ, dK and dV agree with the dense mma.sync
-    kernels' to bf16 rounding (as in the CPU emulation)."""
+    kernels' to bf16 rounding (as in the CPU emulation), with a key_padding_mask too."""
     ops = torch.ops.transformer_fast_C
-    args = _bwd_args(ops, wgmma, d, causal)
+    args = _bwd_args(ops, wgmma, d, causal, mask)
     got = ops.attention_bwd(*args)
     monkeypatch.setenv(WGMMA_ENV, "0")
     want = ops.attention_bwd(*args)
@@ -228,8 +226,8 @@ def test_wgmma_dense_oracle(wgmma, dtype, d, shape, causal):
 @pytest.mark.parametrize("d", [40, 64, 128])
 @pytest.mark.parametrize("kind", ["kpm", "causal+kpm", "kpm_tail", "causal+kpm_tail"])
 def test_wgmma_dense_kpm_oracle(device, dtype, d, kind):
-    """The default path with a key_padding_mask (on a Hopper: fwd_wgmma_dense_kernel's padding
-    bits and right-padding end, then the mma.sync dense backward): scattered and right padding,
+    """The default path with a key_padding_mask (on a Hopper: the wgmma dense kernels' padding
+    bits and right-padding end, forward and backward): scattered and right padding,
     rows of one key and of none, causal or not, forward and gradients."""
     b, h, lq, lk = 3, 4, 300, 517
     g = generator()
