@@ -542,13 +542,13 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   finish_forward_rows<T, DP>(p, bh, row0, g, t, m_i, l_i, &o[0][0]);
 }
 
-#include "attention_wgmma.cuh"  // fwd_wgmma_kernel: the sm_90a forward (opt-in, unverified)
-#include "attention_dense_fwd.cuh"  // fwd_dense_kernel: no masks, no dropout
+#include "attention_wgmma.cuh"  // fwd_wgmma_kernel: the generic sm_90a forward (opt-in, =1)
+#include "attention_dense_fwd.cuh"  // fwd_dense_kernel: fp16 / bf16 without dropout, masks allowed
 #include "attention_dense_dq.cuh"   // dq_dense_kernel: the same calls' dQ
 #include "attention_dense_dkdv.cuh" // dkdv_dense_kernel: their dK / dV
-#include "attention_wgmma_dense.cuh" // fwd_wgmma_dense_kernel: the dense calls on wgmma (opt-in, unverified)
-#include "attention_wgmma_dkdv.cuh"  // dkdv_wgmma_dense_kernel: their dK / dV (the same)
-#include "attention_wgmma_dq.cuh"    // dq_wgmma_dense_kernel: their dQ (the same)
+#include "attention_wgmma_dense.cuh" // fwd_wgmma_dense_kernel: those without an attn_mask on a Hopper
+#include "attention_wgmma_dkdv.cuh"  // dkdv_wgmma_dense_kernel: their dK / dV
+#include "attention_wgmma_dq.cuh"    // dq_wgmma_dense_kernel: their dQ
 
 // ---------------------------------------------------------------------------------------------
 // Backward: dK, dV

@@ -38,6 +38,21 @@ __device__ __forceinline__ void store_dkdv_rows(const Params& p, int b, int hk, 
   }
 }
 
+// key_padding_mask of this thread's keys key_a, key_a + 8 in the dense dK / dV kernels: bit rh
+// set if key key_a + 8 rh is padding (keys past Lk count as padding: never stored); 0 without
+// a mask.
+__device__ __forceinline__ int dkdv_pad_bits(const Params& p, int b, int key_a) {
+  int bits = 0;
+  if (p.kpm != nullptr) {
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int j = key_a + 8 * rh;
+      if (j >= p.Lk || p.kpm[b * p.kpm_sb + j * p.kpm_sn]) bits |= 1 << rh;
+    }
+  }
+  return bits;
+}
+
 template <typename T, int DP, bool kCausal, bool kAttnMask>
 __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p) {
   constexpr int BN = kDenseKvBN, BM = kDenseKvBM, PITCH = DP + kPad;
@@ -57,15 +72,8 @@ __global__ void __launch_bounds__(kThreads, 2) dkdv_dense_kernel(const Params p)
   const int n0 = nb * BN;
   const int key_a = n0 + warp * 16 + g;  // this thread's keys: key_a, key_a + 8
 
-  // key_padding_mask: bit rh set if this thread's key of row half rh is padding (keys past Lk
-  // count as padding: never stored).
-  int pad_bits = 0;
+  const int pad_bits = dkdv_pad_bits(p, b, key_a);
   if (p.kpm != nullptr) {
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int j = key_a + 8 * rh;
-      if (j >= p.Lk || p.kpm[b * p.kpm_sb + j * p.kpm_sn]) pad_bits |= 1 << rh;
-    }
     if (__syncthreads_and(pad_bits == 3)) {  // CTA-uniform
       float zero[DP / 8][4] = {};
       store_dkdv_rows<T, DP>(p, b, hk, key_a, t, zero, zero);

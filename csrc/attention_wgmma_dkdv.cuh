@@ -72,15 +72,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
   const int key_w = n0 + 64 * wg + 16 * warp_in_wg;  // this warp's first key
   const int key_a = key_w + g;                       // this thread's keys: key_a, key_a + 8
 
-  // key_padding_mask: bit rh set if this thread's key of row half rh is padding (keys past Lk
-  // count as padding: never stored).
-  int pad_bits = 0;
+  const int pad_bits = dkdv_pad_bits(p, b, key_a);  // key_padding_mask (attention_dense_dkdv.cuh)
   if (p.kpm != nullptr) {
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int j = key_a + 8 * rh;
-      if (j >= p.Lk || p.kpm[b * p.kpm_sb + j * p.kpm_sn]) pad_bits |= 1 << rh;
-    }
     if (__syncthreads_and(pad_bits == 3)) {  // CTA-uniform
       float zero[DP / 2] = {};
       store_dkdv_rows<T, DP>(p, b, hk, key_a, t, reinterpret_cast<const float(*)[4]>(zero),

@@ -222,6 +222,22 @@ def test_empty_rows(backend):
     assert x.grad.shape == x.shape
 
 
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("prenorm", [False, True], ids=["postln", "prenorm"])
+def test_empty_rows_with_zero_strides(backend, prenorm):
+    """2-D empty inputs whose strides are (0, 0) (x + x of an empty (0, N) tensor, expanded
+    views): .contiguous() keeps such strides (an empty tensor counts as contiguous), and the
+    fused kernels' unit-stride check refused them (found by an audit; torch's layer runs)."""
+    device = require_backend(backend)
+    x = torch.randn(0, 16, device=device, requires_grad=True)
+    w = torch.randn(16, device=device, requires_grad=True)
+    out = F.add_layer_norm(x, x, w, None, prenorm=prenorm, backend=backend)
+    sum(o.sum() for o in (out if prenorm else (out,))).backward()
+    assert x.grad.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
+    ones = torch.ones(1, 1, device=device).expand(0, 16)  # strides (0, 0)
+    assert F.add_layer_norm(ones, ones, None, None, backend=backend).shape == (0, 16)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_opcheck(backend):
     device = require_backend(backend)

@@ -132,6 +132,18 @@ def test_not_supported_reasons_every_backend():
     )
 
 
+def test_not_supported_reasons_with_a_partial_mapping():
+    """A caller may pass only some inputs: every backend answers with a list (a reason naming
+    the missing input, or none), never a KeyError (the cpu backend's checks raised one)."""
+    op = "scaled_dot_product_attention"
+    partial = {"query": torch.randn(1, 2, 3, 16)}
+    for name in tf.BACKENDS:
+        reasons = tf.not_supported_reasons(name, op, partial)
+        assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons)
+    if backends.extension_status()[0]:
+        assert "'key'" in " ".join(tf.not_supported_reasons("cpu", op, partial))
+
+
 def test_use_backend_rejects_unknown_names():
     with pytest.raises(ValueError, match="use_backend"):
         with tf.use_backend("fastest"):

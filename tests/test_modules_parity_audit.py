@@ -954,3 +954,45 @@ def test_unswapped_encoder_keeps_torch_nested_tensor_flag():
     transformer_fast.unswap(ours)
     assert type(ours) is nn.TransformerEncoder
     assert ours.use_nested_tensor == theirs.use_nested_tensor
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("kind", ["mha", "encoder", "encoder-pre", "decoder", "transformer"])
+def test_dropout_one_in_training_matches_torch(kind, need_weights):
+    """dropout=1.0 is a rate torch's modules accept (every dropped branch becomes zeros); the
+    functional ops take [0, 1), so the modules zero those branches themselves (the attention
+    times zero, the layers through their unfused blocks).  Found by an audit: training mode
+    raised.  Outputs and every gradient as torch's, float64."""
+    if need_weights and kind != "mha":
+        pytest.skip("need_weights is MultiheadAttention's argument")
+    torch.manual_seed(0)
+    build = {
+        "mha": lambda ns: ns.MultiheadAttention(16, 4, dropout=1.0, batch_first=True),
+        "encoder": lambda ns: ns.TransformerEncoderLayer(16, 4, 32, dropout=1.0, batch_first=True),
+        "encoder-pre": lambda ns: ns.TransformerEncoderLayer(16, 4, 32, dropout=1.0, batch_first=True,
+                                                             norm_first=True),
+        "decoder": lambda ns: ns.TransformerDecoderLayer(16, 4, 32, dropout=1.0, batch_first=True),
+        "transformer": lambda ns: ns.Transformer(16, 4, 1, 1, 32, dropout=1.0, batch_first=True),
+    }[kind]
+    theirs = build(nn).double().train()
+    ours = build(M).double().train()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    mem = torch.randn(3, 7, 16, dtype=torch.float64)
+
+    def run(module):
+        inp = x.clone().requires_grad_(True)
+        if kind == "mha":
+            out, w = module(inp, inp, inp, need_weights=need_weights)
+        else:
+            out, w = module(*((inp,) if kind.startswith("encoder") else (inp, mem))), None
+        out.sum().backward()
+        grads = [inp.grad] + [torch.zeros_like(p) if p.grad is None else p.grad for p in module.parameters()]
+        return out, w, grads
+
+    (t_out, t_w, t_grads), (o_out, o_w, o_grads) = run(theirs), run(ours)
+    torch.testing.assert_close(o_out, t_out, rtol=1e-12, atol=1e-12)
+    if need_weights:
+        torch.testing.assert_close(o_w, t_w, rtol=0, atol=0)
+    for a, b in zip(o_grads, t_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

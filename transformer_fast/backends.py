@@ -219,7 +219,10 @@ def not_supported_reasons(backend: str, op: str, inputs: Mapping[str, object]) -
     checks = _SUPPORT.get(op, {})
     if backend not in checks:
         return [f"{op} has no {backend} implementation yet"]
-    return list(checks[backend](inputs))
+    try:
+        return list(checks[backend](inputs))
+    except KeyError as exc:  # a partial mapping (the ops pass every input; a caller may not)
+        return [f"{op} on {backend}: inputs has no {exc.args[0]!r}, which its checks need"]
 
 
 def available(backend: str, device_type: str = "cpu") -> tuple[bool, str]:

@@ -247,12 +247,19 @@ class MultiheadAttention(Module):
                 padding = F.pad(padding, (0, extra), value=False if padding.dtype == torch.bool else 0.0)
 
         dropout_p = float(self.dropout) if self.training else 0.0
+        # p = 1 (torch's Dropout accepts it, the functional ops take [0, 1)): every probability
+        # dropped, i.e. the attention times zero, as torch's dropout computes it.
+        drop_all = dropout_p == 1.0
+        if drop_all:
+            dropout_p = 0.0
         weights = None
         if not need_weights:
             out = tf_functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                 key_padding_mask=padding, backend=backend_for("scaled_dot_product_attention"),
             )  # (N, H, L, D)
+            if drop_all:
+                out = out * 0.0
         else:
             scores = torch.matmul(q, k.transpose(-2, -1))  # (N, H, L, S + extra)
             merged = tf_masks.combine(
@@ -262,6 +269,8 @@ class MultiheadAttention(Module):
                 scores, merged, scale=1.0 / math.sqrt(head_dim), is_causal=causal,
                 dropout_p=dropout_p, backend=backend_for("masked_softmax"),
             )
+            if drop_all:
+                probs = probs * 0.0
             out = torch.matmul(probs, v)  # (N, H, L, D)
             weights = probs.mean(dim=1) if average_attn_weights else probs
             if not is_batched:

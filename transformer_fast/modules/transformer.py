@@ -114,7 +114,9 @@ class _FusedFFN:
         if not all(isinstance(m, Linear) and type(m).forward is Linear.forward
                    for m in (self.linear1, self.linear2)):
             return False
-        if not all(sem.dropout_p(d) is not None for d in dropouts):
+        # Not a plain Dropout, or one that drops everything (p = 1: the functional ops take
+        # [0, 1); torch's Dropout zeroes the branch, which the unfused blocks then do).
+        if not all((p := sem.dropout_p(d)) is not None and p < 1.0 for d in dropouts):
             return False
         if not all(_norm_fusable(n, x) for n in norms):
             return False

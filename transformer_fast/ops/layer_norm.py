@@ -33,7 +33,11 @@ _EMPTY_SHAPE = (0,)
 def _rows(t: Tensor, n: int) -> Tensor:
     """(…, N) -> (M, N) view with unit stride along N (copies only when no such view exists)."""
     t2 = t.reshape(-1, n)
-    return t2 if t2.stride(1) == 1 or n == 1 else t2.contiguous()
+    if t2.stride(1) == 1 or n == 1:
+        return t2
+    # An empty tensor counts as contiguous whatever its strides ((0, 16) views of (0,) sums
+    # come with strides (0, 0)), so .contiguous() would keep them: a fresh one has unit stride.
+    return t2.contiguous() if t2.numel() else t2.new_empty(t2.shape)
 
 
 @functools.cache  # a dict lookup per call instead of imports and torch.ops lookups
