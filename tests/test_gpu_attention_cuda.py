@@ -119,10 +119,10 @@ def mma_sync(device, monkeypatch):
 
 
 def test_wgmma_is_the_default_on_hopper(device, monkeypatch):
-    """Without the variable, a Hopper GPU runs the dense wgmma kernels for an unmasked 16-bit call
-    (forward and backward) and for one with a key_padding_mask, the mma.sync dense kernels for one with an attn_mask and fwd_kernel (not
-    fwd_wgmma_kernel) for one with dropout; TRANSFORMER_FAST_CUDA_WGMMA=0 runs no wgmma kernel.
-    Elsewhere no wgmma kernel runs."""
+    """Without the variable, a Hopper GPU runs the dense wgmma kernels (forward and backward) for
+    an unmasked 16-bit call and for one with a key_padding_mask, the mma.sync dense kernels for
+    one with an attn_mask and fwd_kernel (not fwd_wgmma_kernel) for one with dropout;
+    TRANSFORMER_FAST_CUDA_WGMMA=0 runs no wgmma kernel.  Elsewhere no wgmma kernel runs."""
     monkeypatch.delenv(WGMMA_ENV, raising=False)
     monkeypatch.delenv(DENSE_ENV, raising=False)
     hopper = torch.cuda.get_device_capability(device)[0] == 9
@@ -154,8 +154,8 @@ def test_wgmma_dense_runs_where_it_fits(wgmma, monkeypatch):
     (csrc/attention_wgmma_dense.cuh) and its backward dkdv_wgmma_dense_kernel and
     dq_wgmma_dense_kernel (attention_wgmma_{dkdv,dq}.cuh), and so does one with a
     key_padding_mask; one with an attn_mask the mma.sync dense kernels (the wgmma ones have no
-    attn_mask code); TRANSFORMER_FAST_CUDA_DENSE=0 sends them to
-    fwd_wgmma_kernel and the generic backward."""
+    attn_mask code); TRANSFORMER_FAST_CUDA_DENSE=0 sends them to fwd_wgmma_kernel and the
+    generic backward."""
     q = torch.randn(1, 2, 300, 128, device=wgmma, dtype=torch.bfloat16, requires_grad=True)
 
     def call(**kw):
