@@ -57,6 +57,35 @@ __device__ __forceinline__ int wg_kpm_end(const bool* kpm, int64_t stride, int L
   return r;
 }
 
+// The masking of one tile of scaled scores in a wgmma accumulator (m64nBN: this thread's s[i] is
+// key n0 + 8 (i / 4) + 2 t + (i & 1) of row row_a + 8 ((i >> 1) & 1)), shared by the forward and
+// dQ: only tiles that cross the causal diagonal or Lk or hold padding (tile `it`'s pad words) run
+// the per-score test, in a warp-uniform branch (a select per score would be if-converted into
+// every tile: BN / 2 compares and selects per thread).
+template <bool kCausal, int BN>
+__device__ __forceinline__ void wg_mask_tile(float (&s)[BN / 2], const DensePadBits<BN>& pads, int it, int n0,
+                                             int row_w, int row_a, int Lk, int t) {
+  uint32_t pw[BN / 32] = {};  // key n0 + 32 w + c is bit c of pw[w]
+  if (pads.kpm != nullptr) {
+#pragma unroll
+    for (int w = 0; w < BN / 32; ++w) pw[w] = pads.word(it, w);
+  }
+  uint32_t any_pad = 0;
+#pragma unroll
+  for (int w = 0; w < BN / 32; ++w) any_pad |= pw[w];
+  if ((kCausal && n0 + BN - 1 > row_w) || n0 + BN > Lk || any_pad != 0) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      // The key's column c: word c / 32 = i / 16 and bit c % 32, written so that the word's index
+      // is a constant (with c / 32, t < 4 is unknown to the compiler: pw indexed at run time).
+      const int c = 8 * (i / 4) + 2 * t + (i & 1);
+      s[i] = (pw[i / 16] >> (8 * ((i / 4) % 4) + 2 * t + (i & 1))) & 1u
+                 ? -INFINITY
+                 : dense_masked<kCausal>(s[i], true, n0 + c, row_a + 8 * ((i >> 1) & 1), Lk);
+    }
+  }
+}
+
 // ---- 128-byte swizzled tiles, the layout TMA writes and FlashAttention-3 / CUTLASS feed wgmma
 // (the no-swizzle core-matrix layout of attention_wgmma.cuh ran at 240 TFLOP/s in H100 run 3,
 // below the mma.sync kernels; benchmarks/NOTES.md).  A ROWS x DP tile of 16-bit elements is
@@ -238,23 +267,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
     pin_registers(s);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] *= scale2;
-    // Masking only on the tiles that cross the causal diagonal or Lk or hold padding
-    // (warp-uniform): a branch, so that interior tiles run no per-score test (a select per score
-    // would be if-converted into every tile: 64 compares and selects per thread).
-    uint32_t pw[BN / 32] = {};  // the tile's pad bits: key n0 + 32 w + c is bit c of pw[w]
-    if (pads.kpm != nullptr) {
-#pragma unroll
-      for (int w = 0; w < BN / 32; ++w) pw[w] = pads.word(n0 / BN, w);
-    }
-    if ((kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk || (pw[0] | pw[1] | pw[2] | pw[3]) != 0) {
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        const int c = 8 * (i / 4) + 2 * t + (i & 1);  // the key's column: word i / 16, bit c % 32
-        s[i] = (pw[i / 16] >> (8 * ((i / 4) % 4) + 2 * t + (i & 1))) & 1u
-                   ? -INFINITY
-                   : dense_masked<kCausal>(s[i], true, n0 + c, row_a + 8 * ((i >> 1) & 1), p.Lk);
-      }
-    }
+    wg_mask_tile<kCausal, BN>(s, pads, n0 / BN, n0, row_w, row_a, p.Lk, t);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {

@@ -104,22 +104,9 @@ __global__ void __launch_bounds__(kWdThreads, 1) dq_wgmma_dense_kernel(const Par
 
     wgmma_wait<1>();  // S done: P while dP runs
     pin_registers(s);
-    uint32_t pw[BN / 32] = {};  // the tile's pad bits: key n0 + 32 w + c is bit c of pw[w]
-    if (pads.kpm != nullptr) {
-#pragma unroll
-      for (int w = 0; w < BN / 32; ++w) pw[w] = pads.word(it, w);
-    }
-    const bool edge = (kCausal && n0 + BN - 1 > row_w) || n0 + BN > p.Lk || (pw[0] | pw[1]) != 0;  // warp-uniform
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] *= scale2;
-    if (edge) {  // a branch of its own, not a select per score (see fwd_dense_kernel)
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) {
-        const int c = 8 * (i / 4) + 2 * t + (i & 1);  // the key's column: word i / 16, bit c % 32
-        s[i] = (pw[i / 16] >> (c % 32)) & 1u ? -INFINITY
-                                              : dense_masked<kCausal>(s[i], true, n0 + c, row_a + 8 * ((i >> 1) & 1), p.Lk);
-      }
-    }
+    wg_mask_tile<kCausal, BN>(s, pads, it, n0, row_w, row_a, p.Lk, t);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] = exp2_approx(s[i] - lse2[(i >> 1) & 1]);
     wgmma_wait<0>();

@@ -358,3 +358,21 @@ def test_model_rows_reach_the_caller_as_measured():
                       lambda *a: None, ["torch.nn", "ours:torch"], on_row=lambda r: seen.append(r["provider"]))
     assert seen and seen == [r["provider"] for r in rows]
     assert {"torch.nn", "ours:torch"} <= set(seen)
+
+
+@pytest.mark.skipif(torch.version.cuda is None or not any(
+    os.path.isfile(os.path.join(d, "nvcc")) for d in os.environ.get("PATH", "").split(os.pathsep)),
+    reason="needs nvcc and a CUDA build of torch")
+def test_wgmma_kernels_compile_without_spills(tmp_path):
+    """benchmarks/ptxas_wgmma.sh compiles the dense wgmma attention kernels for sm_90a; none
+    spills (a spill in their main loops costs local-memory traffic per tile: the run-to-run check
+    of a kernel change that only a GPU could time)."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", str(root / "benchmarks" / "ptxas_wgmma.sh"), str(tmp_path / "wg")],
+                          capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln.split() for ln in proc.stdout.splitlines() if "_wgmma_dense_kernel" in ln]
+    assert len(rows) == 12, proc.stdout  # {fwd, dkdv, dq} x D {64, 128} x causal or not
+    for row in rows:
+        registers, spilled = int(row[3]), int(row[5])
+        assert 0 < registers <= 255 and spilled == 0, row

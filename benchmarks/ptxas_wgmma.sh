@@ -1,0 +1,65 @@
+#!/bin/bash
+# Registers and spills of the sm_90a dense wgmma attention kernels (bf16, head dims 64 / 128,
+# causal or not) in ~30 s without a GPU, instead of the 10-20 minutes of the whole
+# csrc/attention_cuda.cu: compiles a unit made of that file's first part (everything up to the
+# wgmma kernels' includes) and a table of the kernels' addresses, for sm_90a only, with setup.py's
+# nvcc flags.  The kernels' code is the extension's (same sources, same flags); the SASS can then
+# be read with benchmarks/sass_loop_mix.py.
+#
+#   bash benchmarks/ptxas_wgmma.sh [OUT_PREFIX]     # OUT_PREFIX.cu, .cubin, .ptxas.txt; table on stdout
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-/tmp/ptxas_wgmma}
+py=${PYTHON:-.venv/bin/python}
+cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}
+last=$(grep -n '#include "attention_wgmma_dq.cuh"' csrc/attention_cuda.cu | cut -d: -f1)
+{
+  head -n "$last" csrc/attention_cuda.cu
+  cat <<'EOT'
+void* wgmma_kernels[] = {
+#define TF_WG3(DP, C) (void*)fwd_wgmma_dense_kernel<__nv_bfloat16, DP, C>, \
+  (void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, DP, C>, (void*)dq_wgmma_dense_kernel<__nv_bfloat16, DP, C>,
+TF_WG3(64, false) TF_WG3(64, true) TF_WG3(128, false) TF_WG3(128, true)
+};
+}  // namespace
+void* wgmma_kernel_table() { return wgmma_kernels[0]; }
+}  // namespace transformer_fast
+EOT
+} > "$out.cu"
+includes=$(CUDA_HOME="$cuda_home" "$py" - <<'EOT'
+import sys, os
+from torch.utils import cpp_extension
+dirs = [os.path.abspath("csrc")] + cpp_extension.include_paths(device_type="cuda")
+for entry in sys.path:  # the nvidia-* wheels' headers, as setup.py adds them
+    d = os.path.join(entry, "nvidia/cu13/include")
+    if os.path.isdir(d):
+        dirs.append(d)
+import sysconfig
+dirs.append(sysconfig.get_paths()["include"])
+print(" ".join("-I" + d for d in dirs))
+EOT
+)
+# shellcheck disable=SC2086
+"$cuda_home/bin/nvcc" -DTF_WITH_CUDA $includes -I"$cuda_home/include" \
+  -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
+  -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr -Xcompiler -fPIC -O3 -std=c++20 -lineinfo \
+  -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -gencode=arch=compute_90a,code=sm_90a \
+  -cubin "$out.cu" -o "$out.cubin" -Xptxas -v 2> "$out.ptxas.txt"
+"$py" - "$out.ptxas.txt" <<'EOT'
+import re, sys
+name = None
+for line in open(sys.argv[1]):
+    m = re.search(r"Compiling entry function '(\S+)'", line)
+    if m:
+        name, spill = m.group(1), "?"
+        continue
+    m = re.search(r"(\d+) bytes spill stores", line)
+    if m:
+        spill = m.group(1)
+    m = re.search(r"Used (\d+) registers", line)
+    k = name and re.search(r"(fwd|dkdv|dq)_wgmma_dense_kernelI\w*?(\d+)ELb(\d)", name)
+    if m and k:
+        print(f"{k.group(1) + '_wgmma_dense_kernel':26s} D{k.group(2):4s} causal={k.group(3)}  "
+              f"{m.group(1)} registers, {spill} bytes spilled")
+        name = None
+EOT
