@@ -127,6 +127,12 @@ def detect_is_causal_mask(mask, is_causal=None, size=None) -> bool:
     return make_causal
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """torch.is_autocast_enabled(device_type), False for a device type autocast does not know
+    (meta: torch's modules run there, shapes only; torch.is_autocast_enabled("meta") raises)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def fused_activation(activation) -> str | None:
     """The functional.feed_forward name of an activation torch's layers accept, or None when
     it is some other callable (which then runs unfused)."""

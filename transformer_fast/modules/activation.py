@@ -36,7 +36,7 @@ from torch.nn.parameter import Parameter
 
 from .. import functional as tf_functional
 from .. import masks as tf_masks
-from ._semantics import InputError, InputRuntimeError, backend_for, check_mask_kind
+from ._semantics import InputError, InputRuntimeError, autocast_enabled, backend_for, check_mask_kind
 
 __all__ = ["MultiheadAttention"]
 
@@ -50,7 +50,7 @@ def _check_float_mask_dtype(attn_mask, key_padding_mask, query, need_weights) ->
     masks = [m for m in (attn_mask, key_padding_mask) if m is not None]
     if not any(m.is_floating_point() for m in masks):
         return
-    if torch.is_autocast_enabled(query.device.type):
+    if autocast_enabled(query.device.type):
         return
     merged = functools.reduce(
         torch.promote_types, (query.dtype if m.dtype == torch.bool else m.dtype for m in masks))

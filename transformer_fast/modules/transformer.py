@@ -61,8 +61,8 @@ def _get_clones(module, N):
 
 def _norm_fusable(norm, x) -> bool:
     """A LayerNorm (ours or torch's) over x's last dimension with parameters the fused kernel
-    takes (x's dtype or float32)."""
-    if type(norm) not in (LayerNorm, torch.nn.LayerNorm):
+    takes (x's dtype or float32) and an eps it takes (> 0; torch's layers also run eps = 0)."""
+    if type(norm) not in (LayerNorm, torch.nn.LayerNorm) or not norm.eps > 0:
         return False
     if tuple(norm.normalized_shape) != (x.shape[-1],):
         return False
@@ -108,7 +108,7 @@ class _FusedFFN:
         )
 
     def _fusable(self, x, norms, dropouts, check_hooks=True) -> bool:
-        if torch.is_autocast_enabled(x.device.type):  # autocast mixes dtypes: torch's path
+        if sem.autocast_enabled(x.device.type):  # autocast mixes dtypes: torch's path
             return False
         # A Linear subclass with its own forward (LoRA, quantised, low-rank) is called as is.
         if not all(isinstance(m, Linear) and type(m).forward is Linear.forward
