@@ -103,6 +103,16 @@ def _seed_per_test(request):
         pass
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test of tiny tensors: more only add contention (10x slower on a
+    loaded 2-core machine).  Use with pytest.mark.usefixtures("one_thread")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 FAILURE_LOG_ENV = "TF_FAILURE_LOG"
 SLOW_LOG_ENV = "TF_SLOW_LOG_S"  # with TF_FAILURE_LOG: also log tests slower than this (s)
 

@@ -34,12 +34,7 @@ from transformer_fast.models.decoding import CachedStepper
 PAD, BOS, EOS = 0, 1, 2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_model(vocab=19, tgt_vocab=None, d_model=32, nhead=4, layers=2, dropout=0.1, **kw):

@@ -21,16 +21,8 @@ from _torch_internal import import_torch_internal
 
 common_modules = import_torch_internal("common_modules")
 
-pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The samples are tiny: intra-op threads only cost (10x slower on a loaded 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning"),
+              pytest.mark.usefixtures("one_thread")]  # tiny samples
 
 
 NAMES = ["MultiheadAttention", "LayerNorm", "TransformerEncoderLayer", "TransformerDecoderLayer",
