@@ -289,8 +289,7 @@ VARIANTS = {
     "2-D key/value under a 4-D query": (lambda: dict(key=_mk(LK, HD), value=_mk(LK, HD)),
                                         ("ours refuses", "key", "(..., H, L, D)")),
     "gqa key heads 2, value heads 4": (
-        lambda: dict(enable_gqa=True, key=_mk(B, 2, LK, HD), value=_mk(B, H, LK, HD)),
-        ("ours refuses", "value", "one Hkv for key and value (docstring)")),
+        lambda: dict(enable_gqa=True, key=_mk(B, 2, LK, HD), value=_mk(B, H, LK, HD)), "match"),
 }
 
 
@@ -630,3 +629,27 @@ def test_kv_cache_against_sdpa_over_the_prefix(backend, case):
         g = torch.randn(ref.shape, dtype=torch.float64)
         for got, exp in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves64, g)):
             assert _err(got, exp) <= tol
+
+
+# --------------------------------------------------------------------------------------------
+# enable_gqa with key and value of different head counts (each dividing query's): torch takes
+# them (query head h reads key head h // (Hq/Hk) and value head h // (Hq/Hv)); so does ours.
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 4), (6, 2, 3), (6, 6, 1)], ids=lambda h: "q%d-k%d-v%d" % h)
+@pytest.mark.parametrize("backend", ["reference", "torch", *backend_params("cpu", "triton")])
+def test_sdpa_gqa_key_and_value_head_counts_differ_like_torch(backend, heads):
+    device = "cpu" if backend in ("reference", "torch") else require_backend(backend)
+    hq, hk, hv = heads
+    dtype = torch.float64 if backend in ("reference", "torch") else torch.float32
+    shapes = ((2, hq, 5, 16), (2, hk, 7, 16), (2, hv, 7, 16))
+    leaves64 = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in shapes]
+    leaves = [t.detach().to(device, dtype).requires_grad_() for t in leaves64]
+    mask = torch.rand(5, 7) > 0.3
+    ref = TF.scaled_dot_product_attention(*leaves64, attn_mask=mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask.to(device), enable_gqa=True, backend=backend)
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    tol = 1e-9 if dtype == torch.float64 else 1e-4
+    assert _err(out.cpu(), ref) <= tol
+    for got, exp in zip(torch.autograd.grad(out, leaves, g.to(device, dtype)), torch.autograd.grad(ref, leaves64, g)):
+        assert _err(got.cpu(), exp) <= tol

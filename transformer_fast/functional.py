@@ -156,6 +156,21 @@ def _broadcast_batch_dims(query, key, value, enable_gqa):
     return tuple(t.expand(*batch, *t.shape[-kept:]) for t in tensors)
 
 
+def _gqa_common_heads(query, key, value, enable_gqa):
+    """Under enable_gqa torch lets key and value have different numbers of heads, each dividing
+    query's (query head h reads key head h // (Hq / Hk) and value head h // (Hq / Hv)); the
+    kernels take one Hkv.  Both are repeated to lcm(Hk, Hv) heads, which keeps every query head
+    on its key and value head (gradients sum back through the repeat).  A rare form: the copy is
+    accepted; other head counts are left to _check_attention's errors."""
+    if enable_gqa is not True or not all(isinstance(t, torch.Tensor) and t.dim() >= 4 for t in (query, key, value)):
+        return key, value
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    if hk == hv or hk == 0 or hv == 0 or hq % hk or hq % hv:
+        return key, value
+    heads = math.lcm(hk, hv)
+    return key.repeat_interleave(heads // hk, dim=-3), value.repeat_interleave(heads // hv, dim=-3)
+
+
 def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                      key_padding_mask):
     _checks.tensor("query", query, min_ndim=3)
@@ -479,7 +494,8 @@ def scaled_dot_product_attention(
             query's (as torch's: k, v shared across a size-1 dim, no copy).  Hkv == Hq, or with
             ``enable_gqa`` any divisor of Hq (key/value head h serves query heads
             h * Hq/Hkv .. (h+1) * Hq/Hkv - 1, as torch).
-        value: (..., Hkv, Lk, Dv); Dv may differ from D.
+        value: (..., Hkv, Lk, Dv); Dv may differ from D.  With ``enable_gqa``, as in torch, its
+            number of heads may differ from key's when each divides Hq.
         attn_mask: broadcastable to the scores (..., Hq, Lq, Lk), e.g. (Lq, Lk), (B, 1, Lq, Lk)
             or (B, Hq, Lq, Lk).  torch SDPA polarity: bool True = the key TAKES PART (False
             removes it); a float mask (query's dtype or float32) is ADDED to the scaled scores
@@ -511,6 +527,7 @@ def scaled_dot_product_attention(
             backend=backend,
         )[0]
     query, key, value = _broadcast_batch_dims(query, key, value, enable_gqa)
+    key, value = _gqa_common_heads(query, key, value, enable_gqa)
     dropout_p, is_causal, scale, enable_gqa = _check_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
