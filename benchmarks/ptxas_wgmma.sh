@@ -1,10 +1,10 @@
 #!/bin/bash
 # Registers and spills of the sm_90a dense wgmma attention kernels (bf16, head dims 64 / 128,
-# causal or not) in ~30 s without a GPU, instead of the 10-20 minutes of the whole
+# causal or not) in ~40 s without a GPU, instead of the 10-20 minutes of the whole
 # csrc/attention_cuda.cu: compiles a unit made of that file's first part (everything up to the
-# wgmma kernels' includes) and a table of the kernels' addresses, for sm_90a only, with setup.py's
-# nvcc flags.  The kernels' code is the extension's (same sources, same flags); the SASS can then
-# be read with benchmarks/sass_loop_mix.py.
+# wgmma kernels' includes) and a table of the kernels' addresses, for sm_90a only, with the
+# extension's nvcc flags (torch's COMMON_NVCC_FLAGS and setup.py's): the kernels' code is the
+# extension's.  The SASS can then be read with benchmarks/sass_loop_mix.py.
 #
 #   bash benchmarks/ptxas_wgmma.sh [OUT_PREFIX]     # OUT_PREFIX.cu, .cubin, .ptxas.txt; table on stdout
 set -euo pipefail
@@ -26,7 +26,7 @@ void* wgmma_kernel_table() { return wgmma_kernels[0]; }
 }  // namespace transformer_fast
 EOT
 } > "$out.cu"
-includes=$(CUDA_HOME="$cuda_home" "$py" - <<'EOT'
+flags=$(CUDA_HOME="$cuda_home" "$py" - <<'EOT'
 import sys, os
 from torch.utils import cpp_extension
 dirs = [os.path.abspath("csrc")] + cpp_extension.include_paths(device_type="cuda")
@@ -36,13 +36,12 @@ for entry in sys.path:  # the nvidia-* wheels' headers, as setup.py adds them
         dirs.append(d)
 import sysconfig
 dirs.append(sysconfig.get_paths()["include"])
-print(" ".join("-I" + d for d in dirs))
+print(" ".join(["-I" + d for d in dirs] + cpp_extension.COMMON_NVCC_FLAGS))
 EOT
 )
 # shellcheck disable=SC2086
-"$cuda_home/bin/nvcc" -DTF_WITH_CUDA $includes -I"$cuda_home/include" \
-  -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
-  -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr -Xcompiler -fPIC -O3 -std=c++20 -lineinfo \
+"$cuda_home/bin/nvcc" -DTF_WITH_CUDA $flags -I"$cuda_home/include" \
+  -Xcompiler -fPIC -O3 -std=c++20 -lineinfo \
   -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -gencode=arch=compute_90a,code=sm_90a \
   -cubin "$out.cu" -o "$out.cubin" -Xptxas -v 2> "$out.ptxas.txt"
 "$py" - "$out.ptxas.txt" <<'EOT'
