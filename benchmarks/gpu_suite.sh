@@ -152,8 +152,13 @@ step verify_mma_sync $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=0 $PY -m transform
     --op scaled_dot_product_attention --backend cuda
 for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer_$tool" $NO_TUNE compute-sanitizer --tool "$tool" --error-exitcode 1 \
-        --target-processes all $PY benchmarks/sanitize_kernels.py --backend cuda
+        --target-processes all $PY benchmarks/sanitize_kernels.py --backend cuda --verbose
 done
+# The sdpa cases alone under racecheck (on a Hopper the wgmma kernels: the whole-backend racecheck
+# was killed at 50-60 s in runs 4 and 5 before reaching them); --verbose names each case as it
+# starts, so a step killed at its limit still shows how far it got.
+step sanitizer_sdpa_racecheck $NO_TUNE compute-sanitizer --tool racecheck --error-exitcode 1 \
+    $PY benchmarks/sanitize_kernels.py --backend cuda --only sdpa --verbose
 # Where the GPU is a Hopper (the steps above ran its wgmma kernels): the sdpa cases again on the
 # mma.sync kernels (TRANSFORMER_FAST_CUDA_WGMMA=0; elsewhere a repeat of the steps above).
 for tool in memcheck racecheck initcheck; do

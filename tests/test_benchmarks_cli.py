@@ -376,3 +376,16 @@ def test_wgmma_kernels_compile_without_spills(tmp_path):
     for row in rows:
         registers, spilled = int(row[3]), int(row[5])
         assert 0 < registers <= 255 and spilled == 0, row
+
+
+def test_graph_rows_can_be_named_alone():
+    """`--providers ours:triton+cuda_graph` asks for the CUDA-graph decoding rows without the
+    eager ones (a GPU run's minutes go to the rows that matter)."""
+    from benchmarks import __main__ as cli
+
+    args = cli.parse_args(["--providers", "torch.nn,ours:triton+cuda_graph"])
+    runner = models.Runner(torch.device("cpu"), torch.float32, "smoke", {}, set(),
+                           providers=args.providers.split(","))
+    assert runner.wanted("ours:triton+cuda_graph") and runner.wanted("torch.nn")
+    assert not runner.wanted("ours:triton") and not runner.wanted("ours:torch+cuda_graph")
+    assert not runner.wanted("torch.nn+compile")
