@@ -66,15 +66,31 @@ def _sdpa_bool_mask_16bit(inputs: Mapping[str, object]) -> bool:
             and not inputs.get("dropout_p"))
 
 
+def _sdpa_key_padding_16bit_long(inputs: Mapping[str, object]) -> bool:
+    q, k, kpm = inputs.get("query"), inputs.get("key"), inputs.get("key_padding_mask")
+    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128
+            and q.shape[-2] >= 1024 and k.shape[-2] >= 1024
+            and isinstance(kpm, torch.Tensor) and kpm.dtype == torch.bool
+            and inputs.get("attn_mask") is None and not inputs.get("is_causal")
+            and not inputs.get("dropout_p"))
+
+
 # Orders for particular inputs, checked before AUTO_ORDER: (device type, op) -> [(applies, order)].
 # A bool attn_mask takes SDPA off its flash kernel: the triton kernels measured faster there in
 # both GPU runs that timed it (bf16, head dim 128, no dropout; results/NVIDIA_H200/2026-11-26-f9d721d
 # and NVIDIA_H100_80GB_HBM3/2026-11-26-2ce2d4a at L 1024 / 4096: forward 1.36-1.66x torch,
 # forward+backward 1.02-1.19x).  Only where measured: 16-bit inputs, head dims up to 128, no
-# dropout; everything else keeps AUTO_ORDER (torch first; key padding alone measured mixed,
-# 0.47-1.52x).
+# dropout.  A bool key_padding_mask alone (no attn_mask, not causal) measured mixed in run 3
+# (0.47-1.52x) and faster everywhere in H100 run 5 (NVIDIA_H100_80GB_HBM3/2026-11-27-b432605, since
+# the triton kernels skip the padded key ranges; bf16 D 128, B16 H16 L1024 / B4 H16 L4096: forward
+# 1.26x / 1.59x, forward+backward 1.60x / 1.65x): triton first there, at the measured lengths
+# (Lq, Lk >= 1024) only.  Everything else keeps AUTO_ORDER (torch first).
 AUTO_RULES: dict[tuple[str, str], list] = {
-    ("cuda", "scaled_dot_product_attention"): [(_sdpa_bool_mask_16bit, ("triton", "torch", "cuda"))],
+    ("cuda", "scaled_dot_product_attention"): [
+        (_sdpa_bool_mask_16bit, ("triton", "torch", "cuda")),
+        (_sdpa_key_padding_16bit_long, ("triton", "torch", "cuda")),
+    ],
 }
 
 

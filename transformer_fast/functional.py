@@ -532,7 +532,7 @@ def scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
     )
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
-              "key_padding_mask": key_padding_mask, "dropout_p": dropout_p}
+              "key_padding_mask": key_padding_mask, "dropout_p": dropout_p, "is_causal": is_causal}
     name = backends.resolve("scaled_dot_product_attention", backend, inputs)
     if name == "reference":
         return reference.scaled_dot_product_attention(
