@@ -1,6 +1,6 @@
 #!/bin/bash
 # Registers and spills of the sm_90a dense wgmma attention kernels (bf16, head dims 64 / 128,
-# causal or not) in ~40 s without a GPU, instead of the 10-20 minutes of the whole
+# causal or not; the forward with and without a key_padding_mask) in ~40 s without a GPU, instead of the 10-20 minutes of the whole
 # csrc/attention_cuda.cu: compiles a unit made of that file's first part (everything up to the
 # wgmma kernels' includes) and a table of the kernels' addresses, for sm_90a only, with the
 # extension's nvcc flags (torch's COMMON_NVCC_FLAGS and setup.py's): the kernels' code is the
@@ -17,7 +17,8 @@ last=$(grep -n '#include "attention_wgmma_dq.cuh"' csrc/attention_cuda.cu | cut 
   head -n "$last" csrc/attention_cuda.cu
   cat <<'EOT'
 void* wgmma_kernels[] = {
-#define TF_WG3(DP, C) (void*)fwd_wgmma_dense_kernel<__nv_bfloat16, DP, C>, \
+#define TF_WG3(DP, C) (void*)fwd_wgmma_dense_kernel<__nv_bfloat16, DP, C, false>, \
+  (void*)fwd_wgmma_dense_kernel<__nv_bfloat16, DP, C, true>, \
   (void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, DP, C>, (void*)dq_wgmma_dense_kernel<__nv_bfloat16, DP, C>,
 TF_WG3(64, false) TF_WG3(64, true) TF_WG3(128, false) TF_WG3(128, true)
 };
@@ -56,9 +57,10 @@ for line in open(sys.argv[1]):
     if m:
         spill = m.group(1)
     m = re.search(r"Used (\d+) registers", line)
-    k = name and re.search(r"(fwd|dkdv|dq)_wgmma_dense_kernelI\w*?(\d+)ELb(\d)", name)
+    k = name and re.search(r"(fwd|dkdv|dq)_wgmma_dense_kernelI\w*?(\d+)ELb(\d)E(?:Lb(\d)E)?", name)
     if m and k:
-        print(f"{k.group(1) + '_wgmma_dense_kernel':26s} D{k.group(2):4s} causal={k.group(3)}  "
+        pad = f" kpm={k.group(4)}" if k.group(4) is not None else "      "
+        print(f"{k.group(1) + '_wgmma_dense_kernel':26s} D{k.group(2):4s} causal={k.group(3)}{pad}  "
               f"{m.group(1)} registers, {spill} bytes spilled")
         name = None
 EOT

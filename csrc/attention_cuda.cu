@@ -909,8 +909,13 @@ template <typename T, int DP>
 void run_fwd_wgmma_dense(const Params& p) {
   const int64_t blocks = int64_t{p.B} * p.H * ((p.Lq + kWdBM - 1) / kWdBM);
   constexpr size_t smem = wgmma_dense_smem_bytes<DP>();
-  p.causal ? launch_threads(fwd_wgmma_dense_kernel<T, DP, true>, blocks, kWdThreads, smem, p)
-           : launch_threads(fwd_wgmma_dense_kernel<T, DP, false>, blocks, kWdThreads, smem, p);
+  if (p.kpm != nullptr) {
+    p.causal ? launch_threads(fwd_wgmma_dense_kernel<T, DP, true, true>, blocks, kWdThreads, smem, p)
+             : launch_threads(fwd_wgmma_dense_kernel<T, DP, false, true>, blocks, kWdThreads, smem, p);
+  } else {
+    p.causal ? launch_threads(fwd_wgmma_dense_kernel<T, DP, true, false>, blocks, kWdThreads, smem, p)
+             : launch_threads(fwd_wgmma_dense_kernel<T, DP, false, false>, blocks, kWdThreads, smem, p);
+  }
 }
 
 // Calls f(kCausal, kAttnMask) (std::bool_constant values) for the dense mma.sync kernels'

@@ -166,7 +166,10 @@ __device__ __forceinline__ void acc_to_a_slabs(uint32_t (&a)[K][4], const float 
   for (int kk = 0; kk < K; ++kk) acc_to_a<T>(a[kk], reinterpret_cast<const float(*)[4]>(acc), kk);
 }
 
-template <typename T, int DP, bool kCausal>
+// kPad: whether the call has a key_padding_mask.  The unmasked instantiation has the main loop of
+// H100 run 4 (466 TFLOP/s at B4 H16 L4096 D128); with the key-padding code in the same kernel,
+// branched over at run time, run 5 measured 418 (benchmarks/NOTES.md, fifth GPU run).
+template <typename T, int DP, bool kCausal, bool kPad>
 __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Params p) {
   static_assert(DP == 64 || DP == 128, "head-dim buckets of the wgmma forward");
 #if defined(__CUDA_ARCH__) && !defined(TF_SM90A)
@@ -201,6 +204,7 @@ __global__ void __launch_bounds__(kWdThreads, 1) fwd_wgmma_dense_kernel(const Pa
   // send the tiles with padding through the masking branch.  A row of padding only still runs
   // tile 0, all of it masked: output 0, lse -inf.
   DensePadBits<BN> pads(p, b, pad_words);
+  if constexpr (!kPad) pads.kpm = nullptr;  // a constant: every pad branch folds away
   int n_end = kCausal ? min(p.Lk, m0 + BM) : p.Lk;
   if (pads.kpm != nullptr) n_end = min(n_end, wg_kpm_end(pads.kpm, pads.stride, p.Lk, pad_words + 2 * (BN / 32)));
   const int ntiles = n_end > 0 ? (n_end + BN - 1) / BN : 1;

@@ -322,7 +322,8 @@ void name_dense_kernels(std::map<void*, std::string>& names) {
     names[reinterpret_cast<void*>(am ? &dkdv_dense_kernel<T, DP, kCausal, true> : &dkdv_dense_kernel<T, DP, kCausal, false>)] =
         "dkdv_dense_kernel";
   }
-  names[reinterpret_cast<void*>(&fwd_wgmma_dense_kernel<T, DP, kCausal>)] = "fwd_wgmma_dense_kernel";
+  names[reinterpret_cast<void*>(&fwd_wgmma_dense_kernel<T, DP, kCausal, false>)] = "fwd_wgmma_dense_kernel";
+  names[reinterpret_cast<void*>(&fwd_wgmma_dense_kernel<T, DP, kCausal, true>)] = "fwd_wgmma_dense_kernel";
   names[reinterpret_cast<void*>(&dq_wgmma_dense_kernel<T, DP, kCausal>)] = "dq_wgmma_dense_kernel";
   names[reinterpret_cast<void*>(&dkdv_wgmma_dense_kernel<T, DP, kCausal>)] = "dkdv_wgmma_dense_kernel";
 }

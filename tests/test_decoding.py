@@ -416,6 +416,21 @@ def test_cuda_graph_argument_errors():
         greedy_decode(model, src, 4, use_cache=False, cuda_graph=True)
 
 
+def test_model_methods_take_cuda_graph():
+    """The model's own decoding methods pass cuda_graph through (off by default); on the CPU the
+    graph's static step runs eagerly and gives the same tokens."""
+    model = small_model()
+    src = ragged_src([5, 2, 4])
+    with torch.no_grad():
+        assert torch.equal(model.greedy_decode(src, 8, cuda_graph=True), model.greedy_decode(src, 8))
+        assert torch.equal(model.beam_search(src, 2, 8, cuda_graph=True), model.beam_search(src, 2, 8))
+        gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+        assert torch.equal(model.sample(src, 8, top_k=3, generator=gen(), cuda_graph=True),
+                           model.sample(src, 8, top_k=3, generator=gen()))
+    with pytest.raises(TypeError, match="cuda_graph"):
+        model.greedy_decode(src, 4, cuda_graph="yes")
+
+
 @pytest.mark.gpu
 def test_cuda_graph_greedy_on_gpu():
     if not torch.cuda.is_available():
