@@ -416,6 +416,27 @@ def test_cuda_graph_argument_errors():
         greedy_decode(model, src, 4, use_cache=False, cuda_graph=True)
 
 
+def test_cuda_graph_default_is_the_graph_on_a_gpu_only(monkeypatch):
+    """cuda_graph=None (the default): the graphed step on a CUDA device with the cache, the eager
+    cached step elsewhere; use_cache=False never graphs unless asked (then it is an error)."""
+    from transformer_fast.models import decoding
+
+    assert decoding._graph_default(None, True, torch.device("cuda", 0)) is True
+    assert decoding._graph_default(None, False, torch.device("cuda", 0)) is False
+    assert decoding._graph_default(None, True, torch.device("cpu")) is False
+    assert decoding._graph_default(False, True, torch.device("cuda", 0)) is False
+    assert decoding._graph_default(True, True, torch.device("cpu")) is True
+    seen = []
+    real = decoding._stepper
+    monkeypatch.setattr(decoding, "_stepper", lambda *a: seen.append(real(*a)) or seen[-1])
+    model = small_model()
+    src = ragged_src([3, 2])
+    greedy_decode(model, src, 4)
+    beam_search(model, src, 2, 4)
+    sample(model, src, 4)
+    assert [type(st).__name__ for st in seen] == ["CachedStepper"] * 3
+
+
 def test_model_methods_take_cuda_graph():
     """The model's own decoding methods pass cuda_graph through (off by default); on the CPU the
     graph's static step runs eagerly and gives the same tokens."""
@@ -438,8 +459,12 @@ def test_cuda_graph_greedy_on_gpu():
     seed = fresh_seed()
     model = small_model(d_model=64, nhead=4, layers=2).cuda()
     src = ragged_src([9, 4, 1, 6, 2]).cuda()
-    cached = greedy_decode(model, src, max_len=16)
+    cached = greedy_decode(model, src, max_len=16, cuda_graph=False)
     graphed = greedy_decode(model, src, max_len=16, cuda_graph=True)
     assert torch.equal(graphed, cached), (seed, graphed, cached)
-    beams = beam_search(model, src, 3, 16)
+    assert torch.equal(model.greedy_decode(src, 16), cached), seed  # the default on a GPU: graphed
+    beams = beam_search(model, src, 3, 16, cuda_graph=False)
     assert torch.equal(beam_search(model, src, 3, 16, cuda_graph=True), beams), seed
+    gen = lambda: torch.Generator(device="cuda").manual_seed(seed)  # noqa: E731
+    eager = sample(model, src, 16, top_k=4, generator=gen(), cuda_graph=False)
+    assert torch.equal(sample(model, src, 16, top_k=4, generator=gen(), cuda_graph=True), eager), seed

@@ -2,7 +2,7 @@
 
 Every mode runs on a *stepper* that turns the last token of each row into next-token logits:
 
-- ``CachedStepper`` (the default): each decoder layer keeps its self-attention keys/values in a
+- ``CachedStepper`` (the default off a GPU, and with ``cuda_graph=False``): each decoder layer keeps its self-attention keys/values in a
   cache (N, H, L_max, D) that grows by one position per step through
   ``functional.attention_with_kv_cache``; cross-attention keys/values are projected once from
   the encoder output and attended with ``functional.scaled_dot_product_attention`` under the
@@ -12,7 +12,7 @@ Every mode runs on a *stepper* that turns the last token of each row into next-t
   torch.nn's layer classes and with transformer_fast.modules alike.
 - ``UncachedStepper``: re-runs the whole decoder on the prefix every step (the baseline that
   cached decoding must reproduce token for token).
-- ``GraphStepper`` (``cuda_graph=True`` in every mode): the cached step with
+- ``GraphStepper`` (the default on a GPU; ``cuda_graph=True`` in every mode): the cached step with
   every per-step input and output in a fixed buffer and no host work between its kernels (the
   position comes from a device counter), recorded once as a CUDA graph and replayed every step
   after the first, so a step costs one launch instead of a few hundred.  Off a GPU the same
@@ -273,9 +273,17 @@ class GraphStepper(CachedStepper):
         if self.graph is not None:
             self.graph.replay()
         elif self.use_graph and self.length >= 1:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._static_step()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self.logits = self._static_step()
+            except Exception as exc:
+                raise RuntimeError(
+                    "capturing the decoding step as a CUDA graph failed (an op in the step "
+                    f"cannot be captured: {type(exc).__name__}: {exc}); decode with "
+                    "cuda_graph=False to run the steps eagerly"
+                ) from exc
+            self.graph = graph
             self.graph.replay()
         else:
             self.logits = self._static_step()
@@ -305,6 +313,14 @@ class UncachedStepper:
 
     def reorder(self, index: torch.Tensor) -> None:
         self.prefix = self.prefix.index_select(0, index)
+
+
+def _graph_default(cuda_graph, use_cache: bool, device: torch.device) -> bool:
+    """cuda_graph=None: replay the cached step as a CUDA graph on a GPU (H100 run 5: the same
+    tokens as eager decoding, 7-16x faster at the base model), eager elsewhere."""
+    if cuda_graph is None:
+        return use_cache and device.type == "cuda"
+    return _checks.boolean("cuda_graph", cuda_graph)
 
 
 def _stepper(model, memory, src_padding, max_len, use_cache, cuda_graph=False):
@@ -361,30 +377,31 @@ def _check_decode_args(model, src, max_len):
 
 
 def greedy_decode(model, src: torch.Tensor, max_len: int, use_cache: bool = True, *,
-                  cuda_graph: bool = False) -> torch.Tensor:
+                  cuda_graph: bool | None = None) -> torch.Tensor:
     """Greedy decoding: (B, S) source ids -> (B, <= max_len) target ids.
 
     Each row starts after bos and stops at its eos (the eos is kept); rows that stopped are
     padded with pad_id; the width is the longest row.  ``use_cache=False`` re-runs the whole
-    decoder every step (same tokens, slower).  ``cuda_graph=True`` replays each cached step as
-    one CUDA graph on a GPU (GraphStepper: on an H100, the same tokens as eager cached decoding
-    and 7-16x faster at the base model; benchmarks/NOTES.md, fifth GPU run); elsewhere it runs
-    the same static step eagerly.
+    decoder every step (same tokens, slower).  ``cuda_graph`` (default None: True on a GPU when
+    use_cache, else False) replays each cached step as one CUDA graph on a GPU (GraphStepper: on
+    an H100, the same tokens as eager cached decoding and 7-16x faster at the base model;
+    benchmarks/NOTES.md, fifth GPU run); off a GPU True runs the same static step eagerly.
+    ``cuda_graph=False`` runs every step eagerly.
     """
     _check_decode_args(model, src, max_len)
-    cuda_graph = _checks.boolean("cuda_graph", cuda_graph)
+    cuda_graph = _graph_default(cuda_graph, use_cache, src.device)
     with _inference(model, src.device):
         return _generate(model, src, max_len, use_cache, lambda logits: logits.argmax(dim=-1), cuda_graph)
 
 
 def sample(model, src: torch.Tensor, max_len: int, temperature: float = 1.0, top_k: int | None = None,
            generator: torch.Generator | None = None, use_cache: bool = True, *,
-           cuda_graph: bool = False) -> torch.Tensor:
+           cuda_graph: bool | None = None) -> torch.Tensor:
     """Ancestral sampling from softmax(logits / temperature), restricted to the top_k most
     likely tokens when top_k is given.  Same output layout as greedy_decode; ``generator``
     (on the model's device) makes it reproducible; ``cuda_graph`` as in greedy_decode."""
     _check_decode_args(model, src, max_len)
-    cuda_graph = _checks.boolean("cuda_graph", cuda_graph)
+    cuda_graph = _graph_default(cuda_graph, use_cache, src.device)
     temperature = _validate.finite_float("temperature", temperature, positive=True)
     if top_k is not None:
         _validate.positive_int("top_k", top_k)
@@ -411,7 +428,7 @@ def sample(model, src: torch.Tensor, max_len: int, temperature: float = 1.0, top
 
 
 def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_penalty: float = 1.0,
-                use_cache: bool = True, *, cuda_graph: bool = False) -> torch.Tensor:
+                use_cache: bool = True, *, cuda_graph: bool | None = None) -> torch.Tensor:
     """Beam search: (B, S) source ids -> (B, <= max_len) target ids, the best hypothesis per row.
 
     Hypotheses are ranked by ``sum(log p) / length ** length_penalty`` (length counts the
@@ -429,7 +446,7 @@ def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_p
     _check_decode_args(model, src, max_len)
     _validate.positive_int("beam_size", beam_size)
     length_penalty = _validate.finite_float("length_penalty", length_penalty)
-    cuda_graph = _checks.boolean("cuda_graph", cuda_graph)
+    cuda_graph = _graph_default(cuda_graph, use_cache, src.device)
     with _inference(model, src.device):
         return _beam_search(model, src, beam_size, max_len, length_penalty, use_cache, cuda_graph)
 

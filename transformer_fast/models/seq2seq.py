@@ -137,20 +137,20 @@ class Seq2SeqTransformer(nn.Module):
 
     # ---- decoding (decoding.py)
 
-    def greedy_decode(self, src, max_len, use_cache=True, *, cuda_graph=False):
+    def greedy_decode(self, src, max_len, use_cache=True, *, cuda_graph=None):
         """(B, <= max_len) tokens after bos, each row stopping at (and keeping) its eos; rows
-        that stopped are padded with pad_id.  See decoding.greedy_decode (cuda_graph=True: each
-        step replayed as a CUDA graph on a GPU)."""
+        that stopped are padded with pad_id.  See decoding.greedy_decode (on a GPU each step is
+        replayed as a CUDA graph unless cuda_graph=False)."""
         return decoding.greedy_decode(self, src, max_len, use_cache=use_cache, cuda_graph=cuda_graph)
 
-    def beam_search(self, src, beam_size, max_len, length_penalty=1.0, use_cache=True, *, cuda_graph=False):
+    def beam_search(self, src, beam_size, max_len, length_penalty=1.0, use_cache=True, *, cuda_graph=None):
         """The best hypothesis per row by sum(log p) / length**length_penalty; see
         decoding.beam_search."""
         return decoding.beam_search(self, src, beam_size, max_len, length_penalty, use_cache=use_cache,
                                     cuda_graph=cuda_graph)
 
     def sample(self, src, max_len, temperature=1.0, top_k=None, generator=None, use_cache=True, *,
-               cuda_graph=False):
+               cuda_graph=None):
         """Ancestral sampling with temperature and top-k; see decoding.sample."""
         return decoding.sample(self, src, max_len, temperature, top_k, generator, use_cache=use_cache,
                                cuda_graph=cuda_graph)
