@@ -125,7 +125,6 @@ def main(argv=None) -> int:
         common.write_markdown(out_dir / "results.md", meta, rows, list(skipped.values()), argv_text,
                               load=load if device.type == "cpu" else None, malloc_note=malloc_note)
 
-    op_cases = [c for op in selected if op in ops.OPS for c in ops.cases(op, device, dtypes, args.mode)]
     jobs = args.compile_jobs if args.compile_jobs else (min(os.cpu_count() or 1, 16) if device.type == "cuda" else 1)
     if jobs > 1:
         warm_start = time.perf_counter()
@@ -135,17 +134,22 @@ def main(argv=None) -> int:
         common.warm_in_processes(ops.warm_case, tasks, jobs)
         common.log(f"compiled ahead in {jobs} processes: {len(tasks)} cases in "
                    f"{time.perf_counter() - warm_start:.0f} s")
-    for case in common.progress(op_cases, "ops"):
-        rows += ops.run_case(case, providers, device, args.mode, peaks, skip)
+    def add_row(row):
+        rows.append(row)
         write_results()
-    model_ops = [op for op in selected if op in models.MODEL_OPS]
-    for op in common.progress(model_ops, "end to end"):
-        for dtype in dtypes:
-            def add_row(row):
-                rows.append(row)
-                write_results()
 
-            models.run(op, device, dtype, args.mode, peaks, skip, provider_filter, on_row=add_row)
+    # In the order of --op (a time-limited GPU run names what matters most first).
+    ordered = [item for op in selected
+               for item in (ops.cases(op, device, dtypes, args.mode) if op in ops.OPS
+                            else [op] if op in models.MODEL_OPS else [])]
+    bar = common.progress(ordered, "cases")
+    for item in bar:
+        if isinstance(item, str):  # an end-to-end op
+            for dtype in dtypes:
+                models.run(item, device, dtype, args.mode, peaks, skip, provider_filter, on_row=add_row)
+        else:
+            rows += ops.run_case(item, providers, device, args.mode, peaks, skip)
+            write_results()
 
     write_results()
     plots = [] if args.no_plots else common.write_plots(out_dir, rows, ops.X_KEYS)

@@ -170,7 +170,7 @@ done
 # instead of compiling them one at a time (the first run's memcheck over Triton was killed at
 # 240 s).  The marker keeps the later tools from repeating that warm-up.
 TRITON_WARM_MARK="${TMPDIR:-/tmp}/tf_sanitize_triton_warm.$$"
-for tool in memcheck racecheck initcheck; do
+for tool in memcheck racecheck initcheck synccheck; do
     step "sanitizer_${tool}_triton" $NO_TUNE env PY="$PY" TOOL="$tool" MARK="$TRITON_WARM_MARK" bash -c '
         if [ ! -e "$MARK" ]; then
             for i in $(seq 0 15); do
@@ -179,7 +179,7 @@ for tool in memcheck racecheck initcheck; do
             wait
             touch "$MARK"
         fi
-        exec compute-sanitizer --tool "$TOOL" --error-exitcode 1 "$PY" benchmarks/sanitize_kernels.py --backend triton'
+        exec compute-sanitizer --tool "$TOOL" --error-exitcode 1 "$PY" benchmarks/sanitize_kernels.py --backend triton --verbose'
 done
 rm -f "$TRITON_WARM_MARK"
 # The torch-free CUDA attention forward harness (benchmarks/cuda_attn: the current kernels and the
