@@ -49,7 +49,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     if args.providers:
-        ours = tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.mma_sync"))
+        ours = ("ours:auto",) + tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.mma_sync"))
         known = PROVIDERS + ("torch.nn", "torch.nn+compile") + ours + tuple(o + "+cuda_graph" for o in ours)
         unknown = [n for n in args.providers.split(",") if n.strip() and n.strip() not in known]
         if unknown:

@@ -595,7 +595,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str],
 
 _COLORS = {"reference": "tab:gray", "torch": "tab:blue", "triton": "tab:orange", "cuda": "tab:green",
            "cuda.mma_sync": "tab:olive",
-           "cpu": "tab:red"}
+           "cpu": "tab:red", "auto": "tab:purple"}
 
 
 def _color(provider: str):

@@ -8,8 +8,10 @@ Providers:
     reference         the naive model below: transformer_fast.reference ops (materialised
                       scores, separate add and LayerNorm, Linear-ReLU-Linear) on the same weights
     ours:<backend>    transformer_fast.modules / transformer_fast.models.Seq2SeqTransformer with
-                      transformer_fast.use_backend(<backend>)
-    ours:<backend>+cuda_graph   greedy decoding on a GPU with cuda_graph=True: every step after
+                      transformer_fast.use_backend(<backend>); ours:auto is what a user gets
+                      without choosing (each op on the backend `auto` picks for it)
+    ours:<backend>+cuda_graph   greedy decoding on a GPU with cuda_graph=True (the default
+                      there; the rows without the suffix pass cuda_graph=False): every step after
                       the first replayed as one CUDA graph (the capture is part of the timed call)
 Ours are imported lazily: a missing module gives a row that says "not available yet".
 
@@ -72,12 +74,14 @@ def config(device: torch.device, mode: str) -> Config:
 
 
 def ours_providers(device: torch.device) -> list[str]:
-    names = ["torch", "triton", "cuda"] if device.type == "cuda" else ["torch", "cpu", "triton"]
+    names = ["auto", "torch", "triton", "cuda"] if device.type == "cuda" else ["auto", "torch", "cpu", "triton"]
     return [f"ours:{n}" for n in names]
 
 
 def _backend_reason(provider: str, device: torch.device) -> str | None:
     name = provider.split(":", 1)[1]
+    if name == "auto":
+        return None
     if name == "triton" and device.type == "cpu":
         return ("on a CPU Triton runs only through its interpreter (TRITON_INTERPRET=1), which "
                 "checks kernels but is not a benchmark")

@@ -397,8 +397,11 @@ def test_ops_run_in_the_order_given(tmp_path):
     first): an end-to-end op named first comes before an op's cases."""
     from benchmarks import __main__ as cli
 
-    assert cli.main(["--smoke", "--op", "greedy_decode", "add_layer_norm", "--providers", "torch",
+    assert cli.main(["--smoke", "--op", "greedy_decode", "add_layer_norm", "--providers", "torch,ours:auto",
                      "--device", "cpu", "--no-plots", "--output", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     ops_in_order = list(dict.fromkeys(r["op"] for r in rows))
     assert ops_in_order == ["greedy_decode", "add_layer_norm"], ops_in_order
+    # ours:auto, what a user gets without choosing a backend, is an end-to-end row of its own
+    auto = [r for r in rows if r["provider"] == "ours:auto"]
+    assert auto and all(r["median_ms"] for r in auto), auto
