@@ -116,7 +116,12 @@ def test_auto_gives_long_key_padded_sdpa_to_triton():
         assert backends.auto_order(sdpa, "cuda", inputs) == default
 
 
-def test_functional_sdpa_passes_causal_to_the_selection(monkeypatch):
+@pytest.mark.parametrize("kwargs, key, want", [
+    (dict(dropout_p=0.25), "dropout_p", 0.25),
+    (dict(is_causal=True), "is_causal", True),
+])
+def test_functional_sdpa_passes_its_flags_to_the_selection(monkeypatch, kwargs, key, want):
+    """What AUTO_RULES read (dropout, causal) reaches backends.resolve."""
     seen = {}
     real = backends.resolve
 
@@ -126,22 +131,8 @@ def test_functional_sdpa_passes_causal_to_the_selection(monkeypatch):
 
     monkeypatch.setattr(backends, "resolve", spy)
     q = torch.randn(1, 2, 3, 16)
-    F.scaled_dot_product_attention(q, q, q, is_causal=True, backend="torch")
-    assert seen["is_causal"] is True
-
-
-def test_functional_sdpa_passes_dropout_to_the_selection(monkeypatch):
-    seen = {}
-    real = backends.resolve
-
-    def spy(op, backend, inputs):
-        seen.update(inputs)
-        return real(op, backend, inputs)
-
-    monkeypatch.setattr(backends, "resolve", spy)
-    q = torch.randn(1, 2, 3, 16)
-    F.scaled_dot_product_attention(q, q, q, dropout_p=0.25, backend="torch")
-    assert seen["dropout_p"] == 0.25
+    F.scaled_dot_product_attention(q, q, q, backend="torch", **kwargs)
+    assert seen[key] == want
 
 
 def test_auto_falls_through_unsupported_dtype():
