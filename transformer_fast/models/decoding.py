@@ -2,8 +2,9 @@
 
 Every mode runs on a *stepper* that turns the last token of each row into next-token logits:
 
-- ``CachedStepper`` (the default off a GPU, and with ``cuda_graph=False``): each decoder layer keeps its self-attention keys/values in a
-  cache (N, H, L_max, D) that grows by one position per step through
+- ``CachedStepper`` (the default off a GPU, and with ``cuda_graph=False``): each decoder layer
+  keeps its self-attention keys/values in a cache (N, H, L_max, D) that grows by one position
+  per step through
   ``functional.attention_with_kv_cache``; cross-attention keys/values are projected once from
   the encoder output and attended with ``functional.scaled_dot_product_attention`` under the
   source padding mask.  The per-step layer math is done from the layers' own parameters
@@ -319,7 +320,7 @@ def _graph_default(cuda_graph, use_cache: bool, device: torch.device) -> bool:
     """cuda_graph=None: replay the cached step as a CUDA graph on a GPU (H100 run 5: the same
     tokens as eager decoding, 7-16x faster at the base model), eager elsewhere."""
     if cuda_graph is None:
-        return use_cache and device.type == "cuda"
+        return bool(use_cache) and device.type == "cuda"
     return _checks.boolean("cuda_graph", cuda_graph)
 
 
