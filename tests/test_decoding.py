@@ -338,6 +338,39 @@ class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _CountHostData(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the host reads and the tensors made from host data (on a GPU: a sync each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in _NoHostSync.SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_greedy_loop_syncs_a_fixed_number_of_times(monkeypatch, cuda_graph):
+    """Between its "all rows done?" checks (every 4 steps on a GPU) greedy decoding neither reads
+    the device nor copies host data to it: the host queues steps ahead of the GPU.  (The pad /
+    bos ban indexed the logits with a Python list each step: a host-to-device copy, which torch
+    makes with a stream sync.)"""
+    from transformer_fast.models import decoding
+
+    monkeypatch.setitem(decoding.SYNC_EVERY, "cpu", 10_000)  # as on a GPU, without the checks
+    monkeypatch.setenv("TRANSFORMER_FAST_CHECKS", "0")  # the GPU default: no host-side value checks
+    model = small_model()
+    model.eos_id = -1  # no early stop: every call runs max_len steps
+    src = ragged_src([5, 3])
+    counts = []
+    for max_len in (3, 9):
+        with torch.no_grad(), _CountHostData() as mode:
+            greedy_decode(model, src, max_len, cuda_graph=cuda_graph)
+        counts.append(mode.count)
+    assert counts[0] == counts[1], counts
+
+
 @pytest.mark.parametrize("backend", ["auto", "cpu"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_graph_stepper_matches_the_cached_stepper(variant, backend):

@@ -335,11 +335,19 @@ def _stepper(model, memory, src_padding, max_len, use_cache, cuda_graph=False):
 # Greedy and sampling
 
 
-def _forbid_specials(model, logits: torch.Tensor) -> torch.Tensor:
-    """pad and bos are never a next token (they would read as the end of a row / a restart)."""
-    logits = logits.clone()
-    logits[:, [model.pad_id, model.bos_id]] = float("-inf")
-    return logits
+def _specials_mask(model, device: torch.device) -> torch.Tensor:
+    """(V,) bool, True at pad and bos: never a next token (they would read as the end of a row /
+    a restart).  Made once per decoding on the device: indexing the logits with a Python list
+    every step made a host-to-device copy, which torch does with a stream sync, so the host
+    waited for each step's kernels before queueing the next step."""
+    mask = torch.zeros(model.tgt_vocab_size, dtype=torch.bool, device=device)
+    mask[model.pad_id] = True
+    mask[model.bos_id] = True
+    return mask
+
+
+def _forbid_specials(logits: torch.Tensor, specials: torch.Tensor) -> torch.Tensor:
+    return logits.masked_fill(specials, float("-inf"))  # (N, V), a new tensor
 
 
 SYNC_EVERY = {"cpu": 1}  # steps between "all rows done?" checks, per device type (default 4)
@@ -357,9 +365,10 @@ def _generate(model, src, max_len, use_cache, pick, cuda_graph=False):
     # Whether every row is done needs a host sync; on a GPU ask only every few steps so the
     # host keeps queueing work (the extra steps of finished rows only write pad).
     check_every = SYNC_EVERY.get(src.device.type, 4)
+    specials = _specials_mask(model, src.device)
     for t in range(max_len):
         logits = step(tokens)  # (N, V)
-        nxt = pick(_forbid_specials(model, logits))
+        nxt = pick(_forbid_specials(logits, specials))
         nxt = nxt.masked_fill(finished, model.pad_id)  # finished rows only pad
         out[:, t] = nxt
         finished |= nxt == model.eos_id
@@ -474,11 +483,12 @@ def _beam_search(model, src, k, max_len, alpha, use_cache, cuda_graph=False):
     rows = torch.arange(b, device=device)
     n_cand = min(2 * k, k * vocab)
     rank = torch.arange(n_cand, device=device)
+    specials = _specials_mask(model, device)
 
     for t in range(max_len):
         length = t + 1  # tokens generated once this step's token is appended
         norm = float(length) ** alpha
-        logp = torch.log_softmax(_forbid_specials(model, step(tokens).float()), dim=-1)  # (B*K, V)
+        logp = torch.log_softmax(_forbid_specials(step(tokens).float(), specials), dim=-1)  # (B*K, V)
         cand = (scores.view(n, 1) + logp).view(b, k * vocab)  # (B, K*V)
         top_s, top_i = cand.topk(n_cand, dim=-1)  # (B, 2K), best first
         parent_beam = torch.div(top_i, vocab, rounding_mode="floor")
