@@ -50,7 +50,13 @@ constexpr int kMaxThreads = 512;     // block size cap of every row kernel (__la
 constexpr int kFwdMaxElems = 32;     // fp32 values per thread kept in registers, forward
 constexpr int kBwdMaxElems = 16;     // backward holds ~4x that (xhat, g, two accumulators)
 constexpr int kBwdMaxElemsScalar = 8;  // scalar loads: 16 would hit the 128-register cap and spill
-constexpr int kTargetTpr = 128;      // prefer <= 4 warps per row: cheap reductions, more ILP
+// Threads per row the register path aims for (it takes the fewest vectors per thread that reach
+// it).  Backward: <= 4 warps per row (cheap reductions, more ILP).  Forward: up to 16 warps, 8
+// elements per thread at N 4096 (56 registers, 2 blocks of 512 per SM), as the Triton kernel that
+// ran at 97% of the copy bandwidth in H100 run 3; with 4 warps a row took 32 elements per thread,
+// 125 registers and 2 blocks of 256 per SM, and ran at 66% (benchmarks/NOTES.md, add_layer_norm).
+constexpr int kBwdTargetTpr = 128;
+constexpr int kFwdTargetTpr = 512;
 
 #ifdef TF_CUDA_EMULATE
 // The emulation runs one CTA at a time: a static array is the CTA's shared memory.
@@ -699,14 +705,14 @@ struct RowCfg {
   int teams;  // rows per block (register path)
 };
 
-RowCfg choose_cfg(int64_t N, int vec, int max_elems) {
+RowCfg choose_cfg(int64_t N, int vec, int max_elems, int target_tpr) {
   const int64_t nvec = ceil_div(N, vec);
   int best_nv = 0, best_tpr = 0;
   for (int nv = 1; nv <= 16 && nv * vec <= max_elems; nv *= 2) {
     const int64_t tpr = ceil_div(ceil_div(nvec, nv), 32) * 32;
     best_nv = nv;
     best_tpr = static_cast<int>(std::min<int64_t>(tpr, 1 << 30));
-    if (tpr <= kTargetTpr) break;  // smallest nv that fits in <= 4 warps per row
+    if (tpr <= target_tpr) break;  // the smallest nv within the target
   }
   RowCfg c{};
   c.vec = vec;
@@ -779,7 +785,7 @@ void launch_fwd(FwdArgs a, bool vectorized, int device, cudaStream_t stream) {
   dispatch_vec(vectorized, kVecWidth, [&](auto vec_c) {
     constexpr int VEC = decltype(vec_c)::value;
     if constexpr (VEC == 1 || VEC == kVecWidth) {
-      const RowCfg c = choose_cfg(a.N, VEC, kFwdMaxElems);
+      const RowCfg c = choose_cfg(a.N, VEC, kFwdMaxElems, kFwdTargetTpr);
       const int sms = sm_count(device);
       if (c.loop) {
         const void* k = reinterpret_cast<const void*>(&fwd_loop_kernel<T, VEC>);
@@ -810,7 +816,7 @@ int64_t launch_bwd(BwdArgs& a, bool vectorized, int device, cudaStream_t stream,
     constexpr int VEC = decltype(vec_c)::value;
     if constexpr (VEC == 1 || VEC == kVecWidth) {
       constexpr int kMax = VEC == 1 ? kBwdMaxElemsScalar : kBwdMaxElems;
-      const RowCfg c = choose_cfg(a.N, VEC, kMax);
+      const RowCfg c = choose_cfg(a.N, VEC, kMax, kBwdTargetTpr);
       const int sms = sm_count(device);
       if (c.loop) {
         const void* k = reinterpret_cast<const void*>(&bwd_loop_kernel<T, VEC>);

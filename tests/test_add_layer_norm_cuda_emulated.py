@@ -58,8 +58,9 @@ void set_sms(int64_t n) { tf::emulated_sms = static_cast<int>(n); }
 
 // The host's choice for a row width: {loop path, vector width, NV, threads per row} (fwd, bwd).
 std::vector<int64_t> paths(int64_t n, int64_t vec) {
-  const auto f = tf::choose_cfg(n, static_cast<int>(vec), tf::kFwdMaxElems);
-  const auto b = tf::choose_cfg(n, static_cast<int>(vec), vec == 1 ? tf::kBwdMaxElemsScalar : tf::kBwdMaxElems);
+  const auto f = tf::choose_cfg(n, static_cast<int>(vec), tf::kFwdMaxElems, tf::kFwdTargetTpr);
+  const auto b = tf::choose_cfg(n, static_cast<int>(vec), vec == 1 ? tf::kBwdMaxElemsScalar : tf::kBwdMaxElems,
+                                tf::kBwdTargetTpr);
   return {f.loop, f.nv, f.tpr, b.loop, b.nv, b.tpr};
 }
 
