@@ -271,26 +271,30 @@ class GraphStepper(CachedStepper):
         if self.length >= self.max_len:
             raise ValueError(f"the cache holds {self.max_len} steps; all are used")
         self.tokens.copy_(tokens)
-        if self.graph is not None:
-            self.graph.replay()
-        elif self.use_graph and self.length >= 1:
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    self.logits = self._static_step()
-            except Exception as exc:
-                raise RuntimeError(
-                    "capturing the decoding step as a CUDA graph failed (an op in the step "
-                    f"cannot be captured: {type(exc).__name__}: {exc}); decode with "
-                    "cuda_graph=False to run the steps eagerly"
-                ) from exc
-            self.graph = graph
-            self.graph.replay()
-        else:
+        if not (self.use_graph and self.length >= 1):
             self.logits = self._static_step()
+        else:
+            # On the model's GPU whichever is current (capture and replay use its streams).
+            with torch.cuda.device(self.tokens.device):
+                if self.graph is None:
+                    self.graph = self._capture()
+                self.graph.replay()
         self.length += 1
         # A copy: the graph's logits buffer is rewritten by the next replay.
         return self.logits.clone() if self.graph is not None else self.logits
+
+    def _capture(self) -> "torch.cuda.CUDAGraph":
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self._static_step()
+        except Exception as exc:
+            raise RuntimeError(
+                "capturing the decoding step as a CUDA graph failed (an op in the step cannot be "
+                f"captured: {type(exc).__name__}: {exc}); decode with cuda_graph=False to run the "
+                "steps eagerly"
+            ) from exc
+        return graph
 
     def reorder(self, index: torch.Tensor) -> None:
         """CachedStepper.reorder into the same cache buffers (the graph reads their addresses)."""
