@@ -471,8 +471,8 @@ def test_cuda_graph_default_is_the_graph_on_a_gpu_only(monkeypatch):
 
 
 def test_model_methods_take_cuda_graph():
-    """The model's own decoding methods pass cuda_graph through (off by default); on the CPU the
-    graph's static step runs eagerly and gives the same tokens."""
+    """The model's own decoding methods pass cuda_graph through (default: the graph on a GPU
+    only); on the CPU the graph's static step runs eagerly and gives the same tokens."""
     model = small_model()
     src = ragged_src([5, 2, 4])
     with torch.no_grad():
