@@ -59,21 +59,27 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
 _DEFAULT_ORDER = ("torch",)
 
 
+def _sdpa_measured_kernel_case(inputs: Mapping[str, object]) -> bool:
+    """16-bit query, head dim <= 128, no dropout: where the GPU runs compared triton with torch."""
+    q = inputs.get("query")
+    return (isinstance(q, torch.Tensor) and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] <= 128 and not inputs.get("dropout_p"))
+
+
+def _is_bool_tensor(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.bool
+
+
 def _sdpa_bool_mask_16bit(inputs: Mapping[str, object]) -> bool:
-    q, mask = inputs.get("query"), inputs.get("attn_mask")
-    return (isinstance(q, torch.Tensor) and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128
-            and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-            and not inputs.get("dropout_p"))
+    return _sdpa_measured_kernel_case(inputs) and _is_bool_tensor(inputs.get("attn_mask"))
 
 
 def _sdpa_key_padding_16bit_long(inputs: Mapping[str, object]) -> bool:
-    q, k, kpm = inputs.get("query"), inputs.get("key"), inputs.get("key_padding_mask")
-    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128
+    q, k = inputs.get("query"), inputs.get("key")
+    return (_sdpa_measured_kernel_case(inputs) and isinstance(k, torch.Tensor)
             and q.shape[-2] >= 1024 and k.shape[-2] >= 1024
-            and isinstance(kpm, torch.Tensor) and kpm.dtype == torch.bool
-            and inputs.get("attn_mask") is None and not inputs.get("is_causal")
-            and not inputs.get("dropout_p"))
+            and _is_bool_tensor(inputs.get("key_padding_mask"))
+            and inputs.get("attn_mask") is None and not inputs.get("is_causal"))
 
 
 # Orders for particular inputs, checked before AUTO_ORDER: (device type, op) -> [(applies, order)].
