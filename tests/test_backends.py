@@ -257,3 +257,43 @@ def test_auto_gives_bool_masked_sdpa_to_triton_on_cuda():
     out = F.scaled_dot_product_attention(q, q, q, mask)
     ref = F.scaled_dot_product_attention(q, q, q, mask, backend="triton")
     assert torch.equal(out, ref)
+
+
+def _ffn_inputs(activation="relu", dropout_p=0.0, requires_grad=False):
+    x = torch.empty(64, 32, device="meta", requires_grad=requires_grad)
+    w1, w2 = torch.empty(128, 32, device="meta"), torch.empty(32, 128, device="meta")
+    return {"x": x, "w1": w1, "b1": None, "w2": w2, "b2": None, "activation": activation,
+            "dropout_p": dropout_p}
+
+
+@pytest.mark.parametrize("op", ["feed_forward", "linear_bias_act"])
+def test_auto_gives_relu_inference_ffn_to_cuda(op):
+    """relu, no dropout, no gradient to take: cuda first (H100 run 3: its forward 1.22-1.28x
+    torch's); training, gelu and dropout keep the table's order (torch first)."""
+    default = backends.AUTO_ORDER["cuda"][op]
+    assert default[0] == "torch"
+    assert backends.auto_order(op, "cuda", _ffn_inputs())[0] == "cuda"
+    with torch.no_grad():
+        assert backends.auto_order(op, "cuda", _ffn_inputs(requires_grad=True))[0] == "cuda"
+    for inputs in (_ffn_inputs(requires_grad=True), _ffn_inputs("gelu"), _ffn_inputs(None),
+                   _ffn_inputs(dropout_p=0.1)):
+        assert backends.auto_order(op, "cuda", inputs) == default
+    assert backends.auto_order(op, "cpu", _ffn_inputs()) == backends.AUTO_ORDER["cpu"][op]
+
+
+@pytest.mark.parametrize("op", ["feed_forward", "linear_bias_act"])
+def test_functional_ffn_passes_activation_and_dropout_to_the_selection(monkeypatch, op):
+    seen = {}
+    real = backends.resolve
+
+    def spy(name, backend, inputs):
+        seen.update(inputs)
+        return real(name, backend, inputs)
+
+    monkeypatch.setattr(backends, "resolve", spy)
+    x, w = torch.randn(3, 8), torch.randn(8, 8)
+    if op == "feed_forward":
+        F.feed_forward(x, w, None, w, None, activation="relu", dropout_p=0.25, backend="torch")
+    else:
+        F.linear_bias_act(x, w, None, activation="relu", dropout_p=0.25, backend="torch")
+    assert seen["activation"] == "relu" and seen["dropout_p"] == 0.25

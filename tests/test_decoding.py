@@ -440,6 +440,61 @@ def test_graph_step_has_no_host_sync(backend, monkeypatch):
             torch.tensor([1.0])
 
 
+def test_step_makes_no_value_check(monkeypatch):
+    """The step's own cache lengths are trusted: with the CPU's default (a host read per
+    attention_with_kv_cache call) the step still reads nothing back; on a GPU that is five
+    device-side-assert kernels per call fewer."""
+    monkeypatch.delenv("TRANSFORMER_FAST_CHECKS", raising=False)
+    fresh_seed()
+    model = small_model(nhead=2)
+    src = ragged_src([4, 2])
+    with use_backend("cpu"), _inference_of(model):
+        step = CachedStepper(model, *model.encode(src), 4)
+        assert step.src_lengths is not None  # the cross-attention goes through the cache op too
+        with _NoHostSync():
+            step(torch.full((2,), BOS))
+            step(torch.full((2,), 3))
+
+
+def _inference_of(model):
+    from transformer_fast.models.decoding import _inference
+
+    return _inference(model, next(model.parameters()).device)
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu", "torch"])
+@pytest.mark.parametrize("layout", ["suffix", "prefix"])
+def test_cross_attention_through_the_cache_op_when_padding_is_a_suffix(backend, layout):
+    """Sources padded at the end (the usual layout) on a fused decoding backend: the memory is
+    read as a cache of each row's source length (one kernel a step); other paddings, and the
+    torch backend, keep SDPA with the key_padding_mask.  Both give the same logits (an empty
+    source row included) and the tokens of uncached decoding."""
+    seed = fresh_seed()
+    model = small_model(nhead=2)  # float32: the cpu kernels' dtypes
+    src = ragged_src([6, 3, 1, 4])
+    if layout == "prefix":
+        src = src.flip(1)
+    with use_backend(backend), _inference_of(model):
+        memory, padding = model.encode(src)
+        padding = padding.clone()
+        padding[2] = True  # a source with no token (the model refuses one; the stepper takes it)
+        fast = CachedStepper(model, memory, padding, 5)
+        uses_cache_op = layout == "suffix" and backend != "torch"
+        assert (fast.src_lengths is not None) == uses_cache_op
+        if uses_cache_op:
+            assert fast.src_lengths.tolist() == [6, 3, 0, 4]
+        sdpa = CachedStepper(model, memory, padding, 5)
+        sdpa.src_lengths = None
+        tokens = torch.full((4,), BOS)
+        for _ in range(5):
+            got, expected = fast(tokens), sdpa(tokens)
+            torch.testing.assert_close(got, expected)
+            tokens = expected.argmax(-1)
+        cached = greedy_decode(model, src, max_len=8)
+        uncached = greedy_decode(model, src, max_len=8, use_cache=False)
+    assert torch.equal(cached, uncached), (seed, cached, uncached)
+
+
 def test_cuda_graph_argument_errors():
     model = small_model()
     src = ragged_src([3, 2])

@@ -169,6 +169,43 @@ def test_kv_cache_value_checks_follow_the_flag(monkeypatch):
     assert _checks.host_checks_enabled(cpu) and _checks.host_checks_enabled(torch.device("cuda"))
 
 
+@pytest.mark.parametrize("flag, cpu_mode, cuda_mode", [
+    (None, "host", "device"), ("0", "off", "off"), ("1", "host", "host"),
+])
+def test_kv_cache_value_check_mode(monkeypatch, flag, cpu_mode, cuda_mode):
+    """Unset: a host read on the CPU, a device-side assert on a GPU; =0 neither (on a GPU too);
+    =1 the host read everywhere; trusted_values() and the meta device: none."""
+    if flag is None:
+        monkeypatch.delenv(_checks.CHECKS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_checks.CHECKS_ENV, flag)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert (_checks.value_check_mode(cpu), _checks.value_check_mode(cuda)) == (cpu_mode, cuda_mode)
+    assert _checks.value_check_mode(torch.device("meta")) == "off"
+    with _checks.trusted_values():
+        with _checks.trusted_values():
+            assert _checks.value_check_mode(cuda) == _checks.value_check_mode(cpu) == "off"
+        assert _checks.value_check_mode(cpu) == "off"
+    assert _checks.value_check_mode(cpu) == cpu_mode
+
+
+def test_kv_cache_trusted_values_skip_the_bounds_check(monkeypatch):
+    """Inside trusted_values() the lengths' values are not checked (the caller vouches for
+    them: no host read, no device-side assert); their shape still is."""
+    seen = []
+    real = _checks.value_check_mode
+    monkeypatch.setattr(_checks, "value_check_mode", lambda device: seen.append(real(device)) or seen[-1])
+    monkeypatch.delenv(_checks.CHECKS_ENV, raising=False)
+    kwargs = kv_inputs()
+    with _checks.trusted_values():
+        F.attention_with_kv_cache(**kwargs, backend="torch")
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            F.attention_with_kv_cache(**dict(kwargs, cache_seqlens=torch.zeros(3, dtype=torch.int32)),
+                                      backend="torch")
+    F.attention_with_kv_cache(**kwargs, backend="torch")
+    assert seen == ["off", "host"]
+
+
 @pytest.mark.gpu
 def test_kv_cache_gpu_bounds():
     """On CUDA: ValueError with TRANSFORMER_FAST_CHECKS=1 (host read); otherwise the call does

@@ -5,9 +5,11 @@ came.  TypeError for a wrong kind of object or dtype, ValueError for a wrong sha
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
+import threading
 from typing import Iterable, Sequence
 
 import torch
@@ -183,6 +185,7 @@ def number(name: str, value: object, expected: str = "a float") -> float:
 # sync-free device-side assert there instead.  TRANSFORMER_FAST_CHECKS=0 turns them off
 # everywhere.  Never while torch.compile traces (a data-dependent read breaks the graph).
 CHECKS_ENV = "TRANSFORMER_FAST_CHECKS"
+_CHECKS_OFF = ("0", "false", "False", "no", "off")
 
 
 def host_checks_enabled(device: torch.device) -> bool:
@@ -190,5 +193,37 @@ def host_checks_enabled(device: torch.device) -> bool:
         return False
     flag = os.environ.get(CHECKS_ENV, "").strip()
     if flag:
-        return flag not in ("0", "false", "False", "no", "off")
+        return flag not in _CHECKS_OFF
     return device.type == "cpu"
+
+
+class _Trusted(threading.local):
+    depth = 0
+
+
+_trusted = _Trusted()
+
+
+@contextlib.contextmanager
+def trusted_values():
+    """Inside, value checks are skipped: for callers whose values are correct by construction
+    (a decoding loop's own cache lengths), where the GPU's device-side assert would add
+    kernels to every step.  Shape, dtype and device checks still run."""
+    _trusted.depth += 1
+    try:
+        yield
+    finally:
+        _trusted.depth -= 1
+
+
+def value_check_mode(device: torch.device) -> str:
+    """How a check of tensor values runs: "host" (read on the host, ValueError), "device" (a
+    sync-free device-side assert) or "off" (TRANSFORMER_FAST_CHECKS=0, trusted_values(), the
+    meta device, a CPU tensor under torch.compile)."""
+    if _trusted.depth or device.type == "meta":
+        return "off"
+    if host_checks_enabled(device):
+        return "host"
+    if device.type == "cpu" or os.environ.get(CHECKS_ENV, "").strip() in _CHECKS_OFF:
+        return "off"
+    return "device"

@@ -82,6 +82,14 @@ def _sdpa_key_padding_16bit_long(inputs: Mapping[str, object]) -> bool:
             and inputs.get("attn_mask") is None and not inputs.get("is_causal"))
 
 
+def _relu_inference(inputs: Mapping[str, object]) -> bool:
+    """A relu FFN / linear without dropout whose result needs no gradient (inference)."""
+    if inputs.get("activation") != "relu" or inputs.get("dropout_p"):
+        return False
+    tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 # Orders for particular inputs, checked before AUTO_ORDER: (device type, op) -> [(applies, order)].
 # A bool attn_mask takes SDPA off its flash kernel: the triton kernels measured faster there in
 # both GPU runs that timed it (bf16, head dim 128, no dropout; results/NVIDIA_H200/2026-11-26-f9d721d
@@ -91,12 +99,18 @@ def _sdpa_key_padding_16bit_long(inputs: Mapping[str, object]) -> bool:
 # (0.47-1.52x) and faster everywhere in H100 run 5 (NVIDIA_H100_80GB_HBM3/2026-11-27-b432605, since
 # the triton kernels skip the padded key ranges; bf16 D 128, B16 H16 L1024 / B4 H16 L4096: forward
 # 1.26x / 1.59x, forward+backward 1.60x / 1.65x): triton first there, at the measured lengths
-# (Lq, Lk >= 1024) only.  Everything else keeps AUTO_ORDER (torch first).
+# (Lq, Lk >= 1024) only.  The FFN in inference with relu and no dropout goes to cuda: its
+# forward is two cuBLASLt GEMMs with bias (+ relu) epilogues, against torch's addmm, relu,
+# addmm, and measured 1.22x / 1.28x torch's forward (H100 run 3, NVIDIA_H100_80GB_HBM3/
+# 2026-11-26-2ce2d4a, bf16 512 / 2048 at M 4096 / 16384); training keeps torch first, where
+# cuda's backward was slower.  Everything else keeps AUTO_ORDER (torch first).
 AUTO_RULES: dict[tuple[str, str], list] = {
     ("cuda", "scaled_dot_product_attention"): [
         (_sdpa_bool_mask_16bit, ("triton", "torch", "cuda")),
         (_sdpa_key_padding_16bit_long, ("triton", "torch", "cuda")),
     ],
+    ("cuda", "feed_forward"): [(_relu_inference, ("cuda", "torch", "triton"))],
+    ("cuda", "linear_bias_act"): [(_relu_inference, ("cuda", "torch", "triton"))],
 }
 
 

@@ -608,7 +608,8 @@ def _check_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
         raise ArgumentValueError(f"k_new's length ({l_new}) exceeds the cache length L_max={l_max}")
     _checks.shape("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
     # Bounds of the VALUES: 0 <= cache_seqlens[b] and cache_seqlens[b] + L_new <= L_max.
-    if _checks.host_checks_enabled(cache_seqlens.device):
+    checks = _checks.value_check_mode(cache_seqlens.device)
+    if checks == "host":
         low = int(cache_seqlens.min()) if batch else 0
         high = int(cache_seqlens.max()) if batch else 0
         if low < 0:
@@ -618,7 +619,7 @@ def _check_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
                 f"cache_seqlens + L_new must be <= L_max={l_max} (k_cache dim 2); got "
                 f"max(cache_seqlens)={high} with L_new={l_new}"
             )
-    elif batch and cache_seqlens.device.type not in ("cpu", "meta"):
+    elif checks == "device" and batch:
         # GPU hot path: no host sync.  A device-side assert stops the stream before any write
         # lands out of bounds (it surfaces asynchronously as a device-side assertion error);
         # TRANSFORMER_FAST_CHECKS=1 gives the ValueError above instead, at the cost of a sync.
@@ -888,7 +889,8 @@ def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, backend
     activation = _checks.choice("activation", activation, ACTIVATIONS)
     dropout_p = _checks.dropout_p(dropout_p)
 
-    inputs = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2}
+    inputs = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "activation": activation,
+              "dropout_p": dropout_p}
     name = backends.resolve("feed_forward", backend, inputs)
     if name == "reference":
         return reference.feed_forward(x, w1, b1, w2, b2, activation, dropout_p)
@@ -930,7 +932,7 @@ def linear_bias_act(x, w, b=None, *, activation=None, dropout_p=0.0, backend=Non
         _checks.choice("activation", activation, ACTIVATIONS)
     dropout_p = _checks.dropout_p(dropout_p)
 
-    inputs = {"x": x, "w": w, "b": b}
+    inputs = {"x": x, "w": w, "b": b, "activation": activation, "dropout_p": dropout_p}
     name = backends.resolve("linear_bias_act", backend, inputs)
     if name == "reference":
         return _reference_linear_bias_act(x, w, b, activation, dropout_p)

@@ -7,7 +7,9 @@ Every mode runs on a *stepper* that turns the last token of each row into next-t
   per step through
   ``functional.attention_with_kv_cache``; cross-attention keys/values are projected once from
   the encoder output and attended with ``functional.scaled_dot_product_attention`` under the
-  source padding mask.  The per-step layer math is done from the layers' own parameters
+  source padding mask (or, when each source's padding is a suffix and the decoding attention
+  runs on a fused kernel, with ``attention_with_kv_cache`` over the first src-length keys: one
+  launch a step instead of SDPA's mask handling).  The per-step layer math is done from the layers' own parameters
   (``self_attn.in_proj_weight``, ``out_proj``, ``multihead_attn.*``, ``linear1/2``,
   ``norm1..3``, ``norm_first``, ``activation``) with the fused functional ops, so it works with
   torch.nn's layer classes and with transformer_fast.modules alike.
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _checks
+from .. import _checks, backends
 from .. import functional as tf
 from ..modules._semantics import backend_for
 from . import _validate
@@ -172,6 +174,24 @@ class CachedStepper:
         self.backend = {op: backend_for(op) for op in
                         ("attention_with_kv_cache", "scaled_dot_product_attention", "add_layer_norm",
                          "feed_forward")}
+        self.src_lengths = self._cross_attention_lengths(src_padding)
+
+    def _cross_attention_lengths(self, src_padding: torch.Tensor) -> torch.Tensor | None:
+        """(N,) int32 source lengths when every row's padding is a suffix and the decoding
+        attention runs on a fused kernel (one launch a call), else None: cross-attention then
+        goes through SDPA with the key_padding_mask.  One host read per decoding, not per step."""
+        n, s = src_padding.shape
+        if n == 0 or s == 0 or not self.layers:
+            return None
+        lengths = (~src_padding).sum(dim=1, dtype=torch.int32)  # (N,)
+        mem_k, mem_v = self.layers[0]["mem_k"], self.layers[0]["mem_v"]
+        inputs = {"q": mem_k[:, :, :1], "k_cache": mem_k, "v_cache": mem_v, "cache_seqlens": lengths,
+                  "k_new": None, "v_new": None}
+        name = backends.resolve("attention_with_kv_cache", self.backend["attention_with_kv_cache"], inputs)
+        if name in ("torch", "reference"):  # their decoding path is SDPA plus more mask handling
+            return None
+        suffix = torch.arange(s, device=src_padding.device) >= lengths[:, None]  # (N, S)
+        return lengths if torch.equal(suffix, src_padding) else None
 
     def _self_attention(self, layer, cache, h):
         sa = layer.self_attn
@@ -189,10 +209,16 @@ class CachedStepper:
     def _cross_attention(self, layer, cache, h):
         ca = layer.multihead_attn
         q = _heads(F.linear(h, *cache["cross_q"]), ca.num_heads)  # (N, H, 1, Dh)
-        out = tf.scaled_dot_product_attention(
-            q, cache["mem_k"], cache["mem_v"], key_padding_mask=self.src_padding,
-            backend=self.backend["scaled_dot_product_attention"],
-        )
+        if self.src_lengths is not None:
+            # The memory as a read-only cache of src_lengths keys per row: one decoding kernel,
+            # where SDPA with a key_padding_mask on the torch path is ~6 (mask, dead rows, ...).
+            out = tf.attention_with_kv_cache(q, cache["mem_k"], cache["mem_v"], self.src_lengths,
+                                            backend=self.backend["attention_with_kv_cache"])
+        else:
+            out = tf.scaled_dot_product_attention(
+                q, cache["mem_k"], cache["mem_v"], key_padding_mask=self.src_padding,
+                backend=self.backend["scaled_dot_product_attention"],
+            )
         return ca.out_proj(_merge_heads(out))  # (N, 1, d)
 
     def _layer(self, layer, cache, x):
@@ -220,8 +246,11 @@ class CachedStepper:
     def _decoder_step(self, x: torch.Tensor) -> torch.Tensor:
         """Embedded tokens (N, 1, d) -> next-token logits (N, V), the caches one step longer."""
         model = self.model
-        for layer, cache in zip(model.decoder.layers, self.layers):
-            x = self._layer(layer, cache, x)
+        # The cache lengths are this stepper's own (bounded by max_len before every step): no
+        # device-side bounds assert, which is 5 more kernels per attention call on a GPU.
+        with _checks.trusted_values():
+            for layer, cache in zip(model.decoder.layers, self.layers):
+                x = self._layer(layer, cache, x)
         if model.decoder.norm is not None:
             x = _layer_norm(x, model.decoder.norm)
         self.seqlens += 1  # the caller of attention_with_kv_cache advances the lengths
