@@ -266,7 +266,7 @@ def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_sc
                BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, FOLD_SCALE: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_nb = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -287,16 +287,25 @@ def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_sc
         else:
             kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
         s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
-        s = s * qk_scale
-        if DIAG or (MASK_KIND != 0) or HAS_KPM:
-            s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
-                             KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64, PRECISE)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+        if FOLD_SCALE and not (DIAG or (MASK_KIND != 0) or HAS_KPM):
+            # Unmasked block, scale >= 0 in the log2 domain: the row max of the raw scores times
+            # the scale (rounding is monotone), then one FMA per score inside exp2, instead of
+            # a multiply per score whose result the max and the exponent both read (the
+            # softmax's FP32 work is serialised with the MMAs: benchmarks/NOTES.md).
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_use = m_new
-        p = _exp_sub(s, m_use[:, None], PRECISE)
+            p = tl.exp2(s * qk_scale - m_use[:, None])
+        else:
+            s = s * qk_scale
+            if DIAG or (MASK_KIND != 0) or HAS_KPM:
+                s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
+                                 KPMb, s_kpn, DIAG, DIAG and IS_CAUSAL, MASK_KIND, HAS_KPM, OFF64, PRECISE)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = m_new
+            p = _exp_sub(s, m_use[:, None], PRECISE)
         alpha = _exp_sub(m_i, m_use, PRECISE)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -326,7 +335,7 @@ def _attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
     PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     n_mb = tl.cdiv(Lq, BLOCK_M)
@@ -380,17 +389,20 @@ def _attn_fwd_kernel(
                                    qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                                   FOLD_SCALE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, a, full, Lq, Lk,
                                qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                               False, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+                               False, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                               FOLD_SCALE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk,
                                qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                               FOLD_SCALE)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -1120,7 +1132,7 @@ def attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal: bool, scale: 
             *c.am_strides, *c.kpm_strides,
             H, c.group, Lq, c.Lk, c.qk_scale, c.drop_thr, c.drop_scale,
             c.lq_key, c.lk_key,
-            **c.flags(), **meta,
+            **c.flags(), **meta, FOLD_SCALE=not c.precise and c.qk_scale >= 0.0,
         )
     return out, lse
 

@@ -85,22 +85,30 @@ MAX_SPLITS = 128
 
 
 @triton.jit
-def _kv_append_kernel(SRC, DST, SEQLENS, ssb, ssh, ssn, sdb, sdh, sdn, Hkv, L_new, L_max,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+def _kv_append_kernel(SK, DK, SV, DV, SEQLENS, sk_b, sk_h, sk_n, dk_b, dk_h, dk_n,
+                      sv_b, sv_h, sv_n, dv_b, dv_h, dv_n, Hkv, L_new, L_max, DIM_K, DIM_V,
+                      BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Grid axis 2 picks the tensor: 0 appends keys, 1 values (one launch for both).
     pid = tl.program_id(0)
     tb = tl.program_id(1)
-    b = pid // Hkv
-    h = pid % Hkv
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    start = tl.load(SEQLENS + b)
+    b64 = (pid // Hkv).to(tl.int64)
+    h64 = (pid % Hkv).to(tl.int64)
+    if tl.program_id(2) == 0:
+        src_base = SK + b64 * sk_b + h64 * sk_h
+        dst_base = DK + b64 * dk_b + h64 * dk_h
+        ssn, sdn, dim = sk_n, dk_n, DIM_K
+    else:
+        src_base = SV + b64 * sv_b + h64 * sv_h
+        dst_base = DV + b64 * dv_b + h64 * dv_h
+        ssn, sdn, dim = sv_n, dv_n, DIM_V
+    start = tl.load(SEQLENS + b64)
     offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     pos = start + offs_t
     ok = (offs_t < L_new) & (pos >= 0) & (pos < L_max)
-    mask = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    src = SRC + b64 * ssb + h64 * ssh + offs_t[:, None].to(tl.int64) * ssn + offs_d[None, :]
-    dst = DST + b64 * sdb + h64 * sdh + pos[:, None].to(tl.int64) * sdn + offs_d[None, :]
+    mask = ok[:, None] & (offs_d < dim)[None, :]
+    src = src_base + offs_t[:, None].to(tl.int64) * ssn + offs_d[None, :]
+    dst = dst_base + pos[:, None].to(tl.int64) * sdn + offs_d[None, :]
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
@@ -382,15 +390,18 @@ def _device_guard(t: torch.Tensor):
 # Launchers
 
 
-def _append(src: torch.Tensor, dst: torch.Tensor, seqlens: torch.Tensor) -> None:
-    B, Hkv, L_new, D = src.shape
-    L_max = dst.shape[2]
-    block_d = max(16, triton.next_power_of_2(D))
+def _append(pairs, seqlens: torch.Tensor) -> None:
+    """Copy each (src (B, Hkv, L_new, D), dst cache) pair's rows to positions seqlens[b] + t:
+    one launch for up to two pairs (keys and values)."""
+    (sk, dk), (sv, dv) = pairs[0], pairs[-1]
+    B, Hkv, L_new, _ = sk.shape
+    L_max = dk.shape[2]
+    block_d = max(16, triton.next_power_of_2(max(sk.shape[3], sv.shape[3])))
     block_t = max(1, min(triton.next_power_of_2(L_new), max(1, 4096 // block_d)))
-    grid = (B * Hkv, triton.cdiv(L_new, block_t))
+    grid = (B * Hkv, triton.cdiv(L_new, block_t), len(pairs))
     _kv_append_kernel[grid](
-        src, dst, seqlens, *src.stride()[:3], *dst.stride()[:3], Hkv, L_new, L_max,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4,
+        sk, dk, sv, dv, seqlens, *sk.stride()[:3], *dk.stride()[:3], *sv.stride()[:3], *dv.stride()[:3],
+        Hkv, L_new, L_max, sk.shape[3], sv.shape[3], BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4,
     )
 
 
@@ -431,11 +442,13 @@ def attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new
             assert k_new.device == q.device and v_new.device == q.device
             if L_new > 0 and B * Hkv > 0:
                 k_new, v_new = _unit_last(k_new), _unit_last(v_new)
-                for src, dst in ((k_new, k_cache), (v_new, v_cache)):
-                    if dst.stride(-1) == 1:
-                        _append(src, dst, seqlens)
-                    else:
+                pairs = [(k_new, k_cache), (v_new, v_cache)]
+                for src, dst in pairs:
+                    if dst.stride(-1) != 1:
                         _torch_append(src, dst, seqlens)
+                pairs = [(src, dst) for src, dst in pairs if dst.stride(-1) == 1]
+                if pairs:
+                    _append(pairs, seqlens)
         if out.numel() == 0:
             return out
         if L_max == 0:

@@ -113,3 +113,15 @@ def test_cuda_attention_harness_builds_from_the_current_csrc():
     ptxas = (ROOT / "benchmarks" / "cuda_attn" / "ptxas.txt").read_text()
     for kernel in ("fwd_kernel", "fwd_wgmma_kernel", "fwd_dense_kernel", "fwd_wgmma_dense_kernel"):
         assert kernel in ptxas, kernel
+
+
+def test_recheck_list_names_existing_tests():
+    """Every node id in benchmarks/gpu_recheck.txt is collected (a renamed test or a parameter
+    added since would otherwise vanish from the recheck step unnoticed: pytest would stop with
+    'not found' and run none of them)."""
+    ids = [line.strip() for line in (ROOT / "benchmarks" / "gpu_recheck.txt").read_text().splitlines()
+           if line.strip() and not line.startswith("#")]
+    assert ids
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider",
+                           *ids], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -277,12 +277,20 @@ def test_kv_cache_attention_sweep(D, dtype, L_new, with_new):
         check(*inputs, num_splits=splits, context=f"D{D} {dtype} L{L_new} splits {splits}")
 
 
-def test_cache_without_unit_last_stride():
-    """A cache whose last stride is not 1 (slow path: torch append, contiguous read copy)."""
-    B, H, Hkv, L_new, L_max, D = 2, 2, 1, 2, 21, 16
-    q, _, _, seqlens, k_new, v_new = make_case(B, H, Hkv, L_new, L_max, D, F32, [0, 19], True, seed=13)
+@pytest.mark.parametrize("strided", ["both", "k", "v"])
+def test_cache_without_unit_last_stride(strided):
+    """A cache whose last stride is not 1 (slow path: torch append, contiguous read copy); with
+    one such cache the other is appended by the kernel alone (a value head dim of its own)."""
+    B, H, Hkv, L_new, L_max, D, Dv = 2, 2, 1, 2, 21, 16, 32
+    q, _, _, seqlens, k_new, v_new = make_case(B, H, Hkv, L_new, L_max, D, F32, [0, 19], True, Dv=Dv,
+                                               seed=13)
     g = torch.Generator().manual_seed(14)
-    k_cache = torch.randn(B, Hkv, D, L_max, generator=g).to(DEVICE).transpose(2, 3)
-    v_cache = torch.randn(B, Hkv, D, L_max, generator=g).to(DEVICE).transpose(2, 3)
-    assert k_cache.stride(-1) != 1
-    check(q, k_cache, v_cache, seqlens, k_new, v_new, num_splits=2, context="last stride != 1")
+
+    def cache(dim, transposed):
+        if transposed:
+            return torch.randn(B, Hkv, dim, L_max, generator=g).to(DEVICE).transpose(2, 3)
+        return torch.randn(B, Hkv, L_max, dim, generator=g).to(DEVICE)
+
+    k_cache, v_cache = cache(D, strided != "v"), cache(Dv, strided != "k")
+    assert (k_cache.stride(-1) != 1) == (strided != "v") and (v_cache.stride(-1) != 1) == (strided != "k")
+    check(q, k_cache, v_cache, seqlens, k_new, v_new, num_splits=2, context=f"last stride != 1 ({strided})")
