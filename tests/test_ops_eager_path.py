@@ -153,3 +153,52 @@ def test_outputs_can_be_modified_in_place_like_torch_ops(route):
             got = torch.autograd.grad(out.sum(), leaves)
         for a, c in zip(got, expected):
             torch.testing.assert_close(a, c)
+
+
+class _CountFills(TorchDispatchMode):
+    """Counts the tensors autograd (or anything) fills with a constant: the zero gradients it
+    makes for outputs that took no part in the loss, when a backward asks for them."""
+
+    FILLS = {"zeros", "zeros_like", "fill_", "zero_", "new_zeros", "full", "full_like"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in self.FILLS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("prenorm, use", [(False, "y"), (True, "y"), (True, "h"), (True, "both")])
+def test_backward_makes_no_zero_gradients_for_unused_outputs(prenorm, use):
+    """The fused ops' extra outputs (add_layer_norm's mean / rstd / post-LN placeholder,
+    attention's lse) never get a gradient: autograd must not make zero tensors for them (on a
+    GPU a memset kernel each, per layer and step).  An unused prenorm output still works."""
+    require_backend("cpu")
+    backend = "cpu"
+    x, r, w, b = _ln_inputs(requires_grad=True)
+    out = F.add_layer_norm(x, r, w, b, prenorm=prenorm, backend=backend)
+    y, h = out if prenorm else (out, None)
+    loss = {"y": y.sum(), "h": h.sum() if h is not None else None,
+            "both": y.sum() + (h * 2).sum() if h is not None else None}[use]
+    with _CountFills() as mode:
+        grads = torch.autograd.grad(loss, [x, r, w, b], allow_unused=True)
+    assert mode.count == (1 if use == "h" else 0)  # "h" alone: dy is made once, as zeros
+    with torch.enable_grad():
+        xr, rr, wr, br = (t.detach().double().requires_grad_() for t in (x, r, w, b))
+        yr = torch.nn.functional.layer_norm(xr + rr, (24,), wr, br, 1e-5)
+        hr = xr + rr
+        ref_loss = {"y": yr.sum(), "h": hr.sum(), "both": yr.sum() + (hr * 2).sum()}[use]
+        expected = torch.autograd.grad(ref_loss, [xr, rr, wr, br], allow_unused=True)
+    for got, want in zip(grads, expected):
+        if want is None:
+            assert got is None or not got.any()
+        else:
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+    q = torch.randn(2, 3, 5, 16, requires_grad=True)
+    o = F.scaled_dot_product_attention(q, q, q, backend=backend)
+    with _CountFills() as mode:
+        torch.autograd.grad(o.sum(), q)
+    assert mode.count == 0

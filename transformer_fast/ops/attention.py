@@ -125,9 +125,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, rng)
     ctx.flags = (is_causal, scale, dropout_p, allow_tf32, backend)
     ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
+    ctx.set_materialize_grads(False)  # lse never gets a gradient: no zero (B, H, Lq) tensor for it
 
 
 def _backward(ctx, dout, dlse):
+    if dout is None:  # the output took no part in the loss
+        return (None,) * 11
     if ctx.mask_needs_grad:
         raise NotImplementedError(
             "attn_mask: the fused attention kernels do not compute the gradient of a float "

@@ -150,6 +150,9 @@ def _setup_context(ctx, inputs, output):
     ctx.prenorm = prenorm
     ctx.backend = backend
     ctx.eps = eps
+    # mean / rstd never get a gradient, nor the (0,) placeholder of a post-LN call: no zero
+    # tensors (a memset kernel each on a GPU) are made for them.
+    ctx.set_materialize_grads(False)
 
 
 def _recorded_backward(ctx, dy, dh, x, residual, weight, bias, rng):
@@ -169,8 +172,12 @@ def _backward(ctx, dy, dh, dmean, drstd):
     x, residual, weight, bias, mean, rstd, rng = ctx.saved_tensors
     if not ctx.prenorm:
         dh = None  # the gradient of the placeholder (0,) output
+    if dy is None and dh is None:  # neither output took part in the loss
+        return (None,) * 9
     if recording_backward():
         return _recorded_backward(ctx, dy, dh, x, residual, weight, bias, rng)
+    if dy is None:  # pre-LN, only the residual sum used
+        dy = torch.zeros_like(x)
     dx, dres, dw, db = call(add_layer_norm_bwd, _add_layer_norm_bwd_impl,
                             dy, dh, x, residual, weight, bias, mean, rstd, ctx.dropout_p, rng, ctx.backend)
     if ctx.dropout_p == 0.0:
