@@ -116,12 +116,9 @@ def test_auto_gives_long_key_padded_sdpa_to_triton():
         assert backends.auto_order(sdpa, "cuda", inputs) == default
 
 
-@pytest.mark.parametrize("kwargs, key, want", [
-    (dict(dropout_p=0.25), "dropout_p", 0.25),
-    (dict(is_causal=True), "is_causal", True),
-])
-def test_functional_sdpa_passes_its_flags_to_the_selection(monkeypatch, kwargs, key, want):
-    """What AUTO_RULES read (dropout, causal) reaches backends.resolve."""
+@pytest.fixture
+def selection_inputs(monkeypatch):
+    """The inputs dict the functional ops hand to backends.resolve (what AUTO_RULES read)."""
     seen = {}
     real = backends.resolve
 
@@ -130,9 +127,18 @@ def test_functional_sdpa_passes_its_flags_to_the_selection(monkeypatch, kwargs, 
         return real(op, backend, inputs)
 
     monkeypatch.setattr(backends, "resolve", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kwargs, key, want", [
+    (dict(dropout_p=0.25), "dropout_p", 0.25),
+    (dict(is_causal=True), "is_causal", True),
+])
+def test_functional_sdpa_passes_its_flags_to_the_selection(selection_inputs, kwargs, key, want):
+    """What AUTO_RULES read (dropout, causal) reaches backends.resolve."""
     q = torch.randn(1, 2, 3, 16)
     F.scaled_dot_product_attention(q, q, q, backend="torch", **kwargs)
-    assert seen[key] == want
+    assert selection_inputs[key] == want
 
 
 def test_auto_falls_through_unsupported_dtype():
@@ -282,18 +288,10 @@ def test_auto_gives_relu_inference_ffn_to_cuda(op):
 
 
 @pytest.mark.parametrize("op", ["feed_forward", "linear_bias_act"])
-def test_functional_ffn_passes_activation_and_dropout_to_the_selection(monkeypatch, op):
-    seen = {}
-    real = backends.resolve
-
-    def spy(name, backend, inputs):
-        seen.update(inputs)
-        return real(name, backend, inputs)
-
-    monkeypatch.setattr(backends, "resolve", spy)
+def test_functional_ffn_passes_activation_and_dropout_to_the_selection(selection_inputs, op):
     x, w = torch.randn(3, 8), torch.randn(8, 8)
     if op == "feed_forward":
         F.feed_forward(x, w, None, w, None, activation="relu", dropout_p=0.25, backend="torch")
     else:
         F.linear_bias_act(x, w, None, activation="relu", dropout_p=0.25, backend="torch")
-    assert seen["activation"] == "relu" and seen["dropout_p"] == 0.25
+    assert selection_inputs["activation"] == "relu" and selection_inputs["dropout_p"] == 0.25
