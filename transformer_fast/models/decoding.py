@@ -8,9 +8,9 @@ Every mode runs on a *stepper* that turns the last token of each row into next-t
   ``functional.attention_with_kv_cache``; cross-attention keys/values are projected once from
   the encoder output and attended with ``functional.scaled_dot_product_attention`` under the
   source padding mask (or, when each source's padding is a suffix and the decoding attention
-  runs on a fused kernel, with ``attention_with_kv_cache`` over the first src-length keys: one
-  launch a step instead of SDPA's mask handling).  The per-step layer math is done from the layers' own parameters
-  (``self_attn.in_proj_weight``, ``out_proj``, ``multihead_attn.*``, ``linear1/2``,
+  runs on a fused kernel, with ``attention_with_kv_cache`` over each source's keys: one launch
+  a step instead of SDPA's mask handling).  The per-step layer math is done from the layers'
+  own parameters (``self_attn.in_proj_weight``, ``out_proj``, ``multihead_attn.*``, ``linear1/2``,
   ``norm1..3``, ``norm_first``, ``activation``) with the fused functional ops, so it works with
   torch.nn's layer classes and with transformer_fast.modules alike.
 - ``UncachedStepper``: re-runs the whole decoder on the prefix every step (the baseline that
