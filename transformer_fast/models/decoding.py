@@ -211,7 +211,7 @@ class CachedStepper:
         q = _heads(F.linear(h, *cache["cross_q"]), ca.num_heads)  # (N, H, 1, Dh)
         if self.src_lengths is not None:
             # The memory as a read-only cache of src_lengths keys per row: one decoding kernel,
-            # where SDPA with a key_padding_mask on the torch path is ~6 (mask, dead rows, ...).
+            # where SDPA with a key_padding_mask on the torch path is ~7 (mask, dead rows, ...).
             out = tf.attention_with_kv_cache(q, cache["mem_k"], cache["mem_v"], self.src_lengths,
                                             backend=self.backend["attention_with_kv_cache"])
         else:
