@@ -180,13 +180,21 @@ def time_gpu(fn: Callable[[], object], cudagraph: bool = False, quick: bool = Fa
     fn()
     torch.cuda.synchronize()
     one_ms = (time.perf_counter() - start) * 1e3
+    if quick and one_ms >= SLOW_CALL_MS:
+        # Whole-model calls (greedy decoding, 0.1-2 s each): do_bench adds 5 estimating calls
+        # and a warm-up to its repeats (11 calls a row for 3 repeats, 15-43 s per eager decoding
+        # row in H100 run 5).  --quick: the timed call above and two more, wall clock around a
+        # synchronize (microseconds against a call of 100 ms or more); median, min, max.
+        times = [one_ms]
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        times.sort()
+        return times[1], times[0], times[2], "wall clock, 3 calls"
     # do_bench repeats for ``rep`` ms: ask for at least ~10 calls so the quantiles mean something
     rep = max(50 if quick else 100, min(10 * one_ms, 5000))  # slow calls: at least ~5 of them
-    if quick and one_ms >= SLOW_CALL_MS:
-        # Whole-model calls (greedy decoding, 0.1-2 s each): do_bench adds 5 estimating calls and
-        # a warm-up to its repeats; ~10 repeats made ~20 s a row, which kept a GPU run's decoding
-        # rows from finishing.  --quick: 3 repeats.
-        rep = 3.5 * one_ms
     if cudagraph:
         try:
             q = triton.testing.do_bench_cudagraph(fn, rep=max(20, rep / 2), quantiles=QUANTILES)

@@ -405,3 +405,22 @@ def test_ops_run_in_the_order_given(tmp_path):
     # ours:auto, what a user gets without choosing a backend, is an end-to-end row of its own
     auto = [r for r in rows if r["provider"] == "ours:auto"]
     assert auto and all(r["median_ms"] for r in auto), auto
+
+
+def test_quick_gpu_timing_of_slow_calls_makes_four_calls(monkeypatch):
+    """--quick on a GPU: a call of 100 ms or more (whole-model decoding) runs a warm-up and
+    three timed calls (do_bench would add 5 estimating calls and a warm-up: 11 in all)."""
+    import time
+
+    from benchmarks import common
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.11)
+
+    median, low, high, timer = common.time_gpu(fn, quick=True)
+    assert len(calls) == 4 and timer == "wall clock, 3 calls"
+    assert 100 <= low <= median <= high < 1000
