@@ -456,6 +456,34 @@ def test_step_makes_no_value_check(monkeypatch):
             step(torch.full((2,), 3))
 
 
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_step_launches_no_mask_handling_on_fused_backends():
+    """With right-padded sources and a fused decoding backend, a step is GEMMs, the fused ops
+    and the embedding: none of the ops of SDPA's key-padding handling (mask inversion, dead
+    rows, revive, zeroing) or of the bounds checks (each a kernel on a GPU)."""
+    fresh_seed()
+    model = small_model(nhead=2)
+    src = ragged_src([5, 2, 4])
+    with use_backend("cpu"), _inference_of(model):
+        step = CachedStepper(model, *model.encode(src), 4)
+        step(torch.full((3,), BOS))
+        with _OpNames() as mode:
+            step(torch.full((3,), 3))
+    plumbing = {"bitwise_not", "bitwise_or", "any", "all", "where", "masked_fill", "ge", "le", "lt",
+                "_assert_async", "min", "max", "arange", "scaled_dot_product_attention"}
+    assert not mode.names & plumbing, sorted(mode.names & plumbing)
+    assert "attention_with_kv_cache" in mode.names
+
+
 def _inference_of(model):
     from transformer_fast.models.decoding import _inference
 
