@@ -297,6 +297,15 @@ def _decode_jobs(dtypes=DTYPES, quick=False):
                                                           num_splits=nsplit)
                         jobs += _jobs_from(rec, f"decode {dt}{' tf32' if tf32 else ''} D={D} L_new={L_new} "
                                                 f"H={H} Hkv={Hkv} splits={nsplit}")
+        # Key head dim 1 with a value head dim of its own: the append kernel then gets keys
+        # whose row stride and width are the constant 1 and values whose are not (one launch
+        # appends both, so its two branches must compile with differently specialised arguments).
+        q, kc, vc = _meta(B, 4, 1, 1, dtype=_dt(dt)), _meta(B, 4, L_max, 1, dtype=_dt(dt)), _meta(B, 4, L_max, 32, dtype=_dt(dt))
+        kn, vn = _meta(B, 4, 1, 1, dtype=_dt(dt)), _meta(B, 4, 1, 32, dtype=_dt(dt))
+        rec = []
+        with _recording(K, ("_decode_fwd_kernel", "_decode_combine_kernel", "_kv_append_kernel"), rec):
+            K.attention_with_kv_cache_fwd(q, kc, vc, _meta(B, dtype=torch.int32), kn, vn, 1.0, False, num_splits=1)
+        jobs += _jobs_from(rec, f"decode {dt} append D=1 Dv=32")
     return jobs
 
 

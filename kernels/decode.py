@@ -88,27 +88,28 @@ MAX_SPLITS = 128
 def _kv_append_kernel(SK, DK, SV, DV, SEQLENS, sk_b, sk_h, sk_n, dk_b, dk_h, dk_n,
                       sv_b, sv_h, sv_n, dv_b, dv_h, dv_n, Hkv, L_new, L_max, DIM_K, DIM_V,
                       BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
-    # Grid axis 2 picks the tensor: 0 appends keys, 1 values (one launch for both).
+    # Grid axis 2 picks the tensor: 0 appends keys, 1 values (one launch for both).  Each branch
+    # builds its whole pointer blocks and mask, whose types are the same in both (a stride or
+    # head dim alone may be specialised differently per tensor: an int32, int64 or constant 1).
     pid = tl.program_id(0)
     tb = tl.program_id(1)
     b64 = (pid // Hkv).to(tl.int64)
     h64 = (pid % Hkv).to(tl.int64)
-    if tl.program_id(2) == 0:
-        src_base = SK + b64 * sk_b + h64 * sk_h
-        dst_base = DK + b64 * dk_b + h64 * dk_h
-        ssn, sdn, dim = sk_n, dk_n, DIM_K
-    else:
-        src_base = SV + b64 * sv_b + h64 * sv_h
-        dst_base = DV + b64 * dv_b + h64 * dv_h
-        ssn, sdn, dim = sv_n, dv_n, DIM_V
     start = tl.load(SEQLENS + b64)
     offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     pos = start + offs_t
     ok = (offs_t < L_new) & (pos >= 0) & (pos < L_max)
-    mask = ok[:, None] & (offs_d < dim)[None, :]
-    src = src_base + offs_t[:, None].to(tl.int64) * ssn + offs_d[None, :]
-    dst = dst_base + pos[:, None].to(tl.int64) * sdn + offs_d[None, :]
+    t64 = offs_t[:, None].to(tl.int64)
+    p64 = pos[:, None].to(tl.int64)
+    if tl.program_id(2) == 0:
+        mask = ok[:, None] & (offs_d < DIM_K)[None, :]
+        src = SK + b64 * sk_b + h64 * sk_h + t64 * sk_n + offs_d[None, :]
+        dst = DK + b64 * dk_b + h64 * dk_h + p64 * dk_n + offs_d[None, :]
+    else:
+        mask = ok[:, None] & (offs_d < DIM_V)[None, :]
+        src = SV + b64 * sv_b + h64 * sv_h + t64 * sv_n + offs_d[None, :]
+        dst = DV + b64 * dv_b + h64 * dv_h + p64 * dv_n + offs_d[None, :]
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
