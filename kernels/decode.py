@@ -443,13 +443,14 @@ def attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new
             assert k_new.device == q.device and v_new.device == q.device
             if L_new > 0 and B * Hkv > 0:
                 k_new, v_new = _unit_last(k_new), _unit_last(v_new)
-                pairs = [(k_new, k_cache), (v_new, v_cache)]
-                for src, dst in pairs:
-                    if dst.stride(-1) != 1:
+                fused = []
+                for src, dst in ((k_new, k_cache), (v_new, v_cache)):
+                    if dst.stride(-1) == 1:
+                        fused.append((src, dst))
+                    else:
                         _torch_append(src, dst, seqlens)
-                pairs = [(src, dst) for src, dst in pairs if dst.stride(-1) == 1]
-                if pairs:
-                    _append(pairs, seqlens)
+                if fused:
+                    _append(fused, seqlens)
         if out.numel() == 0:
             return out
         if L_max == 0:

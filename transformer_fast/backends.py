@@ -82,12 +82,16 @@ def _sdpa_key_padding_16bit_long(inputs: Mapping[str, object]) -> bool:
             and inputs.get("attn_mask") is None and not inputs.get("is_causal"))
 
 
+def inputs_need_grad(inputs: Mapping[str, object]) -> bool:
+    """Whether autograd will record the call: grad mode on and a tensor input requires grad."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in inputs.values())
+
+
 def _relu_inference(inputs: Mapping[str, object]) -> bool:
     """A relu FFN / linear without dropout whose result needs no gradient (inference)."""
-    if inputs.get("activation") != "relu" or inputs.get("dropout_p"):
-        return False
-    tensors = [t for t in inputs.values() if isinstance(t, torch.Tensor)]
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    return (inputs.get("activation") == "relu" and not inputs.get("dropout_p")
+            and not inputs_need_grad(inputs))
 
 
 # Orders for particular inputs, checked before AUTO_ORDER: (device type, op) -> [(applies, order)].

@@ -359,9 +359,7 @@ def _fused_kv_cache_support(backend):
         q, v_cache = inputs["q"], inputs["v_cache"]
         reasons = _checks.kernel_dtype_reasons(backend, q=q)
         reasons += _head_dim_reasons(backend, q.shape[-1], v_cache.shape[-1])
-        if torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in inputs.values()
-        ):
+        if backends.inputs_need_grad(inputs):
             reasons.append(f"{backend} decoding is inference only (an input requires grad)")
         return reasons
 
@@ -392,9 +390,7 @@ def _cxx_kv_cache_support(backend):
         d, dv = q.shape[-1], v_cache.shape[-1]
         if not (1 <= d <= 256 and 1 <= dv <= 256):
             reasons.append(f"{backend} supports head dims 1..256; got {d} (q) and {dv} (v_cache)")
-        if torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in inputs.values()
-        ):
+        if backends.inputs_need_grad(inputs):
             reasons.append(f"{backend} decoding is inference only (an input requires grad)")
         return reasons + _kv_cache_built(backend)
 
