@@ -223,14 +223,18 @@ def _sequence_logprob(model, src_row, seq):
     return float(sum(logp[t, s] for t, s in enumerate(seq)))
 
 
-def test_wide_beam_finds_the_exhaustive_best():
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+def test_wide_beam_finds_the_exhaustive_best(length_penalty):
     """With more beams than live prefixes the search is exhaustive: it must return the best of
-    all hypotheses (ending in eos, or max_len long).  length_penalty=0 (raw log-probabilities)."""
+    all hypotheses (ending in eos, or max_len long) by sum(log p) / length ** length_penalty.
+    With length_penalty > 0 a longer hypothesis may overtake a finished one, so the beam is
+    wider than the count of finished hypotheses (15): the stop waits for beam_size of them."""
     seed = fresh_seed()
     model = small_model(vocab=5).double()  # symbols 3, 4 and eos
     src = ragged_src([4, 2], vocab=5)
     max_len = 4
-    found = beam_search(model, src, beam_size=8, max_len=max_len, length_penalty=0.0)
+    beam = 8 if length_penalty == 0.0 else 64
+    found = beam_search(model, src, beam_size=beam, max_len=max_len, length_penalty=length_penalty)
     for b in range(2):
         hyps = []
         for n in range(1, max_len + 1):
@@ -238,7 +242,7 @@ def test_wide_beam_finds_the_exhaustive_best():
                 hyps.append(list(body) + [EOS])
             if n == max_len:
                 hyps += [list(body) for body in itertools.product([3, 4], repeat=n)]
-        scores = [_sequence_logprob(model, src[b : b + 1], h) for h in hyps]
+        scores = [_sequence_logprob(model, src[b : b + 1], h) / len(h) ** length_penalty for h in hyps]
         best = hyps[max(range(len(hyps)), key=scores.__getitem__)]
         row = [t for t in found[b].tolist()]
         row = row[: row.index(EOS) + 1] if EOS in row else row
@@ -566,6 +570,21 @@ def test_model_methods_take_cuda_graph():
                            model.sample(src, 8, top_k=3, generator=gen()))
     with pytest.raises(TypeError, match="cuda_graph"):
         model.greedy_decode(src, 4, cuda_graph="yes")
+
+
+@pytest.mark.parametrize("value", ["no", None, 1])
+def test_flags_must_be_bools(value):
+    """use_cache and share_embeddings are checked as cuda_graph is (the audit: "no" ran the
+    cached path, None the uncached one, "no" tied the embeddings)."""
+    model = small_model()
+    src = ragged_src([5, 2])
+    for call in (lambda: model.greedy_decode(src, 3, use_cache=value),
+                 lambda: model.beam_search(src, 2, 3, use_cache=value),
+                 lambda: model.sample(src, 3, use_cache=value)):
+        with pytest.raises(TypeError, match="use_cache"):
+            call()
+    with pytest.raises(TypeError, match="share_embeddings"):
+        Seq2SeqTransformer(11, 11, 16, 2, 1, 1, 32, share_embeddings=value)
 
 
 @pytest.mark.gpu

@@ -288,11 +288,13 @@ def test_accepted_integer_dtypes_work_or_are_rejected_by_name(dtype):
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-def test_beam_stops_early_at_the_first_winning_eos(use_cache):
-    """The documented early stop (Hugging Face's default): step 1 gives eos logit 2.0, token 3
-    logit 1.9, the rest -10; later steps: eos certain.  [eos] scores log p(eos) = -0.64 and beats
-    the live beam [3] at length 1 (-0.74), so the row stops, although [3, eos] would score
-    (-0.74 + ~0) / 2 = -0.37 with length_penalty=1; beam_size=1 stays greedy decoding."""
+def test_beam_stop_waits_for_beam_size_finished_hypotheses(use_cache):
+    """Hugging Face's default stop: step 1 gives eos logit 2.0, token 3 logit 1.9, the rest -10;
+    later steps: eos certain.  [eos] scores log p(eos) = -0.64 and beats the live beam [3] at
+    length 1 (-0.74), but with beam_size 2 the row holds one finished hypothesis, so it goes on:
+    [3, eos] scores (-0.74 + ~0) / 2 = -0.37 with length_penalty=1 and wins (the audit's case:
+    stopping at the first winning eos returned [eos]); with length_penalty=0 it scores -0.74 and
+    [eos] stays best.  beam_size=1 stops at the first eos: greedy decoding."""
     model = small_model()
 
     def hook(module, inputs, out):
@@ -308,14 +310,14 @@ def test_beam_stops_early_at_the_first_winning_eos(use_cache):
         return logits
 
     src = torch.tensor([[5, 6, 7]])
-    hook.calls = 0
     handle = model.generator.register_forward_hook(hook)
-    raw = beam_search(model, src, 2, 3, length_penalty=0.0, use_cache=use_cache)
-    assert raw.tolist() == [[EOS]]
-    hook.calls = 0
-    out = beam_search(model, src, 2, 3, length_penalty=1.0, use_cache=use_cache)
+    results = {}
+    for beam, alpha in ((2, 0.0), (2, 1.0), (1, 1.0)):
+        hook.calls = 0
+        results[beam, alpha] = beam_search(model, src, beam, 3, length_penalty=alpha,
+                                           use_cache=use_cache).tolist()
     handle.remove()
-    assert out.tolist() == [[EOS]]
+    assert results == {(2, 0.0): [[EOS]], (2, 1.0): [[3, EOS]], (1, 1.0): [[EOS]]}
 
 
 def test_tiny_subnormal_temperature_is_greedy_or_rejected():

@@ -691,7 +691,9 @@ def attention_with_kv_cache(
         (TRANSFORMER_FAST_CHECKS=0 disables the value check; skipped under torch.compile).
 
         Autograd flows to q, k_new and v_new (and to the caches' own history, if any); the
-        caches must not be leaf tensors that require grad.
+        caches must not be leaf tensors that require grad.  The fused backends (cpu, triton,
+        cuda) are inference only: with an input that requires grad (and grad mode on) ``auto``
+        runs reference / torch, and naming a fused backend raises BackendError.
 
     Returns:
         (B, H, Lq, Dv) in q's dtype.

@@ -352,8 +352,9 @@ class UncachedStepper:
 def _graph_default(cuda_graph, use_cache: bool, device: torch.device) -> bool:
     """cuda_graph=None: replay the cached step as a CUDA graph on a GPU (H100 run 5: the same
     tokens as eager decoding, 7-16x faster at the base model), eager elsewhere."""
+    use_cache = _checks.boolean("use_cache", use_cache)
     if cuda_graph is None:
-        return bool(use_cache) and device.type == "cuda"
+        return use_cache and device.type == "cuda"
     return _checks.boolean("cuda_graph", cuda_graph)
 
 
@@ -478,11 +479,11 @@ def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_p
     generated tokens, eos included; 0 ranks by the plain sum, > 0 favours longer outputs).
     Each step expands the ``beam_size`` live beams of every row, keeps the best ``beam_size``
     continuations that do not end in eos, and records the best finished hypothesis (an eos
-    among the top ``beam_size`` candidates).  A row stops once its best finished hypothesis
-    scores at least as high as its best live beam at the current length (the usual early stop,
-    as Hugging Face's default: with length_penalty > 0 a longer continuation that might still
-    overtake is not explored); at max_len the live beams compete too.  With beam_size=1 this is
-    greedy decoding.  The self-attention caches are reordered to each beam's parent every step
+    among the top ``beam_size`` candidates).  A row stops once it holds ``beam_size`` finished
+    hypotheses and the worst of them scores at least as high as its best live beam at the
+    current length (Hugging Face's default stop, early_stopping=False: with length_penalty > 0
+    a longer continuation that might still overtake is not explored); at max_len the live beams
+    compete too.  With beam_size=1 this is greedy decoding.  The self-attention caches are reordered to each beam's parent every step
     (index_select along batch * beam).  ``cuda_graph`` as in greedy_decode.
     Output layout as greedy_decode (eos kept, pad after it).
     """
@@ -511,6 +512,7 @@ def _beam_search(model, src, k, max_len, alpha, use_cache, cuda_graph=False):
     tokens = torch.full((n,), model.bos_id, dtype=torch.long, device=device)
     best = torch.full((b, max_len), model.pad_id, dtype=torch.long, device=device)
     best_score = torch.full((b,), neg_inf, device=device)  # normalised
+    finished = torch.full((b, k), neg_inf, device=device)  # (B, K) best K finished scores, normalised
     best_len = torch.zeros(b, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     rows = torch.arange(b, device=device)
@@ -532,6 +534,7 @@ def _beam_search(model, src, k, max_len, alpha, use_cache, cuda_graph=False):
         finishing = is_eos & (rank < k) & ~done[:, None] & torch.isfinite(top_s)
         fin_score = torch.where(finishing, top_s / norm, torch.full_like(top_s, neg_inf))
         fs, fj = fin_score.max(dim=-1)  # (B,)
+        finished = torch.cat([finished, fin_score], dim=1).topk(k, dim=-1).values
         better = fs > best_score
         if bool(better.any()):
             parent = rows * k + parent_beam[rows, fj]  # (B,)
@@ -547,11 +550,12 @@ def _beam_search(model, src, k, max_len, alpha, use_cache, cuda_graph=False):
         tokens = tok.gather(1, live_j).view(n)
         seqs = torch.cat([seqs[parent], tokens[:, None]], dim=1)
         scores = live_s
-        # The usual early stop (Hugging Face's default, early_stopping=False): the live beams are
-        # judged at the current length.  With length_penalty > 0 a longer continuation could still
-        # overtake (its bound would be score / max_len**alpha); stopping here keeps beam_size=1
-        # equal to greedy decoding and stops at the first eos that wins.
-        done |= best_score >= scores.max(dim=-1).values / norm
+        # Hugging Face's default stop (early_stopping=False): K finished hypotheses, the worst
+        # of them (-inf until there are K) against the best live beam at the current length.
+        # With length_penalty > 0 a longer continuation could still overtake (its bound would be
+        # score / max_len**alpha); judging at the current length keeps beam_size=1 equal to
+        # greedy decoding.
+        done |= finished[:, -1] >= scores.max(dim=-1).values / norm
         if bool(done.all()) or t == max_len - 1:
             break
         step.reorder(parent)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import _checks
 from . import _validate, decoding
 from ._layers import LayerNorm, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer
 from .embedding import ScaledEmbedding, SinusoidalPositionalEncoding
@@ -60,6 +61,7 @@ class Seq2SeqTransformer(nn.Module):
             raise ValueError(
                 f"pad_id, bos_id and eos_id must differ; got {pad_id}, {bos_id}, {eos_id}"
             )
+        share_embeddings = _checks.boolean("share_embeddings", share_embeddings)
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(
                 "share_embeddings needs one vocabulary: src_vocab_size == tgt_vocab_size; got "
