@@ -842,7 +842,7 @@ def test_expanded_cache_that_would_be_written_is_rejected(which):
 # ---- Findings of the 2026-11-25 audit
 
 
-@pytest.mark.parametrize("backend", backend_params("torch", "cpu", "triton"))
+@pytest.mark.parametrize("backend", backend_params("reference", "torch", "cpu", "triton", "cuda"))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 def test_float32_mask_keeps_its_precision_with_half_queries(backend, dtype):
     """torch's SDPA adds a float32 mask to half-precision scores without rounding it to the
@@ -863,6 +863,27 @@ def test_float32_mask_keeps_its_precision_with_half_queries(backend, dtype):
         backend=backend)
     assert got.dtype == dtype and got.device.type == torch.device(device).type
     tol = 4e-3 if dtype == torch.float16 else 3e-2  # one rounding of O(1) outputs
+    err = (got.cpu().double() - truth).abs().max()
+    assert err < tol, f"max error {float(err):.3g} >= {tol} ({backend}, {dtype}, {device})"
+
+
+@pytest.mark.parametrize("backend", backend_params("reference", "torch", "cpu", "triton", "cuda"))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_masked_softmax_float32_mask_keeps_its_precision(backend, dtype):
+    """As the SDPA op (above): a float32 mask on 16-bit scores is added in float32 on every
+    backend, the reference included (the 2026-11-28 audit: rounded to the scores' dtype, -1e5
+    became -inf in fp16 and a live row came out as zeros; the reference is also the oracle's
+    ref_lp)."""
+    device = _ready(backend)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    scores = torch.randn(2, 3, 5, 7, generator=g)
+    mask = -1e5 + 3 * torch.rand(5, 7, generator=g)  # past fp16's range, spread under bf16's step
+    mask[0] = 0.0
+    mask[1, 4] = 7e4
+    truth = torch.softmax(scores.double() + mask.double(), dim=-1)
+    got = tf.functional.masked_softmax(scores.to(dtype).to(device), mask.to(device), backend=backend)
+    assert got.dtype == dtype
+    tol = 4e-3 if dtype == torch.float16 else 3e-2
     err = (got.cpu().double() - truth).abs().max()
     assert err < tol, f"max error {float(err):.3g} >= {tol} ({backend}, {dtype}, {device})"
 
@@ -935,3 +956,31 @@ def test_tf32_switch_read_like_torch(how):
         torch.set_float32_matmul_precision(saved[2])
         if saved[0] == "none":
             matmul.fp32_precision = "none"
+
+
+# ---- Findings of the 2026-11-28 audit
+
+
+@pytest.mark.parametrize("backend", backend_params("reference", "torch", "cpu", "triton"))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_add_layer_norm_float32_bias_without_weight_differentiates(backend, dtype):
+    """weight None with a float32 bias on 16-bit x (allowed by the contract): torch's own
+    F.layer_norm backward raised "expected scalar type Half but found Float" on the torch path."""
+    device = _ready(backend)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    x, res = (torch.randn(6, 24, generator=g) for _ in range(2))
+    bias = torch.randn(24, generator=g)
+    up = torch.randn(6, 24, generator=g)
+    leaves = [x.to(dtype).to(device).requires_grad_(), res.to(dtype).to(device).requires_grad_(),
+              bias.to(device).requires_grad_()]
+    out = tf.functional.add_layer_norm(leaves[0], leaves[1], None, leaves[2], backend=backend)
+    grads = torch.autograd.grad(out, leaves, up.to(dtype).to(device))
+    want_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    want = tf.functional.add_layer_norm(want_leaves[0], want_leaves[1], None, want_leaves[2],
+                                        backend="reference")
+    want_grads = torch.autograd.grad(want, want_leaves, up.double())
+    tol = 2e-2 if dtype == torch.float16 else 1.5e-1  # O(1) values, a few roundings in 16-bit
+    for name, got_t, want_t in zip(("out", "dx", "dres", "dbias"), (out, *grads), (want, *want_grads)):
+        assert got_t.dtype == (torch.float32 if name == "dbias" else dtype), name
+        err = (got_t.detach().cpu().double() - want_t).abs().max()
+        assert err < tol * max(1.0, float(want_t.detach().abs().max())), (name, float(err), backend)

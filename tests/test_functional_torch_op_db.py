@@ -287,7 +287,7 @@ VARIANTS = {
     "head dim 0": (lambda: dict(query=_mk(B, H, LQ, 0), key=_mk(B, H, LK, 0)),
                    ("ours refuses", "head dimension", ">= 1")),
     "2-D query, key, value (L, D)": (lambda: dict(query=_mk(LQ, HD), key=_mk(LK, HD), value=_mk(LK, HD)),
-                                     ("ours refuses", "query", "(..., H, L, D)")),
+                                     "match"),
     "2-D key/value under a 4-D query": (lambda: dict(key=_mk(LK, HD), value=_mk(LK, HD)),
                                         ("ours refuses", "key", "(..., H, L, D)")),
     "gqa key heads 2, value heads 4": (

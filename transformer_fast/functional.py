@@ -59,6 +59,10 @@ def _torch_add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm):
         # x with float32 parameters, or one half and one float32 parameter, would raise there.
         pdt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         weight, bias = (None if p is None else p.to(pdt) for p in (weight, bias))
+        if weight is None and bias.dtype != x.dtype:
+            # torch's mixed-dtype backward fails with a float32 bias and no weight ("expected
+            # scalar type Half but found Float"): a weight of ones is exact.
+            weight = torch.ones_like(bias)
     summed = residual + F.dropout(x, dropout_p) if dropout_p > 0.0 else residual + x
     out = F.layer_norm(summed, (x.shape[-1],), weight, bias, eps)
     return (out, summed) if prenorm else out
@@ -243,12 +247,10 @@ def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
 
 def _mask_dtype(query, attn_mask, key_padding_mask):
     """The dtype float masks are added in: the query's, or float32 when a float mask comes in
-    another dtype (a float32 mask with fp16 / bf16 queries keeps its precision and range, as in
-    torch's SDPA, instead of being rounded, or overflowing to inf, in the query's dtype)."""
-    for m in (attn_mask, key_padding_mask):
-        if m is not None and m.is_floating_point() and m.dtype != query.dtype:
-            return torch.float32
-    return query.dtype
+    another dtype than fp16 / bf16 queries (a float32 mask keeps its precision and range, as in
+    torch's SDPA, instead of being rounded, or overflowing to inf, in the query's dtype).  The
+    reference applies the same rule."""
+    return reference._mask_compute_dtype(query, attn_mask, key_padding_mask)
 
 
 def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -485,7 +487,8 @@ def scaled_dot_product_attention(
 
     Args:
         query: (..., Hq, Lq, D) (or (N, Lq, D) without a head dimension; with ``enable_gqa``,
-            as in torch, N counts heads), float16/bfloat16/float32/float64.  Any strides.
+            as in torch, N counts heads; or (Lq, D) with key and value 2-D too),
+            float16/bfloat16/float32/float64.  Any strides.
         key: (..., Hkv, Lk, D), query's dtype and device; leading dimensions that broadcast with
             query's (as torch's: k, v shared across a size-1 dim, no copy).  Hkv == Hq, or with
             ``enable_gqa`` any divisor of Hq (key/value head h serves query heads
@@ -515,6 +518,14 @@ def scaled_dot_product_attention(
     Raises:
         TypeError / ValueError naming the argument for any malformed input, before computing.
     """
+    if all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (query, key, value)):
+        # (L, D) inputs, which torch's SDPA also takes: one sequence without heads.
+        if isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dim() == 1:
+            key_padding_mask = key_padding_mask[None]  # (S,) -> (1, S), as an unbatched MHA's
+        return scaled_dot_product_attention(
+            query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale,
+            enable_gqa, key_padding_mask=key_padding_mask, backend=backend,
+        )[0]
     if (enable_gqa is True and key_padding_mask is None
             and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (query, key, value))):
         # torch reads dim -3 of 3-D inputs as the heads under enable_gqa: one batch of heads.
@@ -748,16 +759,17 @@ def masked_softmax(scores, mask=None, *, scale=1.0, is_causal=False, dropout_p=0
         return reference.masked_softmax(scores, mask, scale, is_causal, dropout_p)
     if name == "torch":
         x = scores * scale if scale != 1.0 else scores
+        mask_dtype = _mask_dtype(scores, mask, None)
         combined = masks.combine(
             mask, is_causal, None, scores.shape[-2] if scores.dim() > 1 else 1, scores.shape[-1],
-            scores.dim(), scores.dtype, scores.device,
+            scores.dim(), mask_dtype, scores.device,
         )
         if combined is not None:
             if combined.dtype == torch.bool:
                 x = x.masked_fill(~combined, _NEG_INF)
             else:
-                x = x + combined
-        probs = _zero_dead_rows_softmax(x)
+                x = x.to(mask_dtype) + combined
+        probs = _zero_dead_rows_softmax(x).to(scores.dtype)
         return F.dropout(probs, dropout_p) if dropout_p > 0.0 else probs
     return _fused_masked_softmax(name, scores, mask, scale, is_causal, dropout_p)
 
@@ -771,7 +783,7 @@ def _fused_masked_softmax(name, scores, mask, scale, is_causal, dropout_p):
     if mask is not None:
         mask4 = mask.expand(shape).reshape(scores4.shape)
         if mask4.is_floating_point() and mask4.dtype != scores.dtype:
-            mask4 = mask4.to(scores.dtype)
+            mask4 = mask4.to(_mask_dtype(scores, mask4, None))  # the kernels read it in fp32
     rng = philox.new_rng(scores.device) if dropout_p > 0.0 else None
     out = _masked_softmax_op.masked_softmax(scores4, mask4, scale, is_causal, dropout_p, rng, name)
     return out.reshape(shape)

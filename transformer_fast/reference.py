@@ -99,8 +99,21 @@ def _causal_allowed(lq, lk, device, bottom_right=False):
     return cols <= rows + offset
 
 
+def _mask_compute_dtype(scores, *masks):
+    """float32 when 16-bit scores meet a float mask of another dtype (a float32 mask keeps its
+    precision and range, as in torch's SDPA and the fused kernels, instead of being rounded or
+    overflowing to -inf in fp16); else the scores' dtype."""
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        for m in masks:
+            if m is not None and m.is_floating_point() and m.dtype != scores.dtype:
+                return torch.float32
+    return scores.dtype
+
+
 def _apply_masks(scores, attn_mask=None, is_causal=False, key_padding_mask=None, bottom_right=False):
-    """Scores with removed keys set to -inf and float masks added."""
+    """Scores with removed keys set to -inf and float masks added (in float32 when
+    _mask_compute_dtype says so: the caller casts the probabilities back)."""
+    scores = scores.to(_mask_compute_dtype(scores, attn_mask, key_padding_mask))
     lk = scores.shape[-1]
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
@@ -137,7 +150,7 @@ def masked_softmax(scores, mask=None, scale=1.0, is_causal=False, dropout_p=0.0,
     """
     scaled = scores * scale
     masked = _apply_masks(scaled, mask, is_causal)
-    probs = _softmax_zero_dead_rows(masked)
+    probs = _softmax_zero_dead_rows(masked).to(scores.dtype)
     return _dropout(probs, dropout_p, keep)
 
 
@@ -171,8 +184,8 @@ def scaled_dot_product_attention(
         value = value.repeat_interleave(group, dim=-3)
     scores = query @ key.transpose(-2, -1)
     scores = scores * scale
-    scores = _apply_masks(scores, attn_mask, is_causal, key_padding_mask, causal_bottom_right)
-    probs = _softmax_zero_dead_rows(scores)
+    masked = _apply_masks(scores, attn_mask, is_causal, key_padding_mask, causal_bottom_right)
+    probs = _softmax_zero_dead_rows(masked).to(scores.dtype)
     probs = _dropout(probs, dropout_p, keep)
     return probs @ value
 
