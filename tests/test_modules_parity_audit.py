@@ -996,3 +996,87 @@ def test_dropout_one_in_training_matches_torch(kind, need_weights):
         torch.testing.assert_close(o_w, t_w, rtol=0, atol=0)
     for a, b in zip(o_grads, t_grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _fast_path_cases():
+    """Inputs on which torch's encoder-layer inference fast path (eval, no grad, batch_first)
+    computes something else than its training path: float masks (read by zero / nonzero after
+    merge_masks, of any float dtype), the is_causal hint without a mask (ignored)."""
+    kpm = torch.zeros(N, L)
+    kpm[0, 3:] = -2.0
+    kpm[1, 1] = 2.0
+    kpm_bool = torch.zeros(N, L, dtype=torch.bool)
+    kpm_bool[0, 3:] = True
+    am = torch.zeros(L, L)
+    am[:, 2] = -2.0
+    am[3, 1] = 0.5
+    causal = nn.Transformer.generate_square_subsequent_mask(L)
+    return {
+        "float kpm": dict(src_key_padding_mask=kpm),
+        "float mask": dict(mask=am),
+        "float mask (N*H, L, L)": dict(mask=torch.randn(N * H, L, L).round().clamp(max=0)),
+        "float mask + float kpm": dict(mask=am, src_key_padding_mask=kpm),
+        "float64 mask": dict(mask=am.double()),
+        "fp16 kpm": dict(src_key_padding_mask=kpm.half()),
+        "bf16 mask + bool kpm": dict(mask=am.bfloat16(), src_key_padding_mask=kpm_bool),
+        "is_causal without mask": dict(is_causal=True),
+        "causal float mask + hint": dict(mask=causal, is_causal=True),
+        "causal float mask + float kpm + hint": dict(mask=causal, src_key_padding_mask=kpm, is_causal=True),
+    }
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
+@pytest.mark.parametrize("stack", [False, True], ids=["layer", "encoder"])
+@pytest.mark.parametrize("case", list(_fast_path_cases()))
+def test_encoder_fast_path_inputs_match_torch(case, stack, norm_first, grad):
+    """The 2026-11-28 audit: in eval without grad torch's encoder layer (alone or in a
+    TransformerEncoder) ran its fast path, which accepts a float mask of another dtype than the
+    input (ours raised), reads float masks by zero / nonzero (ours added them) and ignores the
+    is_causal hint without a mask; with grad both take the training path.  Ours gives torch's
+    result, or raises the same error type, either way."""
+    g = fresh_generator()
+
+    def build(ns):
+        torch.manual_seed(0)
+        layer = ns.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True, norm_first=norm_first)
+        if stack:
+            return ns.TransformerEncoder(layer, 2, ns.LayerNorm(E), enable_nested_tensor=False).eval()
+        return layer.eval()
+
+    theirs = randomize_(build(nn), g)
+    ours = build(M)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    kwargs = dict(_fast_path_cases()[case])
+    if not stack and "mask" in kwargs:
+        kwargs["src_mask"] = kwargs.pop("mask")
+    x = torch.randn(N, L, E, generator=g)
+    with torch.set_grad_enabled(grad):
+        try:
+            want = theirs(x, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            with pytest.raises(type(exc)):
+                ours(x, **kwargs)
+            return
+        got = ours(x, **kwargs)
+    finite = torch.isfinite(want)  # torch's fast path gives NaN for rows it leaves without keys
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("stack", [False, True], ids=["layer", "encoder"])
+def test_encoder_fast_path_under_cpu_autocast_returns_its_dtype(stack, dtype):
+    """torch's fast path runs under a CPU autocast (its check reads CUDA's) and returns the
+    autocast dtype; ours too (the audit: float32)."""
+    g = fresh_generator()
+    layer = M.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True)
+    theirs_layer = randomize_(nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True), g)
+    layer.load_state_dict(theirs_layer.state_dict())
+    ours = M.TransformerEncoder(layer, 2, enable_nested_tensor=False) if stack else layer
+    theirs = nn.TransformerEncoder(theirs_layer, 2, enable_nested_tensor=False) if stack else theirs_layer
+    ours.eval(), theirs.eval()
+    x = torch.randn(N, L, E, generator=g)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        want, got = theirs(x), ours(x)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.1)

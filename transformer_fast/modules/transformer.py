@@ -20,6 +20,9 @@ the layer calls its submodules exactly as torch's slow path does.  Dropout follo
 submodule's ``p`` and ``training`` (0 in eval).
 
 Differences from torch: see MultiheadAttention (fully masked rows -> zeros; is_causal trusted).
+Where torch's encoder layer would run its inference fast path (eval, no grad, batch_first, ...),
+ours reads the inputs as that path does (float masks by zero / nonzero, any float dtype; the
+is_causal hint ignored without a mask; a CPU autocast's dtype out): _torch_layer_fast_path.
 The encoder never converts its input to a NestedTensor (``enable_nested_tensor`` is accepted
 and recorded): torch's inference fast path returns zeros at padded positions, ours returns what
 torch's training path returns there.
@@ -191,6 +194,39 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         src_mask, src_key_padding_mask = sem.canonical_pair(
             src_mask, src_key_padding_mask, src.dtype, "src_mask", "src_key_padding_mask"
         )
+        out_dtype = None
+        if _fast_path_may_differ(src, src_mask, src_key_padding_mask, is_causal) and _torch_layer_fast_path(self, src):
+            src_mask, src_key_padding_mask, is_causal, out_dtype = self._as_torch_fast_path(
+                src, src_mask, src_key_padding_mask, is_causal)
+        out = self._forward(src, src_mask, src_key_padding_mask, is_causal)
+        return out if out_dtype is None else out.to(out_dtype)
+
+    def _as_torch_fast_path(self, src, src_mask, src_key_padding_mask, is_causal):
+        """The inputs as torch's inference fast path reads them (it runs in eval without grad,
+        batch_first, ...: _torch_layer_fast_path): it merges the masks (merge_masks) and reads
+        the float result by zero / nonzero (nonzero = not allowed) instead of adding it, so a
+        float mask of any dtype is accepted; it ignores the is_causal hint without a mask; under
+        a CPU autocast it returns the autocast dtype.  -> (src_mask, src_key_padding_mask,
+        is_causal, output dtype or None)."""
+        if any(m is not None and m.is_floating_point() for m in (src_mask, src_key_padding_mask)):
+            # (canonical_pair made both float when their kinds differed.)
+            if src_key_padding_mask is None:
+                src_mask = src_mask != 0  # as given, (L, L) or (N * H, L, L): no expansion
+            elif src_mask is None:
+                src_key_padding_mask = src_key_padding_mask != 0
+            else:  # torch adds the two into an (N, H, L, L) mask, then reads it
+                merged, _ = self.self_attn.merge_masks(src_mask, src_key_padding_mask, src)
+                src_mask, src_key_padding_mask = (merged != 0).flatten(0, 1), None
+                is_causal = False  # the merged mask carries the padding: read it
+        if src_mask is None:
+            is_causal = False
+        out_dtype = None
+        if (src.device.type != "cuda" and sem.autocast_enabled(src.device.type)
+                and src.dtype == torch.float32):
+            out_dtype = torch.get_autocast_dtype(src.device.type)
+        return src_mask, src_key_padding_mask, is_causal, out_dtype
+
+    def _forward(self, src, src_mask, src_key_padding_mask, is_causal):
         if self._can_fuse(src):
             out, _ = self._fused(src, src_mask, src_key_padding_mask, is_causal)
             return out
@@ -395,6 +431,44 @@ def _nested_tensor_capable(layer) -> bool:
                 and layer.norm1.eps == layer.norm2.eps and attn.num_heads % 2 == 0)
 
 
+def _fast_path_tensors_ok(layer, src) -> bool:
+    """The tensor checks torch's encoder fast paths end with (its order): no __torch_function__
+    override, devices it runs on, nothing that needs grad."""
+    attn = layer.self_attn
+    tensor_args = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+                   attn.out_proj.bias, layer.norm1.weight, layer.norm1.bias, layer.norm2.weight,
+                   layer.norm2.bias, layer.linear1.weight, layer.linear1.bias,
+                   layer.linear2.weight, layer.linear2.bias)
+    devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+    # (While tracing, the tracer's own tensors answer has_torch_function: non-strict export.)
+    if ((not torch.compiler.is_compiling() and torch.overrides.has_torch_function(tensor_args))
+            or src.device.type not in devices):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensor_args))
+
+
+def _torch_layer_fast_path(layer, src) -> bool:
+    """Whether torch.nn.TransformerEncoderLayer would run this call on its inference fast path
+    (torch._transformer_encoder_layer_fwd): its checks, in its order."""
+    attn = layer.self_attn
+    if not (torch.backends.mha.get_fastpath_enabled() and src.dim() == 3 and not layer.training
+            and attn.batch_first and attn.in_proj_bias is not None and attn._qkv_same_embed_dim
+            and layer.activation_relu_or_gelu and layer.norm1.eps == layer.norm2.eps
+            and attn.num_heads % 2 == 0 and not torch.is_autocast_enabled()):  # CUDA's autocast
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
+        return False
+    return _fast_path_tensors_ok(layer, src)
+
+
+def _fast_path_may_differ(src, mask, key_padding_mask, is_causal) -> bool:
+    """Inputs on which torch's encoder-layer fast path computes something else than its
+    training path (see TransformerEncoderLayer._as_torch_fast_path); cheap, checked first."""
+    return (any(m is not None and m.is_floating_point() for m in (mask, key_padding_mask))
+            or (bool(is_causal) and mask is None)
+            or (src.device.type != "cuda" and sem.autocast_enabled(src.device.type)))
+
+
 class TransformerEncoder(Module):
     """Drop-in for torch.nn.TransformerEncoder (a stack of N encoder layers + optional norm)."""
 
@@ -444,7 +518,12 @@ class TransformerEncoder(Module):
             # torch's NestedTensor path: the mask only says which keys exist
             src_key_padding_mask = nested[0]
 
-        if _chainable(self, TransformerEncoderLayer, src):
+        # Where torch's layers would run their inference fast path on inputs it computes
+        # differently (float masks, the is_causal hint alone, a CPU autocast), each layer's
+        # forward gives torch's numbers: no chaining across layers then.
+        quirks = _fast_path_may_differ(src, mask, src_key_padding_mask, is_causal) and any(
+            _torch_layer_fast_path(m, src) for m in self.layers if isinstance(m, TransformerEncoderLayer))
+        if not quirks and _chainable(self, TransformerEncoderLayer, src):
             x, normed = src, None
             n = len(self.layers)
             for i, mod in enumerate(self.layers):
@@ -494,17 +573,7 @@ class TransformerEncoder(Module):
                 return None
         if mask is not None or torch.is_autocast_enabled():
             return None
-        attn = first.self_attn
-        tensor_args = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
-                       attn.out_proj.bias, first.norm1.weight, first.norm1.bias, first.norm2.weight,
-                       first.norm2.bias, first.linear1.weight, first.linear1.bias,
-                       first.linear2.weight, first.linear2.bias)
-        devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
-        # (While tracing, the tracer's own tensors answer has_torch_function: non-strict export.)
-        if ((not torch.compiler.is_compiling() and torch.overrides.has_torch_function(tensor_args))
-                or src.device.type not in devices):
-            return None
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensor_args):
+        if not _fast_path_tensors_ok(first, src):
             return None
         return keep.logical_not(), aligned
 
