@@ -483,8 +483,9 @@ def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_p
     hypotheses and the worst of them scores at least as high as its best live beam at the
     current length (Hugging Face's default stop, early_stopping=False: with length_penalty > 0
     a longer continuation that might still overtake is not explored); at max_len the live beams
-    compete too.  With beam_size=1 this is greedy decoding.  The self-attention caches are reordered to each beam's parent every step
-    (index_select along batch * beam).  ``cuda_graph`` as in greedy_decode.
+    compete too.  With beam_size=1 this is greedy decoding.  The self-attention caches are
+    reordered to each beam's parent every step (index_select along batch * beam).
+    ``cuda_graph`` as in greedy_decode.
     Output layout as greedy_decode (eos kept, pad after it).
     """
     _check_decode_args(model, src, max_len)
