@@ -494,3 +494,44 @@ def test_decoding_in_train_mode_equals_eval_and_is_deterministic():
     tgt_in = torch.tensor([[BOS, 5, 6]] * 4)
     with torch.no_grad():
         assert torch.equal(no_drop.train()(src, tgt_in), no_drop.eval()(src, tgt_in))
+
+
+# ---- Findings of the 2026-11-28 audit
+
+
+@pytest.mark.parametrize("clip_norm", [-1.0, 0.0, float("nan"), float("inf")])
+def test_train_step_refuses_a_bad_clip_norm(clip_norm):
+    """clip_norm -1 reversed the update, nan turned every parameter into NaN, 0 froze them."""
+    model = small_model(dropout=0.0)
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    src, tgt = torch.tensor([[3, 4, 5, EOS, PAD]]), torch.tensor([[5, 6, 7, EOS]])
+    with pytest.raises(ValueError, match="clip_norm"):
+        train_step(model, src, tgt, opt, clip_norm=clip_norm)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_train_step_names_its_own_arguments():
+    model = small_model(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    src = torch.tensor([[3, 4, 5, EOS], [6, 7, EOS, PAD]])
+    with pytest.raises(ValueError, match="tgt must have src's batch size"):
+        train_step(model, src, torch.tensor([[5, 6, EOS]]), opt)
+    with pytest.raises(ValueError, match=r"^tgt must hold token ids"):
+        train_step(model, src, torch.tensor([[5, 6, 99], [5, EOS, PAD]]), opt)
+    with pytest.raises(TypeError, match="autocast_dtype"):
+        train_step(model, src, torch.tensor([[5, 6, EOS], [5, EOS, PAD]]), opt, autocast_dtype="bf16")
+
+
+def test_compiled_classifier_pools_an_all_padding_row_to_finite_values():
+    """Eager calls refuse a row of padding only; while torch.compile traces the token checks are
+    skipped, and mean pooling divided by zero (NaN logits)."""
+    torch.manual_seed(0)
+    clf = TransformerClassifier(20, 3, d_model=32, nhead=2, num_layers=1, dim_feedforward=64,
+                                dropout=0.0).eval()
+    tokens = torch.tensor([[PAD, PAD, PAD], [8, 9, PAD]])
+    with pytest.raises(ValueError, match="padding"):
+        clf(tokens)
+    out = torch.compile(clf, fullgraph=True, backend="aot_eager")(tokens)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[1:], clf(tokens[1:]), rtol=1e-5, atol=1e-6)

@@ -62,5 +62,7 @@ class TransformerClassifier(nn.Module):
             pooled = h[:, 0]
         else:
             keep = (~padding).unsqueeze(-1).to(h.dtype)  # (B, L, 1)
-            pooled = (h * keep).sum(dim=1) / keep.sum(dim=1)  # every row has a token (checked)
+            # Every row has a token (checked eagerly; not while torch.compile traces, where an
+            # all-padding row then pools to zeros, not NaN).
+            pooled = (h * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1)
         return self.head(pooled)  # (B, num_classes)

@@ -114,7 +114,16 @@ def train_step(model, src: torch.Tensor, tgt: torch.Tensor, optimizer: torch.opt
                autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """One teacher-forced update of a Seq2SeqTransformer on (src (B, S), tgt (B, T)), where tgt
     is the target without bos (tokens, eos, then pad).  Returns the detached loss (no host sync).
-    ``autocast_dtype`` (e.g. torch.bfloat16) runs forward under torch.autocast."""
+    ``autocast_dtype`` (e.g. torch.bfloat16) runs forward under torch.autocast; ``clip_norm``
+    (> 0, or None for no clipping) bounds the gradients' global norm."""
+    device = next(model.parameters()).device
+    _validate.tokens("tgt", tgt, model.tgt_vocab_size, device=device)
+    if isinstance(src, torch.Tensor) and src.dim() >= 1 and tgt.shape[0] != src.shape[0]:
+        raise ValueError(f"tgt must have src's batch size ({src.shape[0]}); got {tgt.shape[0]}")
+    if clip_norm is not None:
+        clip_norm = _validate.finite_float("clip_norm", clip_norm, positive=True)
+    if autocast_dtype is not None and not isinstance(autocast_dtype, torch.dtype):
+        raise TypeError(f"autocast_dtype must be a torch.dtype or None; got {autocast_dtype!r}")
     model.train()
     tgt_in = shift_right(tgt, model.bos_id)
     ctx = (torch.autocast(src.device.type, dtype=autocast_dtype) if autocast_dtype is not None
