@@ -535,3 +535,14 @@ def test_compiled_classifier_pools_an_all_padding_row_to_finite_values():
     out = torch.compile(clf, fullgraph=True, backend="aot_eager")(tokens)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[1:], clf(tokens[1:]), rtol=1e-5, atol=1e-6)
+
+
+def test_small_argument_checks_name_the_argument():
+    logits, target = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match="ignore_index"):
+            label_smoothed_cross_entropy(logits, target, ignore_index=bad)
+    with pytest.raises(ValueError, match="length"):
+        sinusoidal_positions(-1, 4)
+    with pytest.raises(TypeError, match="d_model"):
+        sinusoidal_positions(3, 4.0)

@@ -14,6 +14,13 @@ def sinusoidal_positions(length: int, d_model: int, *, offset: int = 0, device=N
     PE[pos, 2i] = sin(pos / 10000^(2i / d_model)), PE[pos, 2i + 1] = cos(pos / 10000^(2i / d_model)).
     Computed in float64 (exact enough for positions far past any training length), then cast.
     """
+    for name, value, low in (("length", length, 0), ("d_model", d_model, 1), ("offset", offset, 0)):
+        if isinstance(value, torch.SymInt):  # a traced length (torch.compile dynamic=True)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}; got {value}")
     pos = torch.arange(offset, offset + length, dtype=torch.float64, device=device).unsqueeze(1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=device)  # (ceil(d/2),)
     angle = pos / torch.pow(10000.0, two_i / d_model)  # (length, ceil(d/2))
