@@ -245,14 +245,6 @@ def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     return dropout_p, is_causal, scale, enable_gqa
 
 
-def _mask_dtype(query, attn_mask, key_padding_mask):
-    """The dtype float masks are added in: the query's, or float32 when a float mask comes in
-    another dtype than fp16 / bf16 queries (a float32 mask keeps its precision and range, as in
-    torch's SDPA, instead of being rounded, or overflowing to inf, in the query's dtype).  The
-    reference applies the same rule."""
-    return reference._mask_compute_dtype(query, attn_mask, key_padding_mask)
-
-
 def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 key_padding_mask):
     lq, lk = query.shape[-2], key.shape[-2]
@@ -271,7 +263,7 @@ def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         )
     mask = masks.combine(
         attn_mask, is_causal, key_padding_mask, lq, lk, query.dim(),
-        _mask_dtype(query, attn_mask, key_padding_mask), query.device,
+        reference.mask_compute_dtype(query, attn_mask, key_padding_mask), query.device,
     )
     # Some SDPA paths (flash / efficient / cuDNN) return NaN for a row with no key, and NaN
     # gradients.  Open such rows to every key (finite everywhere, so forward and backward stay
@@ -455,7 +447,8 @@ def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale,
         q4, k4, v4 = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
     b4, h = q4.shape[0], q4.shape[1]
 
-    mask_dtype = _mask_dtype(query, attn_mask, key_padding_mask)  # the kernels read any of them
+    # the dtype float masks are added in (the kernels read any of them)
+    mask_dtype = reference.mask_compute_dtype(query, attn_mask, key_padding_mask)
     padding = None
     if key_padding_mask is not None and key_padding_mask.dtype == torch.bool and b4 == key_padding_mask.shape[0]:
         padding = key_padding_mask  # the kernel's native (B, Lk) form
@@ -759,7 +752,7 @@ def masked_softmax(scores, mask=None, *, scale=1.0, is_causal=False, dropout_p=0
         return reference.masked_softmax(scores, mask, scale, is_causal, dropout_p)
     if name == "torch":
         x = scores * scale if scale != 1.0 else scores
-        mask_dtype = _mask_dtype(scores, mask, None)
+        mask_dtype = reference.mask_compute_dtype(scores, mask)
         combined = masks.combine(
             mask, is_causal, None, scores.shape[-2] if scores.dim() > 1 else 1, scores.shape[-1],
             scores.dim(), mask_dtype, scores.device,
@@ -783,7 +776,7 @@ def _fused_masked_softmax(name, scores, mask, scale, is_causal, dropout_p):
     if mask is not None:
         mask4 = mask.expand(shape).reshape(scores4.shape)
         if mask4.is_floating_point() and mask4.dtype != scores.dtype:
-            mask4 = mask4.to(_mask_dtype(scores, mask4, None))  # the kernels read it in fp32
+            mask4 = mask4.to(reference.mask_compute_dtype(scores, mask4))  # fp32 for 16-bit scores
     rng = philox.new_rng(scores.device) if dropout_p > 0.0 else None
     out = _masked_softmax_op.masked_softmax(scores4, mask4, scale, is_causal, dropout_p, rng, name)
     return out.reshape(shape)

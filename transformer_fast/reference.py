@@ -99,10 +99,11 @@ def _causal_allowed(lq, lk, device, bottom_right=False):
     return cols <= rows + offset
 
 
-def _mask_compute_dtype(scores, *masks):
-    """float32 when 16-bit scores meet a float mask of another dtype (a float32 mask keeps its
-    precision and range, as in torch's SDPA and the fused kernels, instead of being rounded or
-    overflowing to -inf in fp16); else the scores' dtype."""
+def mask_compute_dtype(scores, *masks):
+    """The dtype float masks are added in: float32 when 16-bit scores meet a float mask of
+    another dtype (a float32 mask keeps its precision and range, as in torch's SDPA, instead of
+    being rounded or overflowing to -inf in fp16); else the scores' dtype.  Every backend
+    (functional.py) follows this rule."""
     if scores.dtype in (torch.float16, torch.bfloat16):
         for m in masks:
             if m is not None and m.is_floating_point() and m.dtype != scores.dtype:
@@ -112,8 +113,8 @@ def _mask_compute_dtype(scores, *masks):
 
 def _apply_masks(scores, attn_mask=None, is_causal=False, key_padding_mask=None, bottom_right=False):
     """Scores with removed keys set to -inf and float masks added (in float32 when
-    _mask_compute_dtype says so: the caller casts the probabilities back)."""
-    scores = scores.to(_mask_compute_dtype(scores, attn_mask, key_padding_mask))
+    mask_compute_dtype says so: the caller casts the probabilities back)."""
+    scores = scores.to(mask_compute_dtype(scores, attn_mask, key_padding_mask))
     lk = scores.shape[-1]
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attn_mask, float("-inf"))

@@ -18,6 +18,18 @@ def positive_int(name: str, value: object) -> int:
     return value
 
 
+def integer(name: str, value: object, minimum: int | None = None) -> int:
+    """An int (not a bool) >= minimum; a traced torch.SymInt (torch.compile dynamic=True)
+    passes unchecked."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    return value
+
+
 def token_id(name: str, value: object, vocab_size: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int token id; got {type(value).__name__}")

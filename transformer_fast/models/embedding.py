@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from . import _validate
+
 
 def sinusoidal_positions(length: int, d_model: int, *, offset: int = 0, device=None,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -15,12 +17,7 @@ def sinusoidal_positions(length: int, d_model: int, *, offset: int = 0, device=N
     Computed in float64 (exact enough for positions far past any training length), then cast.
     """
     for name, value, low in (("length", length, 0), ("d_model", d_model, 1), ("offset", offset, 0)):
-        if isinstance(value, torch.SymInt):  # a traced length (torch.compile dynamic=True)
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}; got {value}")
+        _validate.integer(name, value, low)
     pos = torch.arange(offset, offset + length, dtype=torch.float64, device=device).unsqueeze(1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=device)  # (ceil(d/2),)
     angle = pos / torch.pow(10000.0, two_i / d_model)  # (length, ceil(d/2))

@@ -39,8 +39,8 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, smo
         raise ValueError(f"smoothing must be a float in [0, 1]; got {smoothing!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise TypeError(f"ignore_index must be an int or None; got {type(ignore_index).__name__}")
+    if ignore_index is not None:
+        _validate.integer("ignore_index", ignore_index)
     vocab = logits.shape[-1]
     keep = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
     safe_target = torch.where(keep, target, torch.zeros_like(target)).long()

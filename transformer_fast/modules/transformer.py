@@ -221,8 +221,7 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         if src_mask is None:
             is_causal = False
         out_dtype = None
-        if (src.device.type != "cuda" and sem.autocast_enabled(src.device.type)
-                and src.dtype == torch.float32):
+        if _non_cuda_autocast(src) and src.dtype == torch.float32:
             out_dtype = torch.get_autocast_dtype(src.device.type)
         return src_mask, src_key_padding_mask, is_causal, out_dtype
 
@@ -461,12 +460,17 @@ def _torch_layer_fast_path(layer, src) -> bool:
     return _fast_path_tensors_ok(layer, src)
 
 
+def _non_cuda_autocast(src) -> bool:
+    """An autocast on src's device other than CUDA's, which torch's fast-path check (its
+    argument-less torch.is_autocast_enabled()) does not see."""
+    return src.device.type != "cuda" and sem.autocast_enabled(src.device.type)
+
+
 def _fast_path_may_differ(src, mask, key_padding_mask, is_causal) -> bool:
     """Inputs on which torch's encoder-layer fast path computes something else than its
     training path (see TransformerEncoderLayer._as_torch_fast_path); cheap, checked first."""
     return (any(m is not None and m.is_floating_point() for m in (mask, key_padding_mask))
-            or (bool(is_causal) and mask is None)
-            or (src.device.type != "cuda" and sem.autocast_enabled(src.device.type)))
+            or (bool(is_causal) and mask is None) or _non_cuda_autocast(src))
 
 
 class TransformerEncoder(Module):
