@@ -340,8 +340,33 @@ def auto_order(op: str, device_type: str, inputs: Mapping[str, object] | None = 
     return AUTO_ORDER.get(device_type, {}).get(op, _DEFAULT_ORDER)
 
 
+class _Recording(threading.local):
+    names: list | None = None
+
+
+_recording = _Recording()
+
+
+@contextlib.contextmanager
+def recording_resolutions():
+    """Collect ``(op, backend)`` for every ``resolve`` inside, in call order (the layers'
+    replayed calls, transformer_fast.modules._lane, reuse them)."""
+    outer, _recording.names = _recording.names, []
+    try:
+        yield _recording.names
+    finally:
+        _recording.names = outer
+
+
 def resolve(op: str, backend: str | None, inputs: Mapping[str, object]) -> str:
     """The concrete backend that will run ``op`` on ``inputs``."""
+    name = _resolve(op, backend, inputs)
+    if _recording.names is not None:
+        _recording.names.append((op, name))
+    return name
+
+
+def _resolve(op: str, backend: str | None, inputs: Mapping[str, object]) -> str:
     name = requested_backend(backend)
     if name != "auto":
         reasons = not_supported_reasons(name, op, inputs)

@@ -109,6 +109,11 @@ def add_layer_norm(
 
     inputs = {"x": x, "residual": residual, "weight": weight, "bias": bias}
     name = backends.resolve("add_layer_norm", backend, inputs)
+    return run_add_layer_norm(name, x, residual, weight, bias, eps, dropout_p, prenorm)
+
+
+def run_add_layer_norm(name, x, residual, weight, bias, eps, dropout_p, prenorm):
+    """add_layer_norm on the resolved backend ``name``, for inputs already checked."""
     if name == "reference":
         return reference.add_layer_norm(x, residual, weight, bias, eps, dropout_p, prenorm)
     if name == "torch":
@@ -534,6 +539,15 @@ def scaled_dot_product_attention(
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask,
               "key_padding_mask": key_padding_mask, "dropout_p": dropout_p, "is_causal": is_causal}
     name = backends.resolve("scaled_dot_product_attention", backend, inputs)
+    return run_scaled_dot_product_attention(
+        name, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask
+    )
+
+
+def run_scaled_dot_product_attention(name, query, key, value, attn_mask, dropout_p, is_causal,
+                                     scale, enable_gqa, key_padding_mask):
+    """scaled_dot_product_attention on the resolved backend ``name``, for inputs already
+    checked (3-D or more, batch dims broadcast, key and value with a common number of heads)."""
     if name == "reference":
         return reference.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -895,6 +909,11 @@ def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, backend
     inputs = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "activation": activation,
               "dropout_p": dropout_p}
     name = backends.resolve("feed_forward", backend, inputs)
+    return run_feed_forward(name, x, w1, b1, w2, b2, activation, dropout_p)
+
+
+def run_feed_forward(name, x, w1, b1, w2, b2, activation, dropout_p):
+    """feed_forward on the resolved backend ``name``, for inputs already checked."""
     if name == "reference":
         return reference.feed_forward(x, w1, b1, w2, b2, activation, dropout_p)
     if name == "torch":

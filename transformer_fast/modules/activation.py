@@ -68,6 +68,11 @@ def _check_float_mask_dtype(attn_mask, key_padding_mask, query, need_weights) ->
     )
 
 
+def _reads_attn_mask(is_causal, key_padding_mask, need_weights) -> bool:
+    """torch drops attn_mask (after checking only its rank) exactly when this is False."""
+    return not (is_causal and key_padding_mask is None and not need_weights)
+
+
 class MultiheadAttention(Module):
     """Drop-in for torch.nn.MultiheadAttention (see the module docstring for what is fused)."""
 
@@ -194,13 +199,8 @@ class MultiheadAttention(Module):
                 "module method `generate_square_subsequent_mask` to create this mask."
             )
         is_batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
-        seq_dim = (1 if self.batch_first else 0) if is_batched else 0
-        tgt_len, src_len = query.shape[seq_dim], key.shape[seq_dim]
-        bsz = query.shape[1 - seq_dim] if is_batched else 1
-        num_heads, head_dim = self.num_heads, self.head_dim
-
-        # torch drops attn_mask exactly in this case, after checking only its rank (above).
-        use_attn_mask = not (is_causal and key_padding_mask is None and not need_weights)
+        bsz, tgt_len, src_len = self._lengths(query, key)
+        use_attn_mask = _reads_attn_mask(is_causal, key_padding_mask, need_weights)
         # torch's order: attn_mask's size, key_padding_mask's, then the dtype of their sum.
         if attn_mask is not None and use_attn_mask:
             self._check_attn_mask(attn_mask, is_batched, bsz, tgt_len, src_len)
@@ -213,6 +213,24 @@ class MultiheadAttention(Module):
                 )
         _check_float_mask_dtype(attn_mask if use_attn_mask else None, key_padding_mask, query,
                                 need_weights)
+        return self._attend(query, key, value, key_padding_mask, need_weights, attn_mask,
+                            average_attn_weights, is_causal)
+
+    def _lengths(self, query, key):
+        """(batch size, query length, key length) of checked inputs."""
+        if query.dim() == 2:
+            return 1, query.shape[0], key.shape[0]
+        seq_dim = 1 if self.batch_first else 0
+        return query.shape[1 - seq_dim], query.shape[seq_dim], key.shape[seq_dim]
+
+    def _attend(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                average_attn_weights, is_causal, lane=None):
+        """forward's computation on checked inputs.  ``lane``: the backends a layer's replayed
+        call (modules._lane) runs the functional ops on, their checks skipped."""
+        is_batched = query.dim() == 3
+        bsz, tgt_len, src_len = self._lengths(query, key)
+        num_heads, head_dim = self.num_heads, self.head_dim
+        use_attn_mask = _reads_attn_mask(is_causal, key_padding_mask, need_weights)
 
         q, k, v = self._in_projection(query, key, value)  # each (.., H, D) in the input layout
         q, k, v = (self._heads(t, is_batched) for t in (q, k, v))  # (N, H, L|S, D) views
@@ -254,10 +272,16 @@ class MultiheadAttention(Module):
             dropout_p = 0.0
         weights = None
         if not need_weights:
-            out = tf_functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                key_padding_mask=padding, backend=backend_for("scaled_dot_product_attention"),
-            )  # (N, H, L, D)
+            if lane is None:
+                out = tf_functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                    key_padding_mask=padding, backend=backend_for("scaled_dot_product_attention"),
+                )  # (N, H, L, D)
+            else:
+                out = tf_functional.run_scaled_dot_product_attention(
+                    lane.next("scaled_dot_product_attention"), q, k, v, mask, dropout_p, causal,
+                    None, False, padding,
+                )
             if drop_all:
                 out = out * 0.0
         else:

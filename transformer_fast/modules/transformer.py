@@ -40,7 +40,9 @@ from torch.nn.modules.dropout import Dropout
 from torch.nn.modules.linear import Linear
 from torch.nn.modules.module import Module
 
+from .. import backends
 from .. import functional as tf_functional
+from . import _lane
 from . import _semantics as sem
 from .activation import MultiheadAttention
 from .normalization import LayerNorm
@@ -72,12 +74,23 @@ def _norm_fusable(norm, x) -> bool:
     return all(p is None or p.dtype in (x.dtype, torch.float32) for p in (norm.weight, norm.bias))
 
 
-def _add_norm(sub, residual, norm, p, prenorm=False):
+def _add_norm(sub, residual, norm, p, prenorm=False, lane=None):
     """norm(residual + dropout_p(sub)) in one kernel (and the sum when prenorm)."""
+    if lane is not None:
+        return tf_functional.run_add_layer_norm(
+            lane.next("add_layer_norm"), sub, residual, norm.weight, norm.bias, norm.eps, p, prenorm)
     return tf_functional.add_layer_norm(
         sub, residual, norm.weight, norm.bias, norm.eps, dropout_p=p, prenorm=prenorm,
         backend=sem.backend_for("add_layer_norm"),
     )
+
+
+def _attention(mha, x, memory, mask, padding, is_causal, lane):
+    """``mha(x, memory, memory)[0]`` without weights; a replayed call skips its checks."""
+    if lane is not None:
+        return mha._attend(x, memory, memory, padding, False, mask, True, is_causal, lane)[0]
+    return mha(x, memory, memory, attn_mask=mask, key_padding_mask=padding, need_weights=False,
+               is_causal=is_causal)[0]
 
 
 def _layer_norm(x, norm):
@@ -85,12 +98,12 @@ def _layer_norm(x, norm):
     return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
-def _residual_out(f, x, p, next_norm):
+def _residual_out(f, x, p, next_norm, lane=None):
     """The last residual-add of a pre-LN layer: ``x + dropout(f)``, fused with the next layer's
     norm when there is one.  Returns (x_out, normed x_out or None)."""
     if next_norm is None:
         return x + (F.dropout(f, p) if p > 0.0 else f), None
-    normed, summed = _add_norm(f, x, next_norm, p, prenorm=True)
+    normed, summed = _add_norm(f, x, next_norm, p, prenorm=True, lane=lane)
     return summed, normed
 
 
@@ -98,13 +111,17 @@ class _FusedFFN:
     """The FFN of a layer (linear1 -> activation -> dropout -> linear2) on functional.feed_forward,
     mixed into the layer classes."""
 
-    def _ffn(self, x, p):
+    def _ffn(self, x, p, lane=None):
         name = sem.fused_activation(self.activation)
         if name is None:
             hidden = self.activation(F.linear(x, self.linear1.weight, self.linear1.bias))
             if p > 0.0:
                 hidden = F.dropout(hidden, p)
             return F.linear(hidden, self.linear2.weight, self.linear2.bias)
+        if lane is not None:
+            return tf_functional.run_feed_forward(
+                lane.next("feed_forward"), x, self.linear1.weight, self.linear1.bias,
+                self.linear2.weight, self.linear2.bias, name, p)
         return tf_functional.feed_forward(
             x, self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias,
             activation=name, dropout_p=p, backend=sem.backend_for("feed_forward"),
@@ -190,15 +207,23 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         """torch.nn.TransformerEncoderLayer.forward: src (S, N, E) / (N, S, E) batch_first /
         (S, E); src_mask (S, S) or (N * nhead, S, S) (bool True = not allowed, float added);
         src_key_padding_mask (N, S) (True = padding); is_causal: src_mask is causal (hint)."""
+        key = _lane.signature(self, (src, src_mask, src_key_padding_mask), is_causal)
+        lane = _lane.plan(self, key)
+        if lane is not None:  # this signature's checks passed before: replay (modules/_lane.py)
+            return self._fused(src, src_mask, src_key_padding_mask, is_causal, lane=lane)[0]
         sem.check_layer_inputs(self.self_attn.embed_dim, src=src)
-        src_mask, src_key_padding_mask = sem.canonical_pair(
+        masks = sem.canonical_pair(
             src_mask, src_key_padding_mask, src.dtype, "src_mask", "src_key_padding_mask"
         )
+        if masks[0] is not src_mask or masks[1] is not src_key_padding_mask:
+            key = None  # converted (and warned, mixed kinds): the replay would do neither
+        src_mask, src_key_padding_mask = masks
         out_dtype = None
         if _fast_path_may_differ(src, src_mask, src_key_padding_mask, is_causal) and _torch_layer_fast_path(self, src):
+            key = None
             src_mask, src_key_padding_mask, is_causal, out_dtype = self._as_torch_fast_path(
                 src, src_mask, src_key_padding_mask, is_causal)
-        out = self._forward(src, src_mask, src_key_padding_mask, is_causal)
+        out = self._forward(src, src_mask, src_key_padding_mask, is_causal, key)
         return out if out_dtype is None else out.to(out_dtype)
 
     def _as_torch_fast_path(self, src, src_mask, src_key_padding_mask, is_causal):
@@ -225,9 +250,12 @@ class TransformerEncoderLayer(_FusedFFN, Module):
             out_dtype = torch.get_autocast_dtype(src.device.type)
         return src_mask, src_key_padding_mask, is_causal, out_dtype
 
-    def _forward(self, src, src_mask, src_key_padding_mask, is_causal):
+    def _forward(self, src, src_mask, src_key_padding_mask, is_causal, key=None):
         if self._can_fuse(src):
-            out, _ = self._fused(src, src_mask, src_key_padding_mask, is_causal)
+            with backends.recording_resolutions() as names:
+                out, _ = self._fused(src, src_mask, src_key_padding_mask, is_causal)
+            if key is not None:
+                _lane.remember(self, key, names)
             return out
         x = src
         if self.norm_first:
@@ -243,21 +271,20 @@ class TransformerEncoderLayer(_FusedFFN, Module):
             x, (self.norm1, self.norm2), (self.dropout, self.dropout1, self.dropout2), check_hooks
         )
 
-    def _fused(self, x, mask, padding, is_causal, normed=None, next_norm=None):
+    def _fused(self, x, mask, padding, is_causal, normed=None, next_norm=None, lane=None):
         """One layer on the fused ops.  Pre-LN: ``normed`` is norm1(x) when the previous layer
         already computed it; with ``next_norm`` the last residual-add also applies it.
+        ``lane``: a replayed call's backends (modules/_lane.py).
         Returns (out, next_norm(out) or None)."""
         p, p1, p2 = (sem.dropout_p(d) for d in (self.dropout, self.dropout1, self.dropout2))
         if self.norm_first:
             h = _layer_norm(x, self.norm1) if normed is None else normed
-            a = self.self_attn(h, h, h, attn_mask=mask, key_padding_mask=padding,
-                               need_weights=False, is_causal=is_causal)[0]
-            h, x = _add_norm(a, x, self.norm2, p1, prenorm=True)
-            return _residual_out(self._ffn(h, p), x, p2, next_norm)
-        a = self.self_attn(x, x, x, attn_mask=mask, key_padding_mask=padding,
-                           need_weights=False, is_causal=is_causal)[0]
-        x = _add_norm(a, x, self.norm1, p1)
-        return _add_norm(self._ffn(x, p), x, self.norm2, p2), None
+            a = _attention(self.self_attn, h, h, mask, padding, is_causal, lane)
+            h, x = _add_norm(a, x, self.norm2, p1, prenorm=True, lane=lane)
+            return _residual_out(self._ffn(h, p, lane), x, p2, next_norm, lane)
+        a = _attention(self.self_attn, x, x, mask, padding, is_causal, lane)
+        x = _add_norm(a, x, self.norm1, p1, lane=lane)
+        return _add_norm(self._ffn(x, p, lane), x, self.norm2, p2, lane=lane), None
 
     # torch's slow-path blocks (used when the layer cannot fuse)
     def _sa_block(self, x, attn_mask, key_padding_mask, is_causal=False):
@@ -337,10 +364,20 @@ class TransformerDecoderLayer(_FusedFFN, Module):
     ) -> Tensor:
         """torch.nn.TransformerDecoderLayer.forward (masks as torch's: bool True = not allowed /
         padding, float added; *_is_causal: hints that the mask is causal)."""
+        inputs = (tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)
+        key = None
+        if not (_mixed_kinds(tgt_mask, tgt_key_padding_mask)  # MHA warns for these: no replay
+                or _mixed_kinds(memory_mask, memory_key_padding_mask)):
+            key = _lane.signature(self, inputs, (tgt_is_causal, memory_is_causal))
+        lane = _lane.plan(self, key)
+        if lane is not None:  # this signature's checks passed before: replay (modules/_lane.py)
+            return self._fused(*inputs, tgt_is_causal, memory_is_causal, lane=lane)[0]
         sem.check_layer_inputs(self.self_attn.embed_dim, tgt=tgt, memory=memory)
         if self._can_fuse(tgt):
-            out, _ = self._fused(tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                 memory_key_padding_mask, tgt_is_causal, memory_is_causal)
+            with backends.recording_resolutions() as names:
+                out, _ = self._fused(*inputs, tgt_is_causal, memory_is_causal)
+            if key is not None:
+                _lane.remember(self, key, names)
             return out
         x = tgt
         if self.norm_first:
@@ -362,29 +399,26 @@ class TransformerDecoderLayer(_FusedFFN, Module):
         )
 
     def _fused(self, x, memory, tgt_mask, memory_mask, tgt_padding, memory_padding,
-               tgt_is_causal, memory_is_causal, normed=None, next_norm=None):
-        """One layer on the fused ops; ``normed`` / ``next_norm`` as the encoder layer's."""
+               tgt_is_causal, memory_is_causal, normed=None, next_norm=None, lane=None):
+        """One layer on the fused ops; ``normed`` / ``next_norm`` / ``lane`` as the encoder
+        layer's."""
         p, p1, p2, p3 = (
             sem.dropout_p(d) for d in (self.dropout, self.dropout1, self.dropout2, self.dropout3)
         )
         if self.norm_first:
             h = _layer_norm(x, self.norm1) if normed is None else normed
-            a = self.self_attn(h, h, h, attn_mask=tgt_mask, key_padding_mask=tgt_padding,
-                               is_causal=tgt_is_causal, need_weights=False)[0]
-            h, x = _add_norm(a, x, self.norm2, p1, prenorm=True)
-            c = self.multihead_attn(h, memory, memory, attn_mask=memory_mask,
-                                    key_padding_mask=memory_padding, is_causal=memory_is_causal,
-                                    need_weights=False)[0]
-            h, x = _add_norm(c, x, self.norm3, p2, prenorm=True)
-            return _residual_out(self._ffn(h, p), x, p3, next_norm)
-        a = self.self_attn(x, x, x, attn_mask=tgt_mask, key_padding_mask=tgt_padding,
-                           is_causal=tgt_is_causal, need_weights=False)[0]
-        x = _add_norm(a, x, self.norm1, p1)
-        c = self.multihead_attn(x, memory, memory, attn_mask=memory_mask,
-                                key_padding_mask=memory_padding, is_causal=memory_is_causal,
-                                need_weights=False)[0]
-        x = _add_norm(c, x, self.norm2, p2)
-        return _add_norm(self._ffn(x, p), x, self.norm3, p3), None
+            a = _attention(self.self_attn, h, h, tgt_mask, tgt_padding, tgt_is_causal, lane)
+            h, x = _add_norm(a, x, self.norm2, p1, prenorm=True, lane=lane)
+            c = _attention(self.multihead_attn, h, memory, memory_mask, memory_padding,
+                           memory_is_causal, lane)
+            h, x = _add_norm(c, x, self.norm3, p2, prenorm=True, lane=lane)
+            return _residual_out(self._ffn(h, p, lane), x, p3, next_norm, lane)
+        a = _attention(self.self_attn, x, x, tgt_mask, tgt_padding, tgt_is_causal, lane)
+        x = _add_norm(a, x, self.norm1, p1, lane=lane)
+        c = _attention(self.multihead_attn, x, memory, memory_mask, memory_padding,
+                       memory_is_causal, lane)
+        x = _add_norm(c, x, self.norm2, p2, lane=lane)
+        return _add_norm(self._ffn(x, p, lane), x, self.norm3, p3, lane=lane), None
 
     # torch's slow-path blocks (used when the layer cannot fuse)
     def _sa_block(self, x, attn_mask, key_padding_mask, is_causal=False):
@@ -404,6 +438,11 @@ class TransformerDecoderLayer(_FusedFFN, Module):
 
 # --------------------------------------------------------------------------------------------
 # Stacks
+
+
+def _mixed_kinds(mask, key_padding_mask) -> bool:
+    """Both masks given with different dtypes (deprecated in torch, which warns)."""
+    return mask is not None and key_padding_mask is not None and mask.dtype != key_padding_mask.dtype
 
 
 def _chainable(stack, layer_cls, x) -> bool:

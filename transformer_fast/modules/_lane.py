@@ -1,0 +1,184 @@
+"""Replayed layer calls: a layer's input checks and backend choices made once per signature.
+
+A fused layer's eager call spends most of its host time in Python that depends only on
+metadata: torch's input rules in the modules, DESIGN section 9's checks in each functional op,
+and the backend each op resolves to (~200 us of a small encoder layer's ~300 us on this CPU,
+against ~75 us for its C++ ops; benchmarks/NOTES.md "A layer's host time").  On a GPU that is
+the difference between a layer bound by its kernels and one bound by Python.
+
+So a layer keeps, per call signature, the ``(op, backend)`` sequence its checked call resolved
+(``backends.recording_resolutions``), and a later call with the same signature runs the same code
+with each functional op's body called directly on that backend (``functional.run_*``), skipping
+the checks and the resolution.  The signature holds everything those depended on: the inputs'
+shapes, strides, dtypes and devices, the masks' and hints' kinds, every submodule's identity,
+type, plain attributes and parameters' metadata, the grad mode, the requested backend and the
+interpreter switch.  A call that cannot be replayed runs checked:
+
+* while torch.compile, torch.export or jit trace, under a dispatch or torch-function mode or a
+  functorch transform (they must see the checked path and the custom ops);
+* with hooks anywhere in the layer, or global module hooks;
+* with inputs or parameters that are tensor subclasses (the signature would not cover them).
+
+The replayed call computes exactly what the checked call computes (the same functions, the same
+backends): tests/test_lane.py compares them bit for bit and checks that each part of the
+signature, changed, makes the next call run checked again.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+
+import torch
+from torch.nn.modules import module as _module
+
+from .. import backends
+
+# Plans kept per layer: a few signatures (e.g. train and eval, two sequence lengths) at once.
+_MAX_PLANS = 8
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_MAX_MODULES = 64  # a layer has ~10; beyond this (or in a cycle) calls run checked
+
+# Module attributes that are torch's bookkeeping, not settings the layers read.
+_BOOKKEEPING = frozenset(
+    name for name in vars(torch.nn.Module()) if name != "training"
+)
+_ATTR_GETTERS: dict[tuple, object] = {}
+
+
+class Lane:
+    """The recorded backends of one signature, handed out in call order."""
+
+    __slots__ = ("_names", "_next")
+
+    def __init__(self, names):
+        self._names = names
+        self._next = 0
+
+    def next(self, op: str) -> str:
+        recorded_op, name = self._names[self._next]
+        if recorded_op != op:  # the replay took another path than the record: a bug here
+            raise AssertionError(f"transformer_fast lane: replayed {op}, recorded {recorded_op}")
+        self._next += 1
+        return name
+
+
+def _plain_call() -> bool:
+    """No tracer, mode or transform that must see the checked path."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled() or torch._C._get_tracing_state()
+                or torch._C._are_functorch_transforms_active())
+
+
+def _tensor_key(t):
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor:  # a subclass (or not a tensor): not covered
+        raise _NotReplayable
+    return (t.dtype, t.device, t.shape, t.stride(), t.requires_grad)
+
+
+class _NotReplayable(Exception):
+    pass
+
+
+def _attr_getter(module):
+    """(number of attributes, their names, an itemgetter of their values) for ``module``'s
+    plain attributes (its settings: p, eps, batch_first, activation, ...), cached per type; an
+    instance with another number of attributes, or missing a name, gets a fresh one."""
+    d = module.__dict__
+    names = tuple(k for k in d if k not in _BOOKKEEPING)
+    entry = (len(d), names, operator.itemgetter(*names) if names else (lambda d: ()))
+    _ATTR_GETTERS[type(module)] = entry
+    return entry
+
+
+def _modules_key(root) -> list:
+    """Every module under ``root`` (identity, type, attributes, parameters' metadata) in one
+    walk; raises _NotReplayable on a hook or a parameter subclass."""
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks
+            or _module._global_backward_hooks or _module._global_backward_pre_hooks):
+        raise _NotReplayable
+    key, stack, seen = [], [root], 0
+    append = key.append
+    while stack:
+        m = stack.pop()
+        if m is None:
+            append(None)
+            continue
+        seen += 1
+        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks or seen > _MAX_MODULES):
+            raise _NotReplayable
+        d = m.__dict__
+        entry = _ATTR_GETTERS.get(type(m))
+        if entry is None or entry[0] != len(d):
+            entry = _attr_getter(m)
+        try:
+            values = entry[2](d)
+        except KeyError:
+            entry = _attr_getter(m)
+            values = entry[2](d)
+        append(id(m))
+        append(type(m))
+        append(entry[1])
+        append(values)
+        for p in d["_parameters"].values():
+            if p is None:
+                append(None)
+                continue
+            if type(p) is not torch.nn.Parameter:
+                raise _NotReplayable
+            append((p.dtype, p.device, p.shape, p.stride(), p.requires_grad))
+        buffers = d["_buffers"]
+        if buffers:
+            key.extend(_tensor_key(b) for b in buffers.values())
+        stack.extend(d["_modules"].values())
+    return key
+
+
+def signature(layer, tensors, flags) -> tuple | None:
+    """The key of a call of ``layer`` on ``tensors`` (inputs and masks, None allowed) with the
+    hashable ``flags`` (hints), or None when it cannot be replayed."""
+    if not _plain_call():
+        return None
+    try:
+        key = _modules_key(layer)
+        key.extend(_tensor_key(t) for t in tensors)
+    except _NotReplayable:
+        return None
+    device_type = tensors[0].device.type
+    key.append(flags)
+    key.append(torch.is_grad_enabled())
+    key.append(torch.is_autocast_enabled(device_type) if torch.amp.is_autocast_available(device_type) else None)
+    key.append(backends.requested_backend())
+    key.append(backends.triton_interpreting())
+    return tuple(key)
+
+
+def plan(layer, key):
+    """The recorded Lane for ``key``, or None."""
+    if key is None:
+        return None
+    plans = _PLANS.get(layer)
+    if plans is None:
+        return None
+    try:
+        names = plans.get(key)
+    except TypeError:  # an unhashable attribute value: never remembered either
+        return None
+    return None if names is None else Lane(names)
+
+
+def remember(layer, key, names) -> None:
+    try:
+        hash(key)
+    except TypeError:
+        return
+    plans = _PLANS.setdefault(layer, {})
+    if len(plans) >= _MAX_PLANS:
+        plans.pop(next(iter(plans)))
+    plans[key] = tuple(names)
+
+
+def forget(layer) -> None:
+    _PLANS.pop(layer, None)
