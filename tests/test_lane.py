@@ -293,3 +293,44 @@ def test_plans_are_bounded_and_not_pickled():
     assert 0 < len(_lane._PLANS[layer]) <= _lane._MAX_PLANS
     state = layer.__getstate__() if hasattr(layer, "__getstate__") else layer.__dict__
     assert not any("lane" in k or "plan" in k for k in state)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("stack", ["encoder", "decoder"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_pre_ln_stack_replays_its_chain(backend, stack, grad, checked_calls):
+    torch.manual_seed(0)
+    if stack == "encoder":
+        layer = tfm.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=True)
+        model = tfm.TransformerEncoder(layer, 2, norm=tfm.LayerNorm(D), enable_nested_tensor=False)
+    else:
+        layer = tfm.TransformerDecoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=True)
+        model = tfm.TransformerDecoder(layer, 2, norm=tfm.LayerNorm(D))
+    fresh = copy.deepcopy(model)
+    x, memory = _x(True), _x(True, S, seed=3)
+    mask, pad, causal = _masks("causal+padding", True)
+
+    def run(m):
+        if stack == "encoder":
+            return m(x, mask=mask, src_key_padding_mask=pad, is_causal=causal)
+        return m(x, memory, tgt_mask=mask, tgt_key_padding_mask=pad, tgt_is_causal=causal)
+
+    with tf.use_backend(backend), torch.set_grad_enabled(grad):
+        run(model)
+        checked_calls["n"] = 0
+        replay = run(model)
+        assert checked_calls["n"] == 0
+        reference = run(fresh)
+        torch.testing.assert_close(replay, reference, rtol=0, atol=0)
+        # A setting deep in the stack is part of its signature.
+        model.layers[1].norm2.eps = fresh.layers[1].norm2.eps = 1e-3
+        checked_calls["n"] = 0
+        changed = run(model)
+        assert checked_calls["n"] > 0
+        torch.testing.assert_close(changed, run(fresh), rtol=0, atol=0)
+    if grad:
+        upstream = torch.randn_like(replay)
+        g_replay = torch.autograd.grad(replay, list(model.parameters()), upstream)
+        g_ref = torch.autograd.grad(reference, list(fresh.parameters()), upstream)
+        for a, b in zip(g_replay, g_ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

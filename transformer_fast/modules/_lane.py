@@ -36,7 +36,7 @@ from .. import backends
 # Plans kept per layer: a few signatures (e.g. train and eval, two sequence lengths) at once.
 _MAX_PLANS = 8
 _PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-_MAX_MODULES = 64  # a layer has ~10; beyond this (or in a cycle) calls run checked
+_MAX_MODULES = 512  # a layer has ~10, a stack of 6 ~80; beyond (or in a cycle): checked
 
 # Module attributes that are torch's bookkeeping, not settings the layers read.
 _BOOKKEEPING = frozenset(

@@ -458,6 +458,23 @@ def _chainable(stack, layer_cls, x) -> bool:
     return all(m._can_fuse(x, check_hooks=False) for m in layers)
 
 
+def _chained(stack, layer_cls, inputs, flags, chain):
+    """``chain(lane)`` (the stack's pre-LN layers chained, see _chainable) when the stack can
+    chain, replayed when this signature's checks passed before (modules/_lane.py); None when it
+    cannot chain."""
+    key = _lane.signature(stack, inputs, flags)
+    lane = _lane.plan(stack, key)
+    if lane is not None:
+        return chain(lane)
+    if not _chainable(stack, layer_cls, inputs[0]):
+        return None
+    with backends.recording_resolutions() as names:
+        out = chain(None)
+    if key is not None:
+        _lane.remember(stack, key, names)
+    return out
+
+
 def _nested_tensor_capable(layer) -> bool:
     """torch.nn.TransformerEncoder's conditions for its NestedTensor fast path (without its
     warning: that path is torch's, ours never takes it)."""
@@ -566,14 +583,18 @@ class TransformerEncoder(Module):
         # forward gives torch's numbers: no chaining across layers then.
         quirks = _fast_path_may_differ(src, mask, src_key_padding_mask, is_causal) and any(
             _torch_layer_fast_path(m, src) for m in self.layers if isinstance(m, TransformerEncoderLayer))
-        if not quirks and _chainable(self, TransformerEncoderLayer, src):
+        def chain(lane):
             x, normed = src, None
             n = len(self.layers)
             for i, mod in enumerate(self.layers):
                 next_norm = self.layers[i + 1].norm1 if i + 1 < n else self.norm
-                x, normed = mod._fused(x, mask, src_key_padding_mask, is_causal, normed, next_norm)
-            output = normed if self.norm is not None else x
-        else:
+                x, normed = mod._fused(x, mask, src_key_padding_mask, is_causal, normed, next_norm,
+                                       lane=lane)
+            return normed if self.norm is not None else x
+
+        output = None if quirks else _chained(
+            self, TransformerEncoderLayer, (src, mask, src_key_padding_mask), is_causal, chain)
+        if output is None:
             output = src
             for mod in self.layers:
                 output = mod(output, src_mask=mask, is_causal=is_causal,
@@ -652,15 +673,26 @@ class TransformerDecoder(Module):
         seq_len = sem.seq_len(tgt, self.layers[0].self_attn.batch_first)
         tgt_is_causal = sem.detect_is_causal_mask(tgt_mask, tgt_is_causal, seq_len)
 
-        if _chainable(self, TransformerDecoderLayer, tgt):
+        inputs = (tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)
+
+        def chain(lane):
             x, normed = tgt, None
             n = len(self.layers)
             for i, mod in enumerate(self.layers):
                 next_norm = self.layers[i + 1].norm1 if i + 1 < n else self.norm
-                x, normed = mod._fused(x, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
-                                       memory_key_padding_mask, tgt_is_causal, memory_is_causal,
-                                       normed, next_norm)
+                x, normed = mod._fused(x, *inputs[1:], tgt_is_causal, memory_is_causal,
+                                       normed, next_norm, lane=lane)
             return normed if self.norm is not None else x
+
+        output = None
+        if not (_mixed_kinds(tgt_mask, tgt_key_padding_mask)
+                or _mixed_kinds(memory_mask, memory_key_padding_mask)):
+            output = _chained(self, TransformerDecoderLayer, inputs,
+                              (tgt_is_causal, memory_is_causal), chain)
+        elif _chainable(self, TransformerDecoderLayer, tgt):  # MHA warns for these: no replay
+            output = chain(None)
+        if output is not None:
+            return output
 
         output = tgt
         for mod in self.layers:
