@@ -334,3 +334,62 @@ def test_pre_ln_stack_replays_its_chain(backend, stack, grad, checked_calls):
         g_ref = torch.autograd.grad(reference, list(fresh.parameters()), upstream)
         for a, b in zip(g_replay, g_ref):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("kind", ["self", "cross", "separate"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multihead_attention_replays(need_weights, kind, backend):
+    torch.manual_seed(0)
+    mha = tfm.MultiheadAttention(D, H, batch_first=True)
+    fresh = copy.deepcopy(mha)
+    x, memory = _x(True), _x(True, S, seed=3)
+    q, k, v = {"self": (x, x, x), "cross": (x, memory, memory),
+               "separate": (x, memory, memory.clone())}[kind]
+    pad = torch.zeros(B, k.shape[1], dtype=torch.bool)
+    pad[0, -2:] = True
+    calls = {"n": 0}
+    original = tf_functional.masked_softmax if need_weights else tf_functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    with tf.use_backend(backend), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tf_functional, original.__name__, counted)
+        mha(q, k, v, key_padding_mask=pad, need_weights=need_weights)
+        calls["n"] = 0
+        out, weights = mha(q, k, v, key_padding_mask=pad, need_weights=need_weights)
+        assert calls["n"] == 0
+        ref, ref_weights = fresh(q, k, v, key_padding_mask=pad, need_weights=need_weights)
+        # the identity of query / key / value is part of the signature
+        mha(q, k.clone(), v, key_padding_mask=pad, need_weights=need_weights)
+        assert calls["n"] > 0
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    if need_weights:
+        torch.testing.assert_close(weights, ref_weights, rtol=0, atol=0)
+
+
+def test_nested_and_non_tensor_inputs_get_the_checked_errors():
+    layer = _encoder(False, True)
+    nested = torch.nested.nested_tensor([torch.randn(3, D), torch.randn(5, D)])
+    with pytest.raises(ValueError, match="NestedTensor"):
+        layer(nested)
+    with pytest.raises(TypeError, match="src"):
+        layer([[0.0] * D])
+
+
+def test_torch_fastpath_switch_is_part_of_the_signature(checked_calls):
+    layer = _encoder(False, True).eval()
+    x = _x(True)
+    with torch.no_grad():
+        layer(x)
+        layer(x)
+        checked_calls["n"] = 0
+        was = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(not was)
+        try:
+            layer(x)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(was)
+    assert checked_calls["n"] > 0

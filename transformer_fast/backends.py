@@ -341,7 +341,8 @@ def auto_order(op: str, device_type: str, inputs: Mapping[str, object] | None = 
 
 
 class _Recording(threading.local):
-    names: list | None = None
+    def __init__(self) -> None:
+        self.lists: list[list] = []
 
 
 _recording = _Recording()
@@ -349,20 +350,22 @@ _recording = _Recording()
 
 @contextlib.contextmanager
 def recording_resolutions():
-    """Collect ``(op, backend)`` for every ``resolve`` inside, in call order (the layers'
-    replayed calls, transformer_fast.modules._lane, reuse them)."""
-    outer, _recording.names = _recording.names, []
+    """Collect ``(op, backend)`` for every ``resolve`` inside, in call order (the modules'
+    replayed calls, transformer_fast.modules._lane, reuse them).  Nested recordings (a layer's
+    and its attention module's) each get every resolution inside them."""
+    names: list = []
+    _recording.lists.append(names)
     try:
-        yield _recording.names
+        yield names
     finally:
-        _recording.names = outer
+        _recording.lists.pop()
 
 
 def resolve(op: str, backend: str | None, inputs: Mapping[str, object]) -> str:
     """The concrete backend that will run ``op`` on ``inputs``."""
     name = _resolve(op, backend, inputs)
-    if _recording.names is not None:
-        _recording.names.append((op, name))
+    for names in _recording.lists:
+        names.append((op, name))
     return name
 
 

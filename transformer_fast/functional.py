@@ -762,6 +762,11 @@ def masked_softmax(scores, mask=None, *, scale=1.0, is_causal=False, dropout_p=0
 
     inputs = {"scores": scores, "mask": mask}
     name = backends.resolve("masked_softmax", backend, inputs)
+    return run_masked_softmax(name, scores, mask, scale, is_causal, dropout_p)
+
+
+def run_masked_softmax(name, scores, mask, scale, is_causal, dropout_p):
+    """masked_softmax on the resolved backend ``name``, for inputs already checked."""
     if name == "reference":
         return reference.masked_softmax(scores, mask, scale, is_causal, dropout_p)
     if name == "torch":

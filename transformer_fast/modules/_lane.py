@@ -21,7 +21,8 @@ interpreter switch.  A call that cannot be replayed runs checked:
 
 The replayed call computes exactly what the checked call computes (the same functions, the same
 backends): tests/test_lane.py compares them bit for bit and checks that each part of the
-signature, changed, makes the next call run checked again.
+signature, changed, makes the next call run checked again.  MultiheadAttention replays its
+own calls the same way (the identity of query / key / value is part of its signature).
 """
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ def _plain_call() -> bool:
 def _tensor_key(t):
     if t is None:
         return None
-    if type(t) is not torch.Tensor:  # a subclass (or not a tensor): not covered
-        raise _NotReplayable
+    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested:
+        raise _NotReplayable  # a subclass, not a tensor, sparse or nested: the checks answer
     return (t.dtype, t.device, t.shape, t.stride(), t.requires_grad)
 
 
@@ -146,12 +147,13 @@ def signature(layer, tensors, flags) -> tuple | None:
         key.extend(_tensor_key(t) for t in tensors)
     except _NotReplayable:
         return None
-    device_type = tensors[0].device.type
+    device_type = tensors[0].device.type  # (a plain strided tensor: _tensor_key passed it)
     key.append(flags)
     key.append(torch.is_grad_enabled())
     key.append(torch.is_autocast_enabled(device_type) if torch.amp.is_autocast_available(device_type) else None)
     key.append(backends.requested_backend())
     key.append(backends.triton_interpreting())
+    key.append(torch.backends.mha.get_fastpath_enabled())  # read by the encoder's torch mimicry
     return tuple(key)
 
 

@@ -34,8 +34,10 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.modules.module import Module
 from torch.nn.parameter import Parameter
 
+from .. import backends
 from .. import functional as tf_functional
 from .. import masks as tf_masks
+from . import _lane
 from ._semantics import InputError, InputRuntimeError, autocast_enabled, backend_for, check_mask_kind
 
 __all__ = ["MultiheadAttention"]
@@ -186,6 +188,25 @@ class MultiheadAttention(Module):
         None unless need_weights, else (N, L, S) averaged over heads or (N, num_heads, L, S)
         (without N when unbatched), after attention dropout as torch's.
         """
+        inputs = (query, key, value, key_padding_mask, attn_mask)
+        lane_key = None
+        if (key_padding_mask is None or attn_mask is None  # mixed kinds warn: no replay
+                or key_padding_mask.dtype == attn_mask.dtype):
+            lane_key = _lane.signature(self, inputs, (
+                need_weights, average_attn_weights, is_causal, query is key, key is value))
+        lane = _lane.plan(self, lane_key)
+        if lane is not None:  # this signature's checks passed before: replay (modules/_lane.py)
+            return self._attend(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                average_attn_weights, is_causal, lane)
+        with backends.recording_resolutions() as names:
+            out = self._checked_forward(query, key, value, key_padding_mask, need_weights,
+                                        attn_mask, average_attn_weights, is_causal)
+        if lane_key is not None:
+            _lane.remember(self, lane_key, names)
+        return out
+
+    def _checked_forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                         average_attn_weights, is_causal):
         check_mask_kind(key_padding_mask, "key_padding_mask", attn_mask, "attn_mask")
         check_mask_kind(attn_mask, "attn_mask")
         if query.is_nested or key.is_nested or value.is_nested:
@@ -289,10 +310,15 @@ class MultiheadAttention(Module):
             merged = tf_masks.combine(
                 mask, False, padding, tgt_len, scores.shape[-1], 4, q.dtype, q.device
             )
-            probs = tf_functional.masked_softmax(
-                scores, merged, scale=1.0 / math.sqrt(head_dim), is_causal=causal,
-                dropout_p=dropout_p, backend=backend_for("masked_softmax"),
-            )
+            if lane is None:
+                probs = tf_functional.masked_softmax(
+                    scores, merged, scale=1.0 / math.sqrt(head_dim), is_causal=causal,
+                    dropout_p=dropout_p, backend=backend_for("masked_softmax"),
+                )
+            else:
+                probs = tf_functional.run_masked_softmax(
+                    lane.next("masked_softmax"), scores, merged, 1.0 / math.sqrt(head_dim),
+                    causal, dropout_p)
             if drop_all:
                 probs = probs * 0.0
             out = torch.matmul(probs, v)  # (N, H, L, D)
