@@ -31,7 +31,15 @@ def checked_calls(monkeypatch):
     return counts
 
 
-def _masks(kind, batch_first):
+def _assert_same_parameter_grads(out, module, reference, fresh):
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad(out, list(module.parameters()), upstream)
+    expected = torch.autograd.grad(reference, list(fresh.parameters()), upstream)
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _masks(kind):
     g = torch.Generator().manual_seed(1)
     pad = torch.rand(B, L, generator=g) < 0.3
     pad[:, 0] = False
@@ -71,7 +79,7 @@ def test_encoder_layer_replay_matches_the_checked_call(backend, norm_first, batc
     layer = _encoder(norm_first, batch_first)
     fresh = copy.deepcopy(layer)
     x = _x(batch_first)
-    mask, pad, causal = _masks(kind, batch_first)
+    mask, pad, causal = _masks(kind)
     with tf.use_backend(backend), torch.set_grad_enabled(grad):
         first = layer(x, src_mask=mask, src_key_padding_mask=pad, is_causal=causal)
         recorded = checked_calls["n"]
@@ -83,11 +91,7 @@ def test_encoder_layer_replay_matches_the_checked_call(backend, norm_first, batc
     torch.testing.assert_close(replay, reference, rtol=0, atol=0)
     torch.testing.assert_close(first, reference, rtol=0, atol=0)
     if grad:
-        upstream = torch.randn_like(replay)
-        g_replay = torch.autograd.grad(replay, list(layer.parameters()), upstream)
-        g_ref = torch.autograd.grad(reference, list(fresh.parameters()), upstream)
-        for a, b in zip(g_replay, g_ref):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        _assert_same_parameter_grads(replay, layer, reference, fresh)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -98,7 +102,7 @@ def test_decoder_layer_replay_matches_the_checked_call(backend, norm_first, kind
     layer = tfm.TransformerDecoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=norm_first).eval()
     fresh = copy.deepcopy(layer)
     x, memory = _x(True), _x(True, S, seed=3)
-    mask, pad, causal = _masks(kind, True)
+    mask, pad, causal = _masks(kind)
     mem_pad = torch.zeros(B, S, dtype=torch.bool)
     mem_pad[0, -2:] = True
     kwargs = dict(tgt_mask=mask, tgt_key_padding_mask=pad, memory_key_padding_mask=mem_pad,
@@ -168,7 +172,7 @@ CHANGES = {
 def test_a_changed_layer_runs_checked_again(change, checked_calls):
     layer = _encoder(False, True)
     x = _x(True)
-    _, pad, _ = _masks("padding", True)
+    _, pad, _ = _masks("padding")
     with tf.use_backend("torch"):  # (every dtype, double included)
         layer(x, src_key_padding_mask=pad)
         layer(x, src_key_padding_mask=pad)
@@ -208,7 +212,7 @@ INPUT_CHANGES = {"length": _other_length, "strides": _other_layout, "float paddi
 def test_changed_inputs_run_checked_again(change, checked_calls):
     layer = _encoder(False, True)
     x = _x(True)
-    _, pad, _ = _masks("padding", True)
+    _, pad, _ = _masks("padding")
     with tf.use_backend("torch"):  # (which computes the gradient of a float mask)
         layer(x, src_key_padding_mask=pad)
         layer(x, src_key_padding_mask=pad)
@@ -241,7 +245,7 @@ def test_backend_selection_is_part_of_the_signature(checked_calls):
 def test_bad_inputs_still_raise_after_a_replayed_call():
     layer = _encoder(False, True)
     x = _x(True)
-    _, pad, _ = _masks("padding", True)
+    _, pad, _ = _masks("padding")
     layer(x, src_key_padding_mask=pad)
     layer(x, src_key_padding_mask=pad)
     with pytest.raises(ValueError, match="key_padding_mask"):
@@ -308,7 +312,7 @@ def test_pre_ln_stack_replays_its_chain(backend, stack, grad, checked_calls):
         model = tfm.TransformerDecoder(layer, 2, norm=tfm.LayerNorm(D))
     fresh = copy.deepcopy(model)
     x, memory = _x(True), _x(True, S, seed=3)
-    mask, pad, causal = _masks("causal+padding", True)
+    mask, pad, causal = _masks("causal+padding")
 
     def run(m):
         if stack == "encoder":
@@ -329,11 +333,7 @@ def test_pre_ln_stack_replays_its_chain(backend, stack, grad, checked_calls):
         assert checked_calls["n"] > 0
         torch.testing.assert_close(changed, run(fresh), rtol=0, atol=0)
     if grad:
-        upstream = torch.randn_like(replay)
-        g_replay = torch.autograd.grad(replay, list(model.parameters()), upstream)
-        g_ref = torch.autograd.grad(reference, list(fresh.parameters()), upstream)
-        for a, b in zip(g_replay, g_ref):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        _assert_same_parameter_grads(replay, model, reference, fresh)
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
