@@ -393,3 +393,29 @@ def test_torch_fastpath_switch_is_part_of_the_signature(checked_calls):
         finally:
             torch.backends.mha.set_fastpath_enabled(was)
     assert checked_calls["n"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton", "cuda"])
+def test_replay_on_gpu_matches_the_checked_call(backend, checked_calls):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    ctor = dict(dropout=0.0, batch_first=True, device="cuda", dtype=torch.bfloat16)
+    layers = [tfm.TransformerEncoderLayer(256, 4, 1024, **ctor).eval(),
+              tfm.TransformerDecoderLayer(256, 4, 1024, **ctor).eval()]
+    x = torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16)
+    pad = torch.zeros(4, 128, dtype=torch.bool, device="cuda")
+    pad[:, 100:] = True
+    for layer in layers:
+        fresh = copy.deepcopy(layer)
+        args = (x,) if isinstance(layer, tfm.TransformerEncoderLayer) else (x, x)
+        kwargs = ({"src_key_padding_mask": pad} if len(args) == 1
+                  else {"tgt_key_padding_mask": pad, "memory_key_padding_mask": pad})
+        with tf.use_backend(backend), torch.no_grad():
+            layer(*args, **kwargs)
+            checked_calls["n"] = 0
+            replay = layer(*args, **kwargs)
+            assert checked_calls["n"] == 0
+            expected = fresh(*args, **kwargs)
+        torch.testing.assert_close(replay, expected, rtol=0, atol=0)
