@@ -419,3 +419,15 @@ def test_replay_on_gpu_matches_the_checked_call(backend, checked_calls):
             assert checked_calls["n"] == 0
             expected = fresh(*args, **kwargs)
         torch.testing.assert_close(replay, expected, rtol=0, atol=0)
+
+
+def test_triton_interpreter_switch_is_part_of_the_signature(checked_calls, monkeypatch):
+    layer = _encoder(False, True)
+    x = _x(True)
+    with tf.use_backend("torch"):
+        layer(x)
+        layer(x)
+        checked_calls["n"] = 0
+        monkeypatch.setenv("TRITON_INTERPRET", "0" if tf.backends.triton_interpreting() else "1")
+        layer(x)
+    assert checked_calls["n"] > 0

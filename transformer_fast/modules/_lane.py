@@ -27,6 +27,7 @@ own calls the same way (the identity of query / key / value is part of its signa
 from __future__ import annotations
 
 import operator
+import os
 import weakref
 
 import torch
@@ -61,6 +62,17 @@ class Lane:
             raise AssertionError(f"transformer_fast lane: replayed {op}, recorded {recorded_op}")
         self._next += 1
         return name
+
+
+# TRITON_INTERPRET read from os.environ's own dict: os.environ.get costs ~4 us a call.
+_ENVIRON_BYTES = getattr(os.environ, "_data", None)
+_INTERPRET_KEY = os.environ.encodekey("TRITON_INTERPRET") if _ENVIRON_BYTES is not None else None
+
+
+def _triton_interpret_flag():
+    if _ENVIRON_BYTES is None:
+        return os.environ.get("TRITON_INTERPRET")
+    return _ENVIRON_BYTES.get(_INTERPRET_KEY)
 
 
 def _plain_call() -> bool:
@@ -152,7 +164,7 @@ def signature(layer, tensors, flags) -> tuple | None:
     key.append(torch.is_grad_enabled())
     key.append(torch.is_autocast_enabled(device_type) if torch.amp.is_autocast_available(device_type) else None)
     key.append(backends.requested_backend())
-    key.append(backends.triton_interpreting())
+    key.append(_triton_interpret_flag())
     key.append(torch.backends.mha.get_fastpath_enabled())  # read by the encoder's torch mimicry
     return tuple(key)
 
