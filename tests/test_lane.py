@@ -230,18 +230,6 @@ def test_changed_inputs_run_checked_again(change, checked_calls):
                 layer(x2, src_key_padding_mask=pad2)
 
 
-def test_backend_selection_is_part_of_the_signature(checked_calls):
-    layer = _encoder(False, True)
-    x = _x(True)
-    with tf.use_backend("cpu"):
-        layer(x)
-        layer(x)
-    checked_calls["n"] = 0
-    with tf.use_backend("reference"):
-        layer(x)
-    assert checked_calls["n"] > 0
-
-
 def test_bad_inputs_still_raise_after_a_replayed_call():
     layer = _encoder(False, True)
     x = _x(True)
@@ -379,22 +367,6 @@ def test_nested_and_non_tensor_inputs_get_the_checked_errors():
         layer([[0.0] * D])
 
 
-def test_torch_fastpath_switch_is_part_of_the_signature(checked_calls):
-    layer = _encoder(False, True).eval()
-    x = _x(True)
-    with torch.no_grad():
-        layer(x)
-        layer(x)
-        checked_calls["n"] = 0
-        was = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(not was)
-        try:
-            layer(x)
-        finally:
-            torch.backends.mha.set_fastpath_enabled(was)
-    assert checked_calls["n"] > 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "triton", "cuda"])
 def test_replay_on_gpu_matches_the_checked_call(backend, checked_calls):
@@ -421,13 +393,36 @@ def test_replay_on_gpu_matches_the_checked_call(backend, checked_calls):
         torch.testing.assert_close(replay, expected, rtol=0, atol=0)
 
 
-def test_triton_interpreter_switch_is_part_of_the_signature(checked_calls, monkeypatch):
-    layer = _encoder(False, True)
+def _other_backend(monkeypatch):
+    monkeypatch.setenv("TRANSFORMER_FAST_BACKEND", "reference")
+
+
+def _other_fastpath_switch(monkeypatch):
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(not was)
+    return lambda: torch.backends.mha.set_fastpath_enabled(was)
+
+
+def _other_interpreter_switch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if tf.backends.triton_interpreting() else "1")
+
+
+GLOBAL_SWITCHES = {"backend selection": _other_backend, "torch's mha fastpath": _other_fastpath_switch,
+                   "TRITON_INTERPRET": _other_interpreter_switch}
+
+
+@pytest.mark.parametrize("switch", list(GLOBAL_SWITCHES))
+def test_global_switches_are_part_of_the_signature(switch, checked_calls, monkeypatch):
+    layer = _encoder(False, True).eval()
     x = _x(True)
-    with tf.use_backend("torch"):
+    with torch.no_grad():
         layer(x)
         layer(x)
         checked_calls["n"] = 0
-        monkeypatch.setenv("TRITON_INTERPRET", "0" if tf.backends.triton_interpreting() else "1")
-        layer(x)
+        restore = GLOBAL_SWITCHES[switch](monkeypatch)
+        try:
+            layer(x)
+        finally:
+            if restore is not None:
+                restore()
     assert checked_calls["n"] > 0

@@ -193,6 +193,3 @@ def remember(layer, key, names) -> None:
         plans.pop(next(iter(plans)))
     plans[key] = tuple(names)
 
-
-def forget(layer) -> None:
-    _PLANS.pop(layer, None)

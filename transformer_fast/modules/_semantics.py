@@ -84,13 +84,19 @@ def to_additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
 
 
+def mixed_kinds(mask, key_padding_mask) -> bool:
+    """Both masks given with different dtypes: deprecated in torch, which warns and turns both
+    into float masks."""
+    return mask is not None and key_padding_mask is not None and mask.dtype != key_padding_mask.dtype
+
+
 def canonical_pair(mask, key_padding_mask, dtype, mask_name, kpm_name):
     """Check both masks as torch does.  When their dtypes differ (deprecated in torch, which then
     turns both into float masks) both become additive, so that the layers below see one kind
     and do not warn again; otherwise they pass through unchanged (bool stays bool: cheaper)."""
     check_mask_kind(key_padding_mask, kpm_name, mask, mask_name)
     check_mask_kind(mask, mask_name)
-    if mask is not None and key_padding_mask is not None and mask.dtype != key_padding_mask.dtype:
+    if mixed_kinds(mask, key_padding_mask):
         return to_additive(mask, dtype), to_additive(key_padding_mask, dtype)
     return mask, key_padding_mask
 

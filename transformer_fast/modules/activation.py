@@ -38,7 +38,14 @@ from .. import backends
 from .. import functional as tf_functional
 from .. import masks as tf_masks
 from . import _lane
-from ._semantics import InputError, InputRuntimeError, autocast_enabled, backend_for, check_mask_kind
+from ._semantics import (
+    InputError,
+    InputRuntimeError,
+    autocast_enabled,
+    backend_for,
+    check_mask_kind,
+    mixed_kinds,
+)
 
 __all__ = ["MultiheadAttention"]
 
@@ -190,8 +197,7 @@ class MultiheadAttention(Module):
         """
         inputs = (query, key, value, key_padding_mask, attn_mask)
         lane_key = None
-        if (key_padding_mask is None or attn_mask is None  # mixed kinds warn: no replay
-                or key_padding_mask.dtype == attn_mask.dtype):
+        if not mixed_kinds(attn_mask, key_padding_mask):  # (torch warns for those: no replay)
             lane_key = _lane.signature(self, inputs, (
                 need_weights, average_attn_weights, is_causal, query is key, key is value))
         lane = _lane.plan(self, lane_key)

@@ -366,8 +366,8 @@ class TransformerDecoderLayer(_FusedFFN, Module):
         padding, float added; *_is_causal: hints that the mask is causal)."""
         inputs = (tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)
         key = None
-        if not (_mixed_kinds(tgt_mask, tgt_key_padding_mask)  # MHA warns for these: no replay
-                or _mixed_kinds(memory_mask, memory_key_padding_mask)):
+        if not (sem.mixed_kinds(tgt_mask, tgt_key_padding_mask)  # MHA warns for these: no replay
+                or sem.mixed_kinds(memory_mask, memory_key_padding_mask)):
             key = _lane.signature(self, inputs, (tgt_is_causal, memory_is_causal))
         lane = _lane.plan(self, key)
         if lane is not None:  # this signature's checks passed before: replay (modules/_lane.py)
@@ -438,11 +438,6 @@ class TransformerDecoderLayer(_FusedFFN, Module):
 
 # --------------------------------------------------------------------------------------------
 # Stacks
-
-
-def _mixed_kinds(mask, key_padding_mask) -> bool:
-    """Both masks given with different dtypes (deprecated in torch, which warns)."""
-    return mask is not None and key_padding_mask is not None and mask.dtype != key_padding_mask.dtype
 
 
 def _chainable(stack, layer_cls, x) -> bool:
@@ -685,8 +680,8 @@ class TransformerDecoder(Module):
             return normed if self.norm is not None else x
 
         output = None
-        if not (_mixed_kinds(tgt_mask, tgt_key_padding_mask)
-                or _mixed_kinds(memory_mask, memory_key_padding_mask)):
+        if not (sem.mixed_kinds(tgt_mask, tgt_key_padding_mask)
+                or sem.mixed_kinds(memory_mask, memory_key_padding_mask)):
             output = _chained(self, TransformerDecoderLayer, inputs,
                               (tgt_is_causal, memory_is_causal), chain)
         elif _chainable(self, TransformerDecoderLayer, tgt):  # MHA warns for these: no replay
