@@ -69,6 +69,31 @@ def test_decoder_and_attention_compile_fullgraph():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("mask_kind", ["float", "bool"])
+def test_stacks_compile_fullgraph_with_a_causal_mask_and_no_hint(train, mask_kind):
+    # is_causal=None asks the stacks to detect a causal mask, which reads its values; while
+    # tracing they apply the mask as given instead, so fullgraph holds and the numbers agree.
+    torch.manual_seed(0)
+    enc_layer = tf.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    dec_layer = tf.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    encoder = tf.TransformerEncoder(enc_layer, 2, enable_nested_tensor=False).train(train)
+    decoder = tf.TransformerDecoder(dec_layer, 2).train(train)
+    x, memory = torch.randn(2, 6, 32), torch.randn(2, 7, 32)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(6)
+    if mask_kind == "bool":
+        causal = causal.isinf()
+
+    def fn(x, memory):
+        return encoder(x, mask=causal), decoder(x, memory, tgt_mask=causal)
+
+    with torch.set_grad_enabled(train):
+        eager = fn(x, memory)
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(x, memory)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_seq2seq_training_step_compiles_fullgraph():
     torch.manual_seed(0)
     model = Seq2SeqTransformer(20, 20, d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2,

@@ -119,9 +119,15 @@ def detect_is_causal_mask(mask, is_causal=None, size=None) -> bool:
     """torch's ``_detect_is_causal_mask``: an explicit hint wins; with ``is_causal=None`` a mask
     equal to the square subsequent mask counts as causal.  Bool masks (True = not allowed) are
     compared with their float meaning, as torch compares them after ``_canonical_mask``.  Like
-    torch this reads the mask's values (a host sync on a GPU); pass ``is_causal`` to avoid it."""
+    torch this reads the mask's values (a host sync on a GPU); pass ``is_causal`` to avoid it.
+    While tracing (torch.compile, export) a mask is not read: False, the mask applied as given."""
     make_causal = is_causal is True
     if is_causal is None and mask is not None:
+        if torch.compiler.is_compiling():
+            # Reading the mask while tracing is a data-dependent branch (fullgraph fails, as
+            # torch's own stacks do in training).  The hint only lets kernels skip tiles: the
+            # mask itself is still applied, so the numbers do not change.
+            return False
         sz = size if size is not None else mask.size(-2)
         if tuple(mask.shape) != (sz, sz):
             return False
