@@ -295,7 +295,8 @@ def test_export_encoder_dynamic_batch_and_length(strict, tmp_path):
 
 
 def test_export_seq2seq_encode_dynamic():
-    """The model's own encoder half (embedding, positions, encoder) exports with dynamic dims."""
+    """The model's own encoder half (embedding, positions, encoder) exports with dynamic dims;
+    the length is unbounded (not tied to the positions cache's size) and runs past it."""
     model = _seq2seq(dropout=0.1).eval()
 
     class Encode(torch.nn.Module):
@@ -308,12 +309,14 @@ def test_export_seq2seq_encode_dynamic():
 
     src, _ = _tokens()
     ep = torch.export.export(Encode(model), (src,),
-                             dynamic_shapes={"src": {0: Dim("B", max=64), 1: Dim("S", max=256)}})
-    src2 = torch.randint(3, 20, (5, 13))
-    src2[2, 3:] = 0
-    with torch.no_grad():
-        want = model.encode(src2)[0]
-    torch.testing.assert_close(ep.module()(src2), want, rtol=1e-5, atol=1e-6)
+                             dynamic_shapes={"src": {0: Dim("B", max=64), 1: Dim("S")}})
+    initial = model.positions.initial_length
+    for length in (13, initial + 88):
+        src2 = torch.randint(3, 20, (5, length))
+        src2[2, 3:] = 0
+        with torch.no_grad():
+            want = model.encode(src2)[0]
+        torch.testing.assert_close(ep.module()(src2), want, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

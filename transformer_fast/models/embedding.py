@@ -32,7 +32,8 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     The float64 table is a per-device cache, not a buffer: absent from the state_dict, untouched
     by ``model.half()`` (positions are cast to the input's dtype on use, never rounded twice), and
-    regrown on demand, so sequences longer than any seen in training work.
+    regrown on demand, so sequences longer than any seen in training work.  While tracing
+    (torch.compile, export) the rows are computed in the graph, so a dynamic length is unbounded.
     """
 
     def __init__(self, d_model: int, initial_length: int = 512):
@@ -44,6 +45,10 @@ class SinusoidalPositionalEncoding(nn.Module):
     def positions(self, length: int, offset: int = 0, *, dtype=torch.float32, device=None) -> torch.Tensor:
         """(length, d_model) encodings of positions offset .. offset + length - 1."""
         device = torch.device(device if device is not None else "cpu")
+        if torch.compiler.is_compiling():
+            # A traced length would guard on the cached table's size (an exported encoder
+            # bounded by it): compute the rows in the graph instead, the same float64 formula.
+            return sinusoidal_positions(length, self.d_model, offset=offset, device=device, dtype=dtype)
         end = offset + length
         table = self._tables.get(device)
         if table is None or end > table.shape[0]:
