@@ -47,14 +47,35 @@ _BOOKKEEPING = frozenset(
 _ATTR_GETTERS: dict[tuple, object] = {}
 
 
+UNSET = object()
+
+
 class Lane:
-    """The recorded backends of one signature, handed out in call order."""
+    """The recorded backends of one signature, handed out in call order, and the native (C++)
+    plans decided for positions in it (modules/_native.py)."""
 
-    __slots__ = ("_names", "_next")
+    __slots__ = ("_names", "_next", "_natives")
 
-    def __init__(self, names):
+    def __init__(self, names, natives):
         self._names = names
         self._next = 0
+        self._natives = natives  # position -> a native plan, or None: shared by the signature
+
+    def native(self):
+        """The native plan decided for the current position, None, or UNSET (not decided)."""
+        return self._natives.get(self._next, UNSET)
+
+    def upcoming(self) -> tuple:
+        """The recorded (op, backend) pairs from the current position on."""
+        return self._names[self._next:]
+
+    def decide_native(self, plan):
+        self._natives[self._next] = plan
+        return plan
+
+    def skip(self, count: int) -> None:
+        """``count`` recorded ops run natively."""
+        self._next += count
 
     def next(self, op: str) -> str:
         recorded_op, name = self._names[self._next]
@@ -177,10 +198,10 @@ def plan(layer, key):
     if plans is None:
         return None
     try:
-        names = plans.get(key)
+        entry = plans.get(key)
     except TypeError:  # an unhashable attribute value: never remembered either
         return None
-    return None if names is None else Lane(names)
+    return None if entry is None else Lane(*entry)
 
 
 def remember(layer, key, names) -> None:
@@ -191,5 +212,5 @@ def remember(layer, key, names) -> None:
     plans = _PLANS.setdefault(layer, {})
     if len(plans) >= _MAX_PLANS:
         plans.pop(next(iter(plans)))
-    plans[key] = tuple(names)
+    plans[key] = (tuple(names), {})
 

@@ -42,7 +42,7 @@ from torch.nn.modules.module import Module
 
 from .. import backends
 from .. import functional as tf_functional
-from . import _lane
+from . import _lane, _native
 from . import _semantics as sem
 from .activation import MultiheadAttention
 from .normalization import LayerNorm
@@ -276,6 +276,10 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         already computed it; with ``next_norm`` the last residual-add also applies it.
         ``lane``: a replayed call's backends (modules/_lane.py).
         Returns (out, next_norm(out) or None)."""
+        if lane is not None:  # plain inference: the whole layer in one C++ op (modules/_native.py)
+            out = _native.encoder_layer(self, lane, x, mask, padding, is_causal, normed, next_norm)
+            if out is not None:
+                return out
         p, p1, p2 = (sem.dropout_p(d) for d in (self.dropout, self.dropout1, self.dropout2))
         if self.norm_first:
             h = _layer_norm(x, self.norm1) if normed is None else normed

@@ -1,0 +1,201 @@
+"""An encoder layer's replayed inference call in one C++ op (transformer_fast/modules/_native.py,
+csrc/encoder_layer.cpp): the same bits as the Python replay, and only where it applies."""
+import copy
+
+import pytest
+import torch
+
+import transformer_fast as tf
+from transformer_fast import functional as tf_functional
+from transformer_fast import modules as tfm
+from transformer_fast.modules import _lane, _native
+
+D, H, FF, B, L = 64, 4, 96, 3, 7  # head dim 16: the cpu kernels' smallest
+
+pytestmark = pytest.mark.skipif(
+    not tf.backends.extension_status()[0], reason="needs the C++ extension")
+
+
+@pytest.fixture
+def python_ops(monkeypatch):
+    """Counts the functional op bodies the Python replay runs (a native call runs none)."""
+    counts = {"n": 0}
+    for name in ("run_add_layer_norm", "run_scaled_dot_product_attention", "run_feed_forward"):
+        original = getattr(tf_functional, name)
+
+        def counted(*args, _original=original, **kwargs):
+            counts["n"] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(tf_functional, name, counted)
+    return counts
+
+
+def _inputs(kind, batch_first, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((B, L, D) if batch_first else (L, B, D), generator=g).to(device, dtype)
+    pad = torch.rand(B, L, generator=g) < 0.3
+    pad[1] = True  # a sequence of padding only: its rows are zeros before the out-projection
+    pad = pad.to(device)
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).triu(1)
+    return x, {
+        "none": {},
+        "padding": {"src_key_padding_mask": pad},
+        "causal": {"src_mask": causal, "is_causal": True},
+        "causal+padding": {"src_mask": causal, "is_causal": True, "src_key_padding_mask": pad},
+    }[kind]
+
+
+def _calls(monkeypatch, layer, x, kwargs, native, n=3):
+    monkeypatch.setattr(_native, "ENABLED", native)
+    return [layer(x, **kwargs) for _ in range(n)]
+
+
+def _natives(module):
+    """The native plans decided for ``module``'s replayed signatures."""
+    return [plan for _, natives in _lane._PLANS.get(module, {}).values() for plan in natives.values()]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "auto"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("kind", ["none", "padding", "causal", "causal+padding"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+def test_native_layer_matches_the_python_replay(backend, norm_first, batch_first, kind, activation,
+                                                monkeypatch, python_ops):
+    torch.manual_seed(0)
+    act = torch.nn.GELU("tanh") if activation == "gelu_tanh" else activation
+    layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, activation=act, batch_first=batch_first,
+                                        norm_first=norm_first).eval()
+    python = copy.deepcopy(layer)
+    x, kwargs = _inputs(kind, batch_first)
+    with torch.no_grad(), tf.use_backend(backend):
+        want = _calls(monkeypatch, python, x, kwargs, native=False)
+        got = _calls(monkeypatch, layer, x, kwargs, native=True, n=1)  # the checked call
+        python_ops["n"] = 0
+        got += _calls(monkeypatch, layer, x, kwargs, native=True, n=2)
+    assert python_ops["n"] == 0, "a native call ran Python op bodies"
+    assert _natives(layer) and all(plan is not None for plan in _natives(layer))
+    assert _natives(python) == [None]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert got[-1]._base is None  # a tensor of its own: in-place changes allowed, as torch's
+    got[-1].add_(1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_native_layer_dtypes(backend, dtype, monkeypatch):
+    if backend == "cpu" and dtype == torch.float64:
+        pytest.skip("the cpu attention kernel takes 16-bit and float32 inputs")
+    torch.manual_seed(0)
+    layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True, dtype=dtype).eval()
+    python = copy.deepcopy(layer)
+    x, kwargs = _inputs("padding", True, dtype)
+    with torch.no_grad(), tf.use_backend(backend):
+        want = _calls(monkeypatch, python, x, kwargs, native=False)
+        got = _calls(monkeypatch, layer, x, kwargs, native=True)
+    assert all(plan is not None for plan in _natives(layer))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
+def test_native_stacks_and_model(backend, norm_first, monkeypatch):
+    """TransformerEncoder (a pre-LN stack chains its layers, each its own native plan, the next
+    layer's first norm fused into the last add) and a whole nn.Transformer-style model."""
+    torch.manual_seed(0)
+    layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True, norm_first=norm_first)
+    encoder = tfm.TransformerEncoder(layer, 3, norm=tfm.LayerNorm(D), enable_nested_tensor=False).eval()
+    model = tfm.Transformer(D, H, 2, 2, FF, 0.1, batch_first=True, norm_first=norm_first).eval()
+    py_encoder, py_model = copy.deepcopy(encoder), copy.deepcopy(model)
+    x, kwargs = _inputs("padding", True)
+    tgt = torch.randn(B, 5, D)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+
+    def run_model(m):
+        return m(x, tgt, tgt_mask=causal, src_key_padding_mask=kwargs["src_key_padding_mask"],
+                 tgt_is_causal=True)
+
+    with torch.no_grad(), tf.use_backend(backend):
+        want = _calls(monkeypatch, py_encoder, x, kwargs, native=False)
+        want_model = [run_model(py_model) for _ in range(3)]
+        got = _calls(monkeypatch, encoder, x, kwargs, native=True)
+        got_model = [run_model(model) for _ in range(3)]
+    for a, b in zip(got + got_model, want + want_model):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    plans = _natives(encoder) if norm_first else [p for m in encoder.layers for p in _natives(m)]
+    assert len(plans) == 3 and all(plan is not None for plan in plans)
+
+
+def _stays_on_python(monkeypatch, layer, x, kwargs, grad=False, backend="cpu"):
+    python = copy.deepcopy(layer)
+    torch.manual_seed(5)
+    with torch.set_grad_enabled(grad), tf.use_backend(backend):
+        want = _calls(monkeypatch, python, x, kwargs, native=False)
+        torch.manual_seed(5)
+        got = _calls(monkeypatch, layer, x, kwargs, native=True)
+    assert _natives(layer) == [None]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["dropout", "grad", "float_mask", "bool_mask", "reference",
+                                  "float32_norm_on_torch", "bias_kv"])
+def test_what_stays_on_the_python_replay(case, monkeypatch):
+    torch.manual_seed(0)
+    dropout = 0.2 if case == "dropout" else 0.0
+    # (sequence first for the masks: in eval, batch first, torch's fast path reads a float mask
+    # as bool, which ours mimics on the checked path, unreplayed)
+    batch_first = case not in ("float_mask", "bool_mask")
+    layer = tfm.TransformerEncoderLayer(D, H, FF, dropout, batch_first=batch_first)
+    layer.train(case == "dropout")
+    x, kwargs = _inputs("padding", batch_first)
+    backend = {"reference": "reference", "float32_norm_on_torch": "torch"}.get(case, "cpu")
+    if case == "float_mask":
+        kwargs = {"src_mask": torch.randn(L, L)}
+    elif case == "bool_mask":
+        kwargs = {"src_mask": torch.rand(L, L) < 0.3}
+    elif case == "float32_norm_on_torch":
+        layer = layer.to(torch.bfloat16)
+        layer.norm1.float()
+        x = x.to(torch.bfloat16)
+    elif case == "bias_kv":
+        attn = layer.self_attn
+        attn.bias_k = torch.nn.Parameter(torch.randn(1, 1, D))
+        attn.bias_v = torch.nn.Parameter(torch.randn(1, 1, D))
+    if case == "dropout":  # dropout draws: the same seed before each copy's calls
+        _stays_on_python(monkeypatch, layer, x, kwargs, backend=backend)
+        return
+    with torch.no_grad() if case != "grad" else torch.enable_grad():
+        _stays_on_python(monkeypatch, layer, x, kwargs, grad=case == "grad", backend=backend)
+
+
+def test_the_op_checks_its_arguments():
+    op = torch.ops.transformer_fast_C.encoder_layer_infer
+    x = torch.randn(2, 3, D)
+    with pytest.raises(RuntimeError, match="params must hold 14"):
+        op(x, None, None, [None] * 3, [1e-5] * 3, [0] * 4, H, True, False, False, False, "relu", False)
+    with pytest.raises(RuntimeError, match="unknown backend code"):
+        op(x, None, None, [None] * 14, [1e-5] * 3, [0, 0, 7, 0], H, True, False, False, False, "relu",
+           False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["auto", "cuda"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
+@pytest.mark.parametrize("kind", ["none", "padding", "causal+padding"])
+def test_native_layer_on_gpu_matches_the_python_replay(backend, norm_first, kind, monkeypatch):
+    torch.manual_seed(0)
+    layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True, norm_first=norm_first,
+                                        device="cuda", dtype=torch.bfloat16).eval()
+    python = copy.deepcopy(layer)
+    x, kwargs = _inputs(kind, True, torch.bfloat16, "cuda")
+    with torch.no_grad(), tf.use_backend(backend):
+        want = _calls(monkeypatch, python, x, kwargs, native=False)
+        got = _calls(monkeypatch, layer, x, kwargs, native=True)
+    assert all(plan is not None for plan in _natives(layer))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
