@@ -290,13 +290,14 @@ def test_plans_are_bounded_and_not_pickled():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stack", ["encoder", "decoder"])
 @pytest.mark.parametrize("grad", [False, True])
-def test_pre_ln_stack_replays_its_chain(backend, stack, grad, checked_calls):
+@pytest.mark.parametrize("norm_first", [True, False], ids=["preLN", "postLN"])
+def test_stack_replays_its_chain(backend, stack, grad, norm_first, checked_calls):
     torch.manual_seed(0)
     if stack == "encoder":
-        layer = tfm.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=True)
+        layer = tfm.TransformerEncoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=norm_first)
         model = tfm.TransformerEncoder(layer, 2, norm=tfm.LayerNorm(D), enable_nested_tensor=False)
     else:
-        layer = tfm.TransformerDecoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=True)
+        layer = tfm.TransformerDecoderLayer(D, H, FF, 0.0, batch_first=True, norm_first=norm_first)
         model = tfm.TransformerDecoder(layer, 2, norm=tfm.LayerNorm(D))
     fresh = copy.deepcopy(model)
     x, memory = _x(True), _x(True, S, seed=3)

@@ -103,8 +103,8 @@ def test_native_layer_dtypes(backend, dtype, monkeypatch):
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
 def test_native_stacks_and_model(backend, norm_first, monkeypatch):
-    """TransformerEncoder (a pre-LN stack chains its layers, each its own native plan, the next
-    layer's first norm fused into the last add) and a whole nn.Transformer-style model."""
+    """TransformerEncoder (the stack chains its layers, each with a native plan; pre-LN: the
+    next layer's first norm fused into the last add) and a whole nn.Transformer-style model."""
     torch.manual_seed(0)
     layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True, norm_first=norm_first)
     encoder = tfm.TransformerEncoder(layer, 3, norm=tfm.LayerNorm(D), enable_nested_tensor=False).eval()
@@ -125,7 +125,7 @@ def test_native_stacks_and_model(backend, norm_first, monkeypatch):
         got_model = [run_model(model) for _ in range(3)]
     for a, b in zip(got + got_model, want + want_model):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    plans = _natives(encoder) if norm_first else [p for m in encoder.layers for p in _natives(m)]
+    plans = _natives(encoder)  # the stack's chain: one plan per layer
     assert len(plans) == 3 and all(plan is not None for plan in plans)
 
 

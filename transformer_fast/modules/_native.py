@@ -51,7 +51,7 @@ def encoder_plan(layer, upcoming, x, mask, padding, is_causal, normed, next_norm
             or attn.in_proj_weight is None or attn.bias_k is not None or attn.bias_v is not None
             or attn.add_zero_attn or (attn.training and attn.dropout > 0.0)):
         return None
-    if x.dim() != 3 or x.numel() == 0:
+    if x.dim() != 3 or x.numel() == 0 or (next_norm is not None and not layer.norm_first):
         return None
     causal = bool(is_causal)
     if (mask is not None and not causal) or (

@@ -445,10 +445,12 @@ class TransformerDecoderLayer(_FusedFFN, Module):
 
 
 def _chainable(stack, layer_cls, x) -> bool:
-    """Whether a stack can run its pre-LN layers chained (each layer's last residual-add fused
-    with the next norm): all layers ours, pre-LN and fusable, the final norm fusable, no hooks."""
+    """Whether a stack can run its layers chained (_chain_layers: one signature and one replay
+    for the whole stack): all layers ours, fusable and all pre-LN or all post-LN, the final norm
+    fusable, no hooks."""
     layers = list(stack.layers)
-    if not layers or not all(type(m) is layer_cls and m.norm_first for m in layers):
+    if not layers or not all(type(m) is layer_cls and m.norm_first == layers[0].norm_first
+                             for m in layers):
         return False
     if stack.norm is not None and not _norm_fusable(stack.norm, x):
         return False
@@ -457,8 +459,26 @@ def _chainable(stack, layer_cls, x) -> bool:
     return all(m._can_fuse(x, check_hooks=False) for m in layers)
 
 
+def _chain_layers(stack, x, step):
+    """The stack's layers one after the other, ``step(layer, x, normed, next_norm) -> (x,
+    next_norm(x) or None)`` being a layer's ``_fused``.  Pre-LN layers fuse their last residual
+    add with the next layer's first norm (the last one with the final norm) and hand the
+    normed result on; after post-LN layers the final norm runs on its own."""
+    layers = stack.layers
+    n = len(layers)
+    normed = None
+    for i, mod in enumerate(layers):
+        next_norm = None
+        if mod.norm_first:
+            next_norm = layers[i + 1].norm1 if i + 1 < n else stack.norm
+        x, normed = step(mod, x, normed, next_norm)
+    if stack.norm is None:
+        return x
+    return normed if normed is not None else _layer_norm(x, stack.norm)
+
+
 def _chained(stack, layer_cls, inputs, flags, chain):
-    """``chain(lane)`` (the stack's pre-LN layers chained, see _chainable) when the stack can
+    """``chain(lane)`` (the stack's layers chained, see _chainable) when the stack can
     chain, replayed when this signature's checks passed before (modules/_lane.py); None when it
     cannot chain."""
     key = _lane.signature(stack, inputs, flags)
@@ -583,13 +603,8 @@ class TransformerEncoder(Module):
         quirks = _fast_path_may_differ(src, mask, src_key_padding_mask, is_causal) and any(
             _torch_layer_fast_path(m, src) for m in self.layers if isinstance(m, TransformerEncoderLayer))
         def chain(lane):
-            x, normed = src, None
-            n = len(self.layers)
-            for i, mod in enumerate(self.layers):
-                next_norm = self.layers[i + 1].norm1 if i + 1 < n else self.norm
-                x, normed = mod._fused(x, mask, src_key_padding_mask, is_causal, normed, next_norm,
-                                       lane=lane)
-            return normed if self.norm is not None else x
+            return _chain_layers(self, src, lambda mod, x, normed, next_norm: mod._fused(
+                x, mask, src_key_padding_mask, is_causal, normed, next_norm, lane=lane))
 
         output = None if quirks else _chained(
             self, TransformerEncoderLayer, (src, mask, src_key_padding_mask), is_causal, chain)
@@ -675,13 +690,8 @@ class TransformerDecoder(Module):
         inputs = (tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)
 
         def chain(lane):
-            x, normed = tgt, None
-            n = len(self.layers)
-            for i, mod in enumerate(self.layers):
-                next_norm = self.layers[i + 1].norm1 if i + 1 < n else self.norm
-                x, normed = mod._fused(x, *inputs[1:], tgt_is_causal, memory_is_causal,
-                                       normed, next_norm, lane=lane)
-            return normed if self.norm is not None else x
+            return _chain_layers(self, tgt, lambda mod, x, normed, next_norm: mod._fused(
+                x, *inputs[1:], tgt_is_causal, memory_is_causal, normed, next_norm, lane=lane))
 
         output = None
         if not (sem.mixed_kinds(tgt_mask, tgt_key_padding_mask)
