@@ -38,12 +38,17 @@ TORCH_LIBRARY(transformer_fast_C, m) {
   m.def(
       "ffn_linear_dgrad(Tensor dy, Tensor w, Tensor? aux, str activation, float dropout_p, "
       "Tensor? rng, bool want_dbias, bool allow_tf32) -> (Tensor, Tensor)");
-  // One encoder layer's inference forward (csrc/encoder_layer.cpp; called by
+  // One encoder / decoder layer's inference forward (csrc/layer_inference.cpp; called by
   // transformer_fast/modules/_native.py for replayed layer calls).
   m.def(
       "encoder_layer_infer(Tensor x, Tensor? normed, Tensor? key_padding_mask, Tensor?[] params, "
       "float[] eps, int[] backends, int num_heads, bool batch_first, bool norm_first, bool is_causal, "
       "bool next_norm, str activation, bool allow_tf32) -> Tensor[]");
+  m.def(
+      "decoder_layer_infer(Tensor x, Tensor memory, Tensor? normed, Tensor? tgt_key_padding_mask, "
+      "Tensor? memory_key_padding_mask, Tensor?[] params, float[] eps, int[] backends, int num_heads, "
+      "bool batch_first, bool norm_first, bool tgt_is_causal, bool memory_is_causal, bool next_norm, "
+      "str activation, bool allow_tf32) -> Tensor[]");
   m.def("ffn_linear_wgrad(Tensor dy, Tensor x, bool want_dbias, bool allow_tf32) -> (Tensor, Tensor)");
   m.def(
       "ffn_act_bwd(Tensor dy, Tensor? aux, str activation, float dropout_p, Tensor? rng, "

@@ -1,5 +1,5 @@
-"""An encoder layer's replayed inference call in one C++ op (transformer_fast/modules/_native.py,
-csrc/encoder_layer.cpp): the same bits as the Python replay, and only where it applies."""
+"""A layer's replayed inference call in one C++ op (transformer_fast/modules/_native.py,
+csrc/layer_inference.cpp): the same bits as the Python replay, and only where it applies."""
 import copy
 
 import pytest
@@ -81,6 +81,65 @@ def test_native_layer_matches_the_python_replay(backend, norm_first, batch_first
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert got[-1]._base is None  # a tensor of its own: in-place changes allowed, as torch's
     got[-1].add_(1.0)
+
+
+def _decoder_inputs(tgt_kind, memory_padding, batch_first, dtype=torch.float32, device="cpu"):
+    x, kwargs = _inputs(tgt_kind, batch_first, dtype, device)
+    kwargs = {{"src_mask": "tgt_mask", "is_causal": "tgt_is_causal",
+               "src_key_padding_mask": "tgt_key_padding_mask"}[k]: v for k, v in kwargs.items()}
+    g = torch.Generator().manual_seed(2)
+    s = 5
+    memory = torch.randn((B, s, D) if batch_first else (s, B, D), generator=g).to(device, dtype)
+    if memory_padding:
+        pad = torch.rand(B, s, generator=g) < 0.4
+        pad[0] = True  # a sequence whose memory is all padding: its cross-attention rows are zeros
+        kwargs["memory_key_padding_mask"] = pad.to(device)
+    return x, memory, kwargs
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "auto"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("tgt_kind", ["none", "padding", "causal", "causal+padding"])
+@pytest.mark.parametrize("memory_padding", [False, True], ids=["memory", "memory+padding"])
+def test_native_decoder_layer_matches_the_python_replay(backend, norm_first, batch_first, tgt_kind,
+                                                        memory_padding, monkeypatch, python_ops):
+    torch.manual_seed(0)
+    layer = tfm.TransformerDecoderLayer(D, H, FF, 0.1, activation="gelu", batch_first=batch_first,
+                                        norm_first=norm_first).eval()
+    python = copy.deepcopy(layer)
+    x, memory, kwargs = _decoder_inputs(tgt_kind, memory_padding, batch_first)
+    with torch.no_grad(), tf.use_backend(backend):
+        monkeypatch.setattr(_native, "ENABLED", False)
+        want = [python(x, memory, **kwargs) for _ in range(3)]
+        monkeypatch.setattr(_native, "ENABLED", True)
+        got = [layer(x, memory, **kwargs)]
+        python_ops["n"] = 0
+        got += [layer(x, memory, **kwargs) for _ in range(2)]
+    assert python_ops["n"] == 0, "a native call ran Python op bodies"
+    assert _natives(layer) and all(plan is not None for plan in _natives(layer))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert got[-1]._base is None
+
+
+def test_native_decoder_layer_with_memory_the_target_itself(monkeypatch, python_ops):
+    """``layer(x, x)``: the cross-attention then projects q, k and v in one GEMM (as MHA does
+    when query is key is value), which the native call does not: it runs the Python replay."""
+    torch.manual_seed(0)
+    layer = tfm.TransformerDecoderLayer(D, H, FF, 0.0, batch_first=True).eval()
+    python = copy.deepcopy(layer)
+    x, _ = _inputs("none", True)
+    with torch.no_grad(), tf.use_backend("cpu"):
+        monkeypatch.setattr(_native, "ENABLED", False)
+        want = [python(x, x) for _ in range(3)]
+        monkeypatch.setattr(_native, "ENABLED", True)
+        got = [layer(x, x) for _ in range(3)]
+        python_ops["n"] = 0
+        layer(x, x)
+        assert python_ops["n"] > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -187,15 +246,25 @@ def test_the_op_checks_its_arguments():
 @pytest.mark.parametrize("backend", ["auto", "cuda"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
 @pytest.mark.parametrize("kind", ["none", "padding", "causal+padding"])
-def test_native_layer_on_gpu_matches_the_python_replay(backend, norm_first, kind, monkeypatch):
+@pytest.mark.parametrize("layer_type", ["encoder", "decoder"])
+def test_native_layer_on_gpu_matches_the_python_replay(backend, norm_first, kind, layer_type,
+                                                       monkeypatch):
     torch.manual_seed(0)
-    layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True, norm_first=norm_first,
-                                        device="cuda", dtype=torch.bfloat16).eval()
+    cls = tfm.TransformerEncoderLayer if layer_type == "encoder" else tfm.TransformerDecoderLayer
+    layer = cls(D, H, FF, 0.1, batch_first=True, norm_first=norm_first, device="cuda",
+                dtype=torch.bfloat16).eval()
     python = copy.deepcopy(layer)
-    x, kwargs = _inputs(kind, True, torch.bfloat16, "cuda")
+    if layer_type == "encoder":
+        x, kwargs = _inputs(kind, True, torch.bfloat16, "cuda")
+        args = (x,)
+    else:
+        x, memory, kwargs = _decoder_inputs(kind, kind != "none", True, torch.bfloat16, "cuda")
+        args = (x, memory)
     with torch.no_grad(), tf.use_backend(backend):
-        want = _calls(monkeypatch, python, x, kwargs, native=False)
-        got = _calls(monkeypatch, layer, x, kwargs, native=True)
+        monkeypatch.setattr(_native, "ENABLED", False)
+        want = [python(*args, **kwargs) for _ in range(3)]
+        monkeypatch.setattr(_native, "ENABLED", True)
+        got = [layer(*args, **kwargs) for _ in range(3)]
     assert all(plan is not None for plan in _natives(layer))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -406,6 +406,12 @@ class TransformerDecoderLayer(_FusedFFN, Module):
                tgt_is_causal, memory_is_causal, normed=None, next_norm=None, lane=None):
         """One layer on the fused ops; ``normed`` / ``next_norm`` / ``lane`` as the encoder
         layer's."""
+        if lane is not None:  # plain inference: the whole layer in one C++ op (modules/_native.py)
+            out = _native.decoder_layer(self, lane, x, memory, tgt_mask, memory_mask, tgt_padding,
+                                        memory_padding, tgt_is_causal, memory_is_causal, normed,
+                                        next_norm)
+            if out is not None:
+                return out
         p, p1, p2, p3 = (
             sem.dropout_p(d) for d in (self.dropout, self.dropout1, self.dropout2, self.dropout3)
         )
