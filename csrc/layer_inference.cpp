@@ -212,6 +212,15 @@ void check_layer_args(const char* op, const Tensor& x, const c10::List<OptTensor
   }
 }
 
+// The last residual add of a pre-LN layer (modules' _residual_out): x + f, or with next_norm
+// fused into it, [x + f, next_norm(x + f)].
+std::vector<Tensor> residual_out(int64_t backend, const Tensor& f, const Tensor& x, bool next_norm,
+                                 const std::pair<OptTensor, OptTensor>& next, double eps) {
+  if (!next_norm) return {x.add(f)};
+  auto [normed_out, out] = add_norm(backend, f, x, next.first, next.second, eps, true);
+  return {out, normed_out};
+}
+
 Tensor first_norm(const Tensor& x, const OptTensor& normed, const std::pair<OptTensor, OptTensor>& norm,
                   double eps) {  // a pre-LN layer's norm1 (modules' _layer_norm), unless chained
   return normed.has_value() ? *normed
@@ -239,9 +248,7 @@ std::vector<Tensor> encoder_layer_infer(const Tensor& x, const OptTensor& normed
                                backends[0], allow_tf32);
     auto [h2, x2] = add_norm(backends[1], a, x, norm2.first, norm2.second, eps[1], true);
     const Tensor f = feed_forward(h2, ffn, activation, backends[2], allow_tf32);
-    if (!next_norm) return {x2.add(f)};  // _residual_out: x + f
-    auto [normed_out, out] = add_norm(backends[3], f, x2, next.first, next.second, eps[2], true);
-    return {out, normed_out};
+    return residual_out(backends[3], f, x2, next_norm, next, eps[2]);
   }
   const Tensor a = attention(x, none, sa, num_heads, batch_first, is_causal, key_padding_mask, backends[0],
                              allow_tf32);
@@ -277,9 +284,7 @@ std::vector<Tensor> decoder_layer_infer(const Tensor& x, const Tensor& memory, c
                                memory_key_padding_mask, backends[2], allow_tf32);
     auto [h3, x3] = add_norm(backends[3], c, x2, norm3.first, norm3.second, eps[2], true);
     const Tensor f = feed_forward(h3, ffn, activation, backends[4], allow_tf32);
-    if (!next_norm) return {x3.add(f)};
-    auto [normed_out, out] = add_norm(backends[5], f, x3, next.first, next.second, eps[3], true);
-    return {out, normed_out};
+    return residual_out(backends[5], f, x3, next_norm, next, eps[3]);
   }
   const Tensor a = attention(x, none, sa, num_heads, batch_first, tgt_is_causal, tgt_key_padding_mask,
                              backends[0], allow_tf32);

@@ -20,6 +20,21 @@ def generator() -> torch.Generator:
     return torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
 
 
+def count_calls(monkeypatch, module, names) -> dict:
+    """Wraps ``module.<name>`` for each name so that calls are counted in the returned
+    ``{"n": count}`` (reset it by assignment)."""
+    counts = {"n": 0}
+    for name in names:
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, **kwargs):
+            counts["n"] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return counts
+
+
 def randn(*shape, dtype=torch.float32, g=None, scale=1.0):
     g = g or generator()
     return (torch.randn(*shape, generator=g, dtype=torch.float32) * scale).to(dtype)

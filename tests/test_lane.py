@@ -11,6 +11,8 @@ from transformer_fast import functional as tf_functional
 from transformer_fast import modules as tfm
 from transformer_fast.modules import _lane
 
+from _functional_helpers import count_calls
+
 D, H, FF, B, L, S = 32, 2, 64, 3, 7, 5
 
 BACKENDS = ["reference", "torch", "cpu"]
@@ -19,16 +21,8 @@ BACKENDS = ["reference", "torch", "cpu"]
 @pytest.fixture
 def checked_calls(monkeypatch):
     """Counts the public (checked) functional calls the layers make."""
-    counts = {"n": 0}
-    for name in ("add_layer_norm", "scaled_dot_product_attention", "feed_forward"):
-        original = getattr(tf_functional, name)
-
-        def counted(*args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(tf_functional, name, counted)
-    return counts
+    return count_calls(monkeypatch, tf_functional,
+                       ("add_layer_norm", "scaled_dot_product_attention", "feed_forward"))
 
 
 def _assert_same_parameter_grads(out, module, reference, fresh):

@@ -10,6 +10,8 @@ from transformer_fast import functional as tf_functional
 from transformer_fast import modules as tfm
 from transformer_fast.modules import _lane, _native
 
+from _functional_helpers import count_calls, generator
+
 D, H, FF, B, L = 64, 4, 96, 3, 7  # head dim 16: the cpu kernels' smallest
 
 pytestmark = pytest.mark.skipif(
@@ -19,20 +21,12 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 def python_ops(monkeypatch):
     """Counts the functional op bodies the Python replay runs (a native call runs none)."""
-    counts = {"n": 0}
-    for name in ("run_add_layer_norm", "run_scaled_dot_product_attention", "run_feed_forward"):
-        original = getattr(tf_functional, name)
-
-        def counted(*args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(tf_functional, name, counted)
-    return counts
+    return count_calls(monkeypatch, tf_functional, (
+        "run_add_layer_norm", "run_scaled_dot_product_attention", "run_feed_forward"))
 
 
 def _inputs(kind, batch_first, dtype=torch.float32, device="cpu"):
-    g = torch.Generator().manual_seed(1)
+    g = generator()
     x = torch.randn((B, L, D) if batch_first else (L, B, D), generator=g).to(device, dtype)
     pad = torch.rand(B, L, generator=g) < 0.3
     pad[1] = True  # a sequence of padding only: its rows are zeros before the out-projection
@@ -63,7 +57,6 @@ def _natives(module):
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
 def test_native_layer_matches_the_python_replay(backend, norm_first, batch_first, kind, activation,
                                                 monkeypatch, python_ops):
-    torch.manual_seed(0)
     act = torch.nn.GELU("tanh") if activation == "gelu_tanh" else activation
     layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, activation=act, batch_first=batch_first,
                                         norm_first=norm_first).eval()
@@ -87,7 +80,7 @@ def _decoder_inputs(tgt_kind, memory_padding, batch_first, dtype=torch.float32, 
     x, kwargs = _inputs(tgt_kind, batch_first, dtype, device)
     kwargs = {{"src_mask": "tgt_mask", "is_causal": "tgt_is_causal",
                "src_key_padding_mask": "tgt_key_padding_mask"}[k]: v for k, v in kwargs.items()}
-    g = torch.Generator().manual_seed(2)
+    g = generator()
     s = 5
     memory = torch.randn((B, s, D) if batch_first else (s, B, D), generator=g).to(device, dtype)
     if memory_padding:
@@ -104,7 +97,6 @@ def _decoder_inputs(tgt_kind, memory_padding, batch_first, dtype=torch.float32, 
 @pytest.mark.parametrize("memory_padding", [False, True], ids=["memory", "memory+padding"])
 def test_native_decoder_layer_matches_the_python_replay(backend, norm_first, batch_first, tgt_kind,
                                                         memory_padding, monkeypatch, python_ops):
-    torch.manual_seed(0)
     layer = tfm.TransformerDecoderLayer(D, H, FF, 0.1, activation="gelu", batch_first=batch_first,
                                         norm_first=norm_first).eval()
     python = copy.deepcopy(layer)
@@ -126,7 +118,6 @@ def test_native_decoder_layer_matches_the_python_replay(backend, norm_first, bat
 def test_native_decoder_layer_with_memory_the_target_itself(monkeypatch, python_ops):
     """``layer(x, x)``: the cross-attention then projects q, k and v in one GEMM (as MHA does
     when query is key is value), which the native call does not: it runs the Python replay."""
-    torch.manual_seed(0)
     layer = tfm.TransformerDecoderLayer(D, H, FF, 0.0, batch_first=True).eval()
     python = copy.deepcopy(layer)
     x, _ = _inputs("none", True)
@@ -147,7 +138,6 @@ def test_native_decoder_layer_with_memory_the_target_itself(monkeypatch, python_
 def test_native_layer_dtypes(backend, dtype, monkeypatch):
     if backend == "cpu" and dtype == torch.float64:
         pytest.skip("the cpu attention kernel takes 16-bit and float32 inputs")
-    torch.manual_seed(0)
     layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True, dtype=dtype).eval()
     python = copy.deepcopy(layer)
     x, kwargs = _inputs("padding", True, dtype)
@@ -164,7 +154,6 @@ def test_native_layer_dtypes(backend, dtype, monkeypatch):
 def test_native_stacks_and_model(backend, norm_first, monkeypatch):
     """TransformerEncoder (the stack chains its layers, each with a native plan; pre-LN: the
     next layer's first norm fused into the last add) and a whole nn.Transformer-style model."""
-    torch.manual_seed(0)
     layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True, norm_first=norm_first)
     encoder = tfm.TransformerEncoder(layer, 3, norm=tfm.LayerNorm(D), enable_nested_tensor=False).eval()
     model = tfm.Transformer(D, H, 2, 2, FF, 0.1, batch_first=True, norm_first=norm_first).eval()
@@ -203,7 +192,6 @@ def _stays_on_python(monkeypatch, layer, x, kwargs, grad=False, backend="cpu"):
 @pytest.mark.parametrize("case", ["dropout", "grad", "float_mask", "bool_mask", "reference",
                                   "float32_norm_on_torch", "bias_kv"])
 def test_what_stays_on_the_python_replay(case, monkeypatch):
-    torch.manual_seed(0)
     dropout = 0.2 if case == "dropout" else 0.0
     # (sequence first for the masks: in eval, batch first, torch's fast path reads a float mask
     # as bool, which ours mimics on the checked path, unreplayed)
@@ -249,7 +237,6 @@ def test_the_op_checks_its_arguments():
 @pytest.mark.parametrize("layer_type", ["encoder", "decoder"])
 def test_native_layer_on_gpu_matches_the_python_replay(backend, norm_first, kind, layer_type,
                                                        monkeypatch):
-    torch.manual_seed(0)
     cls = tfm.TransformerEncoderLayer if layer_type == "encoder" else tfm.TransformerDecoderLayer
     layer = cls(D, H, FF, 0.1, batch_first=True, norm_first=norm_first, device="cuda",
                 dtype=torch.bfloat16).eval()
