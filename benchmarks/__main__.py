@@ -18,8 +18,8 @@ from pathlib import Path
 # Kept here (ops.OPS + models.MODEL_OPS; a test checks) so that --help and argument errors
 # answer before torch is imported.
 ALL_OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
-           "add_layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "train_step",
-           "greedy_decode")
+           "add_layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "inference",
+           "train_step", "greedy_decode")
 PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cuda.mma_sync", "cpu")
 
 

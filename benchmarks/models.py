@@ -1,5 +1,5 @@
-"""End to end: one encoder layer, one decoder layer, a training step and greedy decoding of the
-paper's encoder-decoder (base: 6+6 layers, d_model 512, 8 heads, FFN 2048; smaller on a CPU,
+"""End to end: one encoder layer, one decoder layer, the whole model's inference forward, a
+training step and greedy decoding of the paper's encoder-decoder (base: 6+6 layers, d_model 512, 8 heads, FFN 2048; smaller on a CPU,
 named in every row's shape["config"]).
 
 Providers:
@@ -15,8 +15,9 @@ Providers:
                       the first replayed as one CUDA graph (the capture is part of the timed call)
 Ours are imported lazily: a missing module gives a row that says "not available yet".
 
-Tokens per second (shape["tokens_per_s"]): layers, tokens through the layer; train_step, target
-tokens per optimizer step; greedy_decode, generated tokens (every row decodes max_len tokens:
+Tokens per second (shape["tokens_per_s"]): layers, tokens through the layer; inference, target
+tokens per forward (eval, no grad: torch.nn.Transformer on its inference fast paths, issue 5's
+target); train_step, target tokens per optimizer step; greedy_decode, generated tokens (every row decodes max_len tokens:
 no early stop at eos, so every provider does the same work).  torch.nn's and the reference's
 greedy decoding re-run the decoder on the whole prefix every step (no KV cache); ours uses its
 KV cache (use_cache=True).
@@ -36,7 +37,7 @@ from transformer_fast import backends, reference
 
 from . import common
 
-MODEL_OPS = ("encoder_layer", "decoder_layer", "train_step", "greedy_decode")
+MODEL_OPS = ("encoder_layer", "decoder_layer", "inference", "train_step", "greedy_decode")
 GRAPH_SUFFIX = "+cuda_graph"  # ours' greedy decoding with cuda_graph=True (GPU only)
 PAD, BOS, EOS = 0, 1, 2
 
@@ -460,6 +461,26 @@ class Runner:
 
         self._model_rows("train_step", mask, shape, b * t, step_fn, train=True)
 
+    def inference(self):
+        """The whole model's forward in eval without grad (teacher-forced logits, as when
+        scoring): the training step's shapes, source key padding, causal target."""
+        cfg, dev = self.cfg, self.device
+        g = torch.Generator().manual_seed(3)
+        b, s, t = cfg.batch, cfg.src_len, cfg.tgt_len
+        src = _tokens(g, b, s, cfg.vocab, dev)
+        tgt_in = _tokens(g, b, t, cfg.vocab, dev)
+        tgt_in[:, 0] = BOS
+        shape = {"pass": "fwd", "B": b, "S": s, "T": t, "note": "eval, no grad; target tokens/s"}
+
+        def step_fn(model):
+            def step():
+                with torch.no_grad():
+                    return model(src, tgt_in)
+
+            return step
+
+        self._model_rows("inference", "key_padding", shape, b * t, step_fn, train=False)
+
     def greedy_decode(self):
         cfg, dev = self.cfg, self.device
         g = torch.Generator().manual_seed(2)
@@ -546,6 +567,8 @@ def run(op: str, device, dtype, mode, peaks, skip, providers=None, on_row=None) 
     runner = Runner(device, dtype, mode, peaks, skip, providers, on_row)
     if op in ("encoder_layer", "decoder_layer"):
         runner.layer(op)
+    elif op == "inference":
+        runner.inference()
     elif op == "train_step":
         runner.train_step()
     elif op == "greedy_decode":
