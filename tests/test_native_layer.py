@@ -177,6 +177,20 @@ def test_native_stacks_and_model(backend, norm_first, monkeypatch):
     assert len(plans) == 3 and all(plan is not None for plan in plans)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_native_layer_strided_input(backend, monkeypatch):
+    """A sequence-first layer fed a transposed view of a batch-first tensor (no copy)."""
+    layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1).eval()
+    python = copy.deepcopy(layer)
+    x = torch.randn(B, L, D, generator=generator()).transpose(0, 1)  # (L, B, D), not contiguous
+    with torch.no_grad(), tf.use_backend(backend):
+        want = _calls(monkeypatch, python, x, {}, native=False)
+        got = _calls(monkeypatch, layer, x, {}, native=True)
+    assert all(plan is not None for plan in _natives(layer))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def _stays_on_python(monkeypatch, layer, x, kwargs, grad=False, backend="cpu"):
     python = copy.deepcopy(layer)
     torch.manual_seed(5)
