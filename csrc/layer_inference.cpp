@@ -84,17 +84,32 @@ struct AttentionParams {
   OptTensor out_b;
 };
 
+// Valid tokens only (a padded batch whose padded positions' outputs are not needed): the
+// query is the (N, E) valid rows, `rows` their (N,) indices into the batch's B * L positions,
+// `buffer` a (B, L, 3E) tensor holding zeros at the padded positions.
+struct Packed {
+  OptTensor rows;
+  OptTensor buffer;
+};
+
 // Self-attention when kv is undefined (one GEMM; q, k, v views of its (.., 3, H, D) output), else
 // encoder-decoder attention: q from query, k and v from one GEMM of kv (.., 2, H, D)
-// (MultiheadAttention._in_projection's `key is value` branch).
+// (MultiheadAttention._in_projection's `key is value` branch).  Packed (self-attention, batch
+// first): the projection of the valid rows goes into the buffer, whose padded keys stay zero
+// (finite: masked keys still meet their values in P @ V), and the valid rows come back out.
 Tensor attention(const Tensor& query, const Tensor& kv, const AttentionParams& p, int64_t heads,
                  bool batch_first, bool causal, const OptTensor& padding, int64_t backend,
-                 bool allow_tf32) {
-  const int64_t e = query.size(2), d = e / heads;
+                 bool allow_tf32, const Packed& packed = {}) {
+  const int64_t e = query.size(-1), d = e / heads;
   const int bdim = batch_first ? 0 : 1, ldim = batch_first ? 1 : 0;
-  const int64_t bsz = query.size(bdim), lq = query.size(ldim);
+  const Tensor& shaped = packed.buffer ? *packed.buffer : query;  // (B, L, ..) / (L, B, ..)
+  const int64_t bsz = shaped.size(bdim), lq = shaped.size(ldim);
   Tensor q, k, v;
-  if (!kv.defined()) {
+  if (packed.rows) {
+    packed.buffer->view({bsz * lq, 3 * e}).index_copy_(0, *packed.rows, at::linear(query, p.in_w, p.in_b));
+    std::vector<Tensor> qkv = packed.buffer->unflatten(-1, {3, heads, d}).unbind(-3);
+    q = qkv[0], k = qkv[1], v = qkv[2];
+  } else if (!kv.defined()) {
     std::vector<Tensor> qkv = at::linear(query, p.in_w, p.in_b).unflatten(-1, {3, heads, d}).unbind(-3);
     q = qkv[0], k = qkv[1], v = qkv[2];
   } else {
@@ -131,8 +146,9 @@ Tensor attention(const Tensor& query, const Tensor& kv, const AttentionParams& p
     out = std::get<0>(op.call(q, k, v, std::nullopt, padding, causal, scale, 0.0, std::nullopt, allow_tf32));
   }
   // Heads merged back into the input layout, then the out-projection.
-  const Tensor merged = batch_first ? out.transpose(1, 2).reshape({bsz, lq, e})
-                                    : out.permute({2, 0, 1, 3}).reshape({lq, bsz, e});
+  Tensor merged = batch_first ? out.transpose(1, 2).reshape({bsz, lq, e})
+                              : out.permute({2, 0, 1, 3}).reshape({lq, bsz, e});
+  if (packed.rows) merged = merged.reshape({bsz * lq, e}).index_select(0, *packed.rows);
   return at::linear(merged, p.out_w, p.out_b);
 }
 
@@ -201,12 +217,12 @@ struct Params {
 
 void check_layer_args(const char* op, const Tensor& x, const c10::List<OptTensor>& params,
                       size_t num_params, at::ArrayRef<double> eps, size_t num_eps,
-                      at::IntArrayRef backends, size_t num_backends) {
+                      at::IntArrayRef backends, size_t num_backends, int64_t x_dim = 3) {
   TORCH_CHECK(params.size() == num_params, op, ": params must hold ", num_params, " entries; got ",
               params.size());
   TORCH_CHECK(eps.size() == num_eps && backends.size() == num_backends, op, ": eps must hold ", num_eps,
               " values and backends ", num_backends);
-  TORCH_CHECK(x.dim() == 3, op, ": x must be 3-D; got ", x.dim(), "-D");
+  TORCH_CHECK(x.dim() == x_dim, op, ": x must be ", x_dim, "-D; got ", x.dim(), "-D");
   for (const int64_t code : backends) {
     TORCH_CHECK(code == kTorch || code == kFused, op, ": unknown backend code ", code);
   }
@@ -229,14 +245,21 @@ Tensor first_norm(const Tensor& x, const OptTensor& normed, const std::pair<OptT
 
 // TransformerEncoderLayer._fused(x, mask, padding, is_causal, normed, next_norm).
 // backends: (attention, add+norm, feed-forward, add+norm), the last absent for a pre-LN layer
-// without next_norm.  Returns [out] or, with next_norm, [out, next_norm(out)].
+// without next_norm.  Returns [out] or, with next_norm, [out, next_norm(out)].  With `rows` and
+// `qkv_buffer` (a post-LN, batch-first layer): x is the (N, E) valid rows (see Packed).
 std::vector<Tensor> encoder_layer_infer(const Tensor& x, const OptTensor& normed,
                                         const OptTensor& key_padding_mask,
                                         const c10::List<OptTensor>& params, at::ArrayRef<double> eps,
                                         at::IntArrayRef backends, int64_t num_heads, bool batch_first,
                                         bool norm_first, bool is_causal, bool next_norm,
-                                        c10::string_view activation, bool allow_tf32) {
-  check_layer_args("encoder_layer_infer", x, params, 14, eps, 3, backends, 4);
+                                        c10::string_view activation, bool allow_tf32,
+                                        const OptTensor& rows, const OptTensor& qkv_buffer) {
+  const Packed packed{rows, qkv_buffer};
+  TORCH_CHECK(rows.has_value() == qkv_buffer.has_value(),
+              "encoder_layer_infer: rows and qkv_buffer go together");
+  TORCH_CHECK(!rows || (batch_first && !norm_first && qkv_buffer->dim() == 3),
+              "encoder_layer_infer: packed rows need a post-LN, batch-first layer and a 3-D qkv_buffer");
+  check_layer_args("encoder_layer_infer", x, params, 14, eps, 3, backends, 4, rows ? 2 : 3);
   Params p{params};
   const AttentionParams sa = p.attention();
   const FfnParams ffn = p.ffn();
@@ -251,7 +274,7 @@ std::vector<Tensor> encoder_layer_infer(const Tensor& x, const OptTensor& normed
     return residual_out(backends[3], f, x2, next_norm, next, eps[2]);
   }
   const Tensor a = attention(x, none, sa, num_heads, batch_first, is_causal, key_padding_mask, backends[0],
-                             allow_tf32);
+                             allow_tf32, packed);
   const Tensor x1 = std::get<0>(add_norm(backends[1], a, x, norm1.first, norm1.second, eps[0], false));
   const Tensor f = feed_forward(x1, ffn, activation, backends[2], allow_tf32);
   return {std::get<0>(add_norm(backends[3], f, x1, norm2.first, norm2.second, eps[1], false))};

@@ -43,7 +43,8 @@ TORCH_LIBRARY(transformer_fast_C, m) {
   m.def(
       "encoder_layer_infer(Tensor x, Tensor? normed, Tensor? key_padding_mask, Tensor?[] params, "
       "float[] eps, int[] backends, int num_heads, bool batch_first, bool norm_first, bool is_causal, "
-      "bool next_norm, str activation, bool allow_tf32) -> Tensor[]");
+      "bool next_norm, str activation, bool allow_tf32, Tensor? rows=None, Tensor? qkv_buffer=None) "
+      "-> Tensor[]");
   m.def(
       "decoder_layer_infer(Tensor x, Tensor memory, Tensor? normed, Tensor? tgt_key_padding_mask, "
       "Tensor? memory_key_padding_mask, Tensor?[] params, float[] eps, int[] backends, int num_heads, "

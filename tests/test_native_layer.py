@@ -191,6 +191,52 @@ def test_native_layer_strided_input(backend, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _packed_calls(monkeypatch):
+    """Counts the stack calls that ran on the valid tokens alone (modules/_native.py)."""
+    counts = {"n": 0}
+    original = _native.packed_encoder
+
+    def counted(*args):
+        out = original(*args)
+        counts["n"] += out is not None
+        return out
+
+    monkeypatch.setattr(_native, "packed_encoder", counted)
+    return counts
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "auto"])
+@pytest.mark.parametrize("final_norm", [False, True], ids=["no_norm", "norm"])
+def test_packed_encoder_matches_the_padded_replay(backend, final_norm, monkeypatch):
+    """Where torch's encoder runs a NestedTensor (post-LN, batch first, eval, no grad, a
+    left-aligned padding mask), ours runs its layers on the valid tokens alone: the numbers of
+    the padded Python replay up to the GEMMs' rounding (fewer rows may take other blocking),
+    exactly its zeros / norm(0) at padded positions, and torch's."""
+    layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True)
+    norm = tfm.LayerNorm(D) if final_norm else None
+    encoder = tfm.TransformerEncoder(layer, 3, norm=norm).eval()  # enable_nested_tensor=True
+    torch_encoder = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True), 3,
+        norm=torch.nn.LayerNorm(D) if final_norm else None).eval()
+    torch_encoder.load_state_dict(encoder.state_dict())
+    python = copy.deepcopy(encoder)
+    x, kwargs = _inputs("padding", True)
+    lengths = torch.randint(0, L + 1, (B,), generator=generator())
+    lengths[0] = L
+    kwargs["src_key_padding_mask"] = torch.arange(L) >= lengths[:, None]  # left-aligned
+    packed = _packed_calls(monkeypatch)
+    with torch.no_grad(), tf.use_backend(backend):
+        want = _calls(monkeypatch, python, x, kwargs, native=False)
+        got = _calls(monkeypatch, encoder, x, kwargs, native=True)
+        expected = torch_encoder(x, **kwargs)
+    assert packed["n"] == 2  # the replayed calls (the first one is the checked call)
+    padded = kwargs["src_key_padding_mask"]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a[padded], b[padded], rtol=0, atol=0)
+    torch.testing.assert_close(got[-1], expected, rtol=1e-5, atol=1e-5)
+
+
 def _stays_on_python(monkeypatch, layer, x, kwargs, grad=False, backend="cpu"):
     python = copy.deepcopy(layer)
     torch.manual_seed(5)
@@ -241,6 +287,28 @@ def test_the_op_checks_its_arguments():
     with pytest.raises(RuntimeError, match="unknown backend code"):
         op(x, None, None, [None] * 14, [1e-5] * 3, [0, 0, 7, 0], H, True, False, False, False, "relu",
            False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["auto", "cuda"])
+def test_packed_encoder_on_gpu(backend, monkeypatch):
+    """The valid-tokens stack on a GPU, bf16: its GEMMs see fewer rows than the padded replay's,
+    so cuBLAS may pick other kernels: compared within bf16's tolerance, not bit for bit."""
+    layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1, batch_first=True, device="cuda",
+                                        dtype=torch.bfloat16)
+    encoder = tfm.TransformerEncoder(layer, 3, norm=tfm.LayerNorm(D, device="cuda",
+                                                                  dtype=torch.bfloat16)).eval()
+    python = copy.deepcopy(encoder)
+    x, kwargs = _inputs("padding", True, torch.bfloat16, "cuda")
+    kwargs["src_key_padding_mask"] = (torch.arange(L) >= torch.tensor([L, 4, 1])[:, None]).cuda()
+    packed = _packed_calls(monkeypatch)
+    with torch.no_grad(), tf.use_backend(backend):
+        want = _calls(monkeypatch, python, x, kwargs, native=False)
+        got = _calls(monkeypatch, encoder, x, kwargs, native=True)
+    assert packed["n"] == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.gpu

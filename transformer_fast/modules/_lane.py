@@ -61,16 +61,20 @@ class Lane:
         self._next = 0
         self._natives = natives  # position -> a native plan, or None: shared by the signature
 
-    def native(self):
-        """The native plan decided for the current position, None, or UNSET (not decided)."""
-        return self._natives.get(self._next, UNSET)
+    def position(self) -> int:
+        return self._next
 
-    def upcoming(self) -> tuple:
-        """The recorded (op, backend) pairs from the current position on."""
-        return self._names[self._next:]
+    def native(self, position=None):
+        """The native plan decided for the current (or the given) position, None, or UNSET
+        (not decided)."""
+        return self._natives.get(self._next if position is None else position, UNSET)
 
-    def decide_native(self, plan):
-        self._natives[self._next] = plan
+    def upcoming(self, position=None) -> tuple:
+        """The recorded (op, backend) pairs from the current (or the given) position on."""
+        return self._names[self._next if position is None else position:]
+
+    def decide_native(self, plan, position=None):
+        self._natives[self._next if position is None else position] = plan
         return plan
 
     def skip(self, count: int) -> None:

@@ -194,3 +194,37 @@ def decoder_layer(layer, lane, x, memory, tgt_mask, memory_mask, tgt_padding, me
         x, memory, normed, tgt_padding, memory_padding, _decoder_params(layer, next_norm), eps, codes,
         heads, batch_first, norm_first, tgt_causal, memory_causal, has_next, activation, allow_tf32)
     return outs[0], (outs[1] if has_next else None)
+
+
+def packed_encoder(stack, lane, src, padding):
+    """A post-LN encoder stack's layers on the valid tokens alone, where torch's encoder runs a
+    NestedTensor (TransformerEncoder._nested_padding: eval, no grad, batch first, a left-aligned
+    bool key padding mask and no attention mask), so that the padded positions' outputs are
+    zeros whatever the layers compute there.  Every position-wise op (projections, add +
+    LayerNorm, FFN) runs on the (N, E) valid rows, as torch's NestedTensor path does; the
+    attention on a (B, L, 3E) buffer of them with the padding masked.  Returns the layers'
+    output with zeros at padded positions (the final norm not applied), or None when a layer
+    cannot run natively.  Finding the valid rows reads the mask (a host sync; torch's
+    NestedTensor conversion and the left-alignment check both read it too)."""
+    plans, position = [], lane.position()
+    for layer in stack.layers:
+        plan = lane.native(position)
+        if plan is _lane.UNSET:
+            plan = lane.decide_native(encoder_plan(layer, lane.upcoming(position), src, None, padding,
+                                                   False, None, None), position)
+        if plan is None or plan[5] or not plan[4]:  # (norm_first, batch_first)
+            return None
+        plans.append(plan)
+        position += plan[0]
+    b, l, e = src.shape
+    rows = padding.logical_not().reshape(-1).nonzero().squeeze(1)  # (N,)
+    x = src.reshape(b * l, e).index_select(0, rows)
+    buffer = src.new_zeros(b, l, 3 * e)
+    for layer, plan in zip(stack.layers, plans):
+        _, eps, codes, heads, _, _, _, _, activation, fp32 = plan
+        allow_tf32 = tf_functional._allow_tf32(x.dtype) if fp32 else False
+        x = torch.ops.transformer_fast_C.encoder_layer_infer(
+            x, None, padding, _encoder_params(layer, None), eps, codes, heads, True, False, False,
+            False, activation, allow_tf32, rows, buffer)[0]
+    lane.skip(position - lane.position())
+    return src.new_zeros(b * l, e).index_copy_(0, rows, x).view(b, l, e)

@@ -609,6 +609,11 @@ class TransformerEncoder(Module):
         quirks = _fast_path_may_differ(src, mask, src_key_padding_mask, is_causal) and any(
             _torch_layer_fast_path(m, src) for m in self.layers if isinstance(m, TransformerEncoderLayer))
         def chain(lane):
+            if lane is not None and nested is not None and nested[1] is True:
+                # torch's NestedTensor path: the valid tokens alone (modules/_native.py)
+                out = _native.packed_encoder(self, lane, src, src_key_padding_mask)
+                if out is not None:
+                    return out if self.norm is None else _layer_norm(out, self.norm)
             return _chain_layers(self, src, lambda mod, x, normed, next_norm: mod._fused(
                 x, mask, src_key_padding_mask, is_causal, normed, next_norm, lane=lane))
 
