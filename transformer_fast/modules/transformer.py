@@ -24,8 +24,13 @@ Where torch's encoder layer would run its inference fast path (eval, no grad, ba
 ours reads the inputs as that path does (float masks by zero / nonzero, any float dtype; the
 is_causal hint ignored without a mask; a CPU autocast's dtype out): _torch_layer_fast_path.
 The encoder never converts its input to a NestedTensor (``enable_nested_tensor`` is accepted
-and recorded): torch's inference fast path returns zeros at padded positions, ours returns what
-torch's training path returns there.
+and recorded); where torch's encoder would, ours returns torch's zeros at padded positions
+(TransformerEncoder._nested_padding) and, replayed in inference, computes the valid tokens
+alone (modules/_native.py, packed_encoder).
+
+Host time: a call with a signature seen before replays the checked call's backends
+(modules/_lane.py), a stack its whole chain of layers; in inference each layer then runs as one
+C++ op (modules/_native.py).
 """
 import copy
 from collections.abc import Callable
