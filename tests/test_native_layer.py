@@ -178,6 +178,25 @@ def test_native_stacks_and_model(backend, norm_first, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("layer_type", ["encoder", "decoder"])
+def test_native_layers_without_bias(backend, layer_type, monkeypatch):
+    """bias=False: no in_proj / out_proj / linear biases and LayerNorms without bias."""
+    cls = tfm.TransformerEncoderLayer if layer_type == "encoder" else tfm.TransformerDecoderLayer
+    layer = cls(D, H, FF, 0.1, batch_first=True, bias=False).eval()
+    python = copy.deepcopy(layer)
+    x, kwargs = _inputs("padding", True)
+    args = (x,) if layer_type == "encoder" else (x, torch.randn(B, 5, D, generator=generator()))
+    with torch.no_grad(), tf.use_backend(backend):
+        monkeypatch.setattr(_native, "ENABLED", False)
+        want = [python(*args) for _ in range(3)]
+        monkeypatch.setattr(_native, "ENABLED", True)
+        got = [layer(*args) for _ in range(3)]
+    assert all(plan is not None for plan in _natives(layer))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_native_layer_strided_input(backend, monkeypatch):
     """A sequence-first layer fed a transposed view of a batch-first tensor (no copy)."""
     layer = tfm.TransformerEncoderLayer(D, H, FF, 0.1).eval()
