@@ -19,6 +19,8 @@ and position in the lane (a stack's chain has one per layer).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import backends
@@ -34,6 +36,35 @@ _ENCODER_OPS = ("scaled_dot_product_attention", "add_layer_norm", "feed_forward"
 _DECODER_OPS = ("scaled_dot_product_attention", "add_layer_norm", "scaled_dot_product_attention",
                 "add_layer_norm", "feed_forward", "add_layer_norm")
 _NO_PARAMS: dict = {}
+
+
+class EncoderPlan(NamedTuple):
+    """A native encoder layer call's constant arguments (csrc/layer_inference.cpp)."""
+
+    count: int  # recorded ops it stands for
+    eps: list
+    codes: list
+    heads: int
+    batch_first: bool
+    norm_first: bool
+    causal: bool
+    next_norm: bool
+    activation: str
+    fp32: bool  # allow_tf32 is read per call (torch's matmul setting)
+
+
+class DecoderPlan(NamedTuple):
+    count: int
+    eps: list
+    codes: list
+    heads: int
+    batch_first: bool
+    norm_first: bool
+    tgt_causal: bool
+    memory_causal: bool
+    next_norm: bool
+    activation: str
+    fp32: bool
 
 
 def _available() -> bool:
@@ -94,9 +125,9 @@ def encoder_plan(layer, upcoming, x, mask, padding, is_causal, normed, next_norm
     if codes is None:
         return None
     eps = [layer.norm1.eps, layer.norm2.eps, 0.0 if next_norm is None else next_norm.eps]
-    return (len(ops), eps, codes + [0] * (4 - len(ops)), layer.self_attn.num_heads,
-            layer.self_attn.batch_first, pre, bool(is_causal), next_norm is not None,
-            sem.fused_activation(layer.activation), x.dtype == torch.float32)
+    return EncoderPlan(len(ops), eps, codes + [0] * (4 - len(ops)), layer.self_attn.num_heads,
+                       layer.self_attn.batch_first, pre, bool(is_causal), next_norm is not None,
+                       sem.fused_activation(layer.activation), x.dtype == torch.float32)
 
 
 def decoder_plan(layer, upcoming, x, memory, tgt_mask, memory_mask, tgt_padding, memory_padding,
@@ -118,9 +149,10 @@ def decoder_plan(layer, upcoming, x, memory, tgt_mask, memory_mask, tgt_padding,
         return None
     eps = [layer.norm1.eps, layer.norm2.eps, layer.norm3.eps,
            0.0 if next_norm is None else next_norm.eps]
-    return (len(ops), eps, codes + [0] * (6 - len(ops)), layer.self_attn.num_heads,
-            layer.self_attn.batch_first, pre, bool(tgt_is_causal), bool(memory_is_causal),
-            next_norm is not None, sem.fused_activation(layer.activation), x.dtype == torch.float32)
+    return DecoderPlan(len(ops), eps, codes + [0] * (6 - len(ops)), layer.self_attn.num_heads,
+                       layer.self_attn.batch_first, pre, bool(tgt_is_causal), bool(memory_is_causal),
+                       next_norm is not None, sem.fused_activation(layer.activation),
+                       x.dtype == torch.float32)
 
 
 # The layers' tensors in csrc/layer_inference.cpp's order, read from the modules' dicts
@@ -153,11 +185,23 @@ def _decoder_params(layer, next_norm) -> list:
             + _ffn_and_norm_params(mods, ("norm1", "norm2", "norm3"), next_norm))
 
 
-def _plan(lane, decide):
-    plan = lane.native()
+def _plan(lane, decide, position=None):
+    """The plan decided at the lane's current (or the given) position, deciding it first."""
+    plan = lane.native(position)
     if plan is _lane.UNSET:
-        plan = lane.decide_native(decide())
+        plan = lane.decide_native(decide(), position)
     return plan
+
+
+def _allow_tf32(plan, x) -> bool:
+    return tf_functional._allow_tf32(x.dtype) if plan.fp32 else False
+
+
+def _run_encoder(layer, plan, x, normed, padding, next_norm, rows=None, buffer=None):
+    return torch.ops.transformer_fast_C.encoder_layer_infer(
+        x, normed, padding, _encoder_params(layer, next_norm), plan.eps, plan.codes, plan.heads,
+        plan.batch_first, plan.norm_first, plan.causal, plan.next_norm, plan.activation,
+        _allow_tf32(plan, x), rows, buffer)
 
 
 def encoder_layer(layer, lane, x, mask, padding, is_causal, normed, next_norm):
@@ -167,13 +211,9 @@ def encoder_layer(layer, lane, x, mask, padding, is_causal, normed, next_norm):
                                              normed, next_norm))
     if plan is None:
         return None
-    count, eps, codes, heads, batch_first, norm_first, causal, has_next, activation, fp32 = plan
-    lane.skip(count)
-    allow_tf32 = tf_functional._allow_tf32(x.dtype) if fp32 else False
-    outs = torch.ops.transformer_fast_C.encoder_layer_infer(
-        x, normed, padding, _encoder_params(layer, next_norm), eps, codes, heads, batch_first,
-        norm_first, causal, has_next, activation, allow_tf32)
-    return outs[0], (outs[1] if has_next else None)
+    lane.skip(plan.count)
+    outs = _run_encoder(layer, plan, x, normed, padding, next_norm)
+    return outs[0], (outs[1] if plan.next_norm else None)
 
 
 def decoder_layer(layer, lane, x, memory, tgt_mask, memory_mask, tgt_padding, memory_padding,
@@ -186,14 +226,12 @@ def decoder_layer(layer, lane, x, memory, tgt_mask, memory_mask, tgt_padding, me
         tgt_is_causal, memory_is_causal, normed, next_norm))
     if plan is None:
         return None
-    (count, eps, codes, heads, batch_first, norm_first, tgt_causal, memory_causal, has_next,
-     activation, fp32) = plan
-    lane.skip(count)
-    allow_tf32 = tf_functional._allow_tf32(x.dtype) if fp32 else False
+    lane.skip(plan.count)
     outs = torch.ops.transformer_fast_C.decoder_layer_infer(
-        x, memory, normed, tgt_padding, memory_padding, _decoder_params(layer, next_norm), eps, codes,
-        heads, batch_first, norm_first, tgt_causal, memory_causal, has_next, activation, allow_tf32)
-    return outs[0], (outs[1] if has_next else None)
+        x, memory, normed, tgt_padding, memory_padding, _decoder_params(layer, next_norm), plan.eps,
+        plan.codes, plan.heads, plan.batch_first, plan.norm_first, plan.tgt_causal,
+        plan.memory_causal, plan.next_norm, plan.activation, _allow_tf32(plan, x))
+    return outs[0], (outs[1] if plan.next_norm else None)
 
 
 def packed_encoder(stack, lane, src, padding):
@@ -208,23 +246,17 @@ def packed_encoder(stack, lane, src, padding):
     NestedTensor conversion and the left-alignment check both read it too)."""
     plans, position = [], lane.position()
     for layer in stack.layers:
-        plan = lane.native(position)
-        if plan is _lane.UNSET:
-            plan = lane.decide_native(encoder_plan(layer, lane.upcoming(position), src, None, padding,
-                                                   False, None, None), position)
-        if plan is None or plan[5] or not plan[4]:  # (norm_first, batch_first)
+        plan = _plan(lane, lambda: encoder_plan(layer, lane.upcoming(position), src, None, padding,
+                                                False, None, None), position)
+        if plan is None or plan.norm_first or not plan.batch_first:
             return None
         plans.append(plan)
-        position += plan[0]
+        position += plan.count
     b, l, e = src.shape
     rows = padding.logical_not().reshape(-1).nonzero().squeeze(1)  # (N,)
     x = src.reshape(b * l, e).index_select(0, rows)
     buffer = src.new_zeros(b, l, 3 * e)
     for layer, plan in zip(stack.layers, plans):
-        _, eps, codes, heads, _, _, _, _, activation, fp32 = plan
-        allow_tf32 = tf_functional._allow_tf32(x.dtype) if fp32 else False
-        x = torch.ops.transformer_fast_C.encoder_layer_infer(
-            x, None, padding, _encoder_params(layer, None), eps, codes, heads, True, False, False,
-            False, activation, allow_tf32, rows, buffer)[0]
+        x = _run_encoder(layer, plan, x, None, padding, None, rows, buffer)[0]
     lane.skip(position - lane.position())
     return src.new_zeros(b * l, e).index_copy_(0, rows, x).view(b, l, e)
