@@ -13,6 +13,11 @@ Providers:
     ours:<backend>+cuda_graph   greedy decoding on a GPU with cuda_graph=True (the default
                       there; the rows without the suffix pass cuda_graph=False): every step after
                       the first replayed as one CUDA graph (the capture is part of the timed call)
+    ours:auto+logits  the training step computing torch's loss on ours' (B, T, V) logits, as
+                      torch.nn's and the reference's rows do (the modules alone, dropped in); the
+                      rows without the suffix use Seq2SeqTransformer.loss, which fuses the
+                      pre-softmax projection into the same label-smoothed cross entropy
+                      (transformer_fast/models/fused_loss.py: no (B, T, V) logits in memory)
 Ours are imported lazily: a missing module gives a row that says "not available yet".
 
 Tokens per second (shape["tokens_per_s"]): layers, tokens through the layer; inference, target
@@ -39,6 +44,16 @@ from . import common
 
 MODEL_OPS = ("encoder_layer", "decoder_layer", "inference", "train_step", "greedy_decode")
 GRAPH_SUFFIX = "+cuda_graph"  # ours' greedy decoding with cuda_graph=True (GPU only)
+LOGITS_SUFFIX = "+logits"  # ours' training step with torch's loss on the (B, T, V) logits
+SUFFIXES = (GRAPH_SUFFIX, LOGITS_SUFFIX)
+
+
+def _base_provider(provider: str) -> str:
+    """"ours:auto+cuda_graph" -> "auto"."""
+    base = provider.split(":", 1)[-1]
+    for suffix in SUFFIXES:
+        base = base.removesuffix(suffix)
+    return base
 PAD, BOS, EOS = 0, 1, 2
 
 
@@ -264,7 +279,7 @@ class Runner:
     def wanted(self, provider):
         if self.providers is None:
             return True
-        base = provider.split(":", 1)[-1].removesuffix(GRAPH_SUFFIX) if provider.startswith("ours:") else provider
+        base = _base_provider(provider) if provider.startswith("ours:") else provider
         return provider in self.providers or base in self.providers or (
             provider.startswith("torch.nn") and "torch" in self.providers)
 
@@ -442,16 +457,19 @@ class Runner:
         tgt_in, tgt_out = tgt[:, :-1].clone(), tgt[:, 1:].clone()
         tgt_in[:, 0] = BOS
         shape = {"pass": "fwd+bwd+adam", "B": b, "S": s, "T": t,
-                 "note": "label-smoothed CE, Adam; target tokens/s"}
+                 "note": "label-smoothed CE (ours: fused with the projection, except +logits), Adam; target tokens/s"}
         mask = "key_padding"
 
-        def step_fn(model):
+        def step_fn(model, logits=False):
             opt = torch.optim.Adam(model.parameters(), lr=1e-5, betas=(0.9, 0.98), eps=1e-6)
+            fused = hasattr(model, "loss") and not logits  # ours: Seq2SeqTransformer.loss
 
             def step():
-                logits = model(src, tgt_in)
-                loss = F.cross_entropy(logits.reshape(-1, cfg.vocab).float(), tgt_out.reshape(-1),
-                                       ignore_index=PAD, label_smoothing=0.1)
+                if fused:  # the same loss without the (B, T, V) logits
+                    loss = model.loss(src, tgt_in, tgt_out, smoothing=0.1)
+                else:
+                    loss = F.cross_entropy(model(src, tgt_in).reshape(-1, cfg.vocab).float(), tgt_out.reshape(-1),
+                                           ignore_index=PAD, label_smoothing=0.1)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -535,12 +553,18 @@ class Runner:
             variants.append((provider, model))
             if op == "greedy_decode" and self.device.type == "cuda":
                 variants.append((provider + GRAPH_SUFFIX, model))  # each step replayed as a CUDA graph
+            if op == "train_step" and provider == "ours:auto":
+                variants.append((provider + LOGITS_SUFFIX, model))  # torch's loss on ours' logits
         for provider, model in variants:
             if not self.wanted(provider):
                 continue
-            graph = provider.endswith(GRAPH_SUFFIX)
-            backend = provider.split(":", 1)[1].removesuffix(GRAPH_SUFFIX) if provider.startswith("ours:") else None
-            step = step_fn(model, cuda_graph=True) if graph else step_fn(model)
+            backend = _base_provider(provider) if provider.startswith("ours:") else None
+            if provider.endswith(GRAPH_SUFFIX):
+                step = step_fn(model, cuda_graph=True)
+            elif provider.endswith(LOGITS_SUFFIX):
+                step = step_fn(model, logits=True)
+            else:
+                step = step_fn(model)
 
             def fn(step=step, backend=backend):
                 if backend is None:

@@ -2,6 +2,7 @@
 encoder-only classifier, training helpers and the train-demo."""
 from .classifier import TransformerClassifier
 from .decoding import beam_search, greedy_decode, sample
+from .fused_loss import linear_cross_entropy
 from .embedding import ScaledEmbedding, SinusoidalPositionalEncoding, sinusoidal_positions
 from .seq2seq import Seq2SeqTransformer, causal_mask
 from .training import (
@@ -24,6 +25,7 @@ __all__ = [
     "beam_search",
     "sample",
     "label_smoothed_cross_entropy",
+    "linear_cross_entropy",
     "LabelSmoothedCrossEntropy",
     "shift_right",
     "train_step",

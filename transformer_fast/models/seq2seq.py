@@ -2,6 +2,7 @@
 
     model = Seq2SeqTransformer(src_vocab_size, tgt_vocab_size)      # 6 + 6 layers, d_model 512
     logits = model(src, tgt_in)                                    # (B, T, V), teacher forcing
+    loss = model.loss(src, tgt_in, tgt_out)                        # the same loss, no (B, T, V) logits
     tokens = model.greedy_decode(src, max_len=64)                  # KV-cached
     tokens = model.beam_search(src, beam_size=4, max_len=64)
 
@@ -18,6 +19,7 @@ from .. import _checks
 from . import _validate, decoding
 from ._layers import LayerNorm, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer
 from .embedding import ScaledEmbedding, SinusoidalPositionalEncoding
+from .fused_loss import linear_cross_entropy
 
 
 def causal_mask(length: int, device=None) -> torch.Tensor:
@@ -116,6 +118,10 @@ class Seq2SeqTransformer(nn.Module):
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_padding: torch.Tensor) -> torch.Tensor:
         """All positions at once: tgt_in (B, T) -> logits (B, T, V), causal and padding masked."""
+        return self.generator(self.decoder_states(tgt_in, memory, src_padding))
+
+    def decoder_states(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_padding: torch.Tensor) -> torch.Tensor:
+        """decode() without the pre-softmax projection: (B, T, d_model)."""
         _validate.tokens("tgt_in", tgt_in, self.tgt_vocab_size, device=self._device())
         if tgt_in.shape[0] != memory.shape[0]:
             raise ValueError(
@@ -123,19 +129,29 @@ class Seq2SeqTransformer(nn.Module):
             )
         length = tgt_in.shape[1]
         y = self.dropout(self.positions(self.tgt_embed(tgt_in)))  # (B, T, d)
-        h = self.decoder(
+        return self.decoder(
             y, memory,
             tgt_mask=causal_mask(length, y.device),
             tgt_is_causal=True,  # the hint: no data-dependent mask inspection (torch.compile)
             tgt_key_padding_mask=tgt_in == self.pad_id,
             memory_key_padding_mask=src_padding,
         )  # (B, T, d)
-        return self.generator(h)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Teacher forcing: src (B, S), tgt_in (B, T) (bos + target[:-1]) -> logits (B, T, V)."""
         memory, src_padding = self.encode(src)
         return self.decode(tgt_in, memory, src_padding)
+
+    def loss(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, smoothing: float = 0.1,
+             reduction: str = "mean") -> torch.Tensor:
+        """The teacher-forced training loss: ``label_smoothed_cross_entropy(self(src, tgt_in),
+        tgt_out, smoothing, ignore_index=pad_id, reduction)``, with the pre-softmax projection
+        fused into the loss (fused_loss.py): the (B, T, V) logits are never all in
+        memory.  The generator's own forward (and any hook on it) is not called."""
+        memory, src_padding = self.encode(src)
+        h = self.decoder_states(tgt_in, memory, src_padding)  # (B, T, d)
+        return linear_cross_entropy(h, self.generator.weight, tgt_out, self.generator.bias, smoothing,
+                                    ignore_index=self.pad_id, reduction=reduction)
 
     # ---- decoding (decoding.py)
 

@@ -13,6 +13,30 @@ from . import _validate
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def check_targets(target, shape: tuple, vocab: int, smoothing, ignore_index, reduction: str, against: str):
+    """The loss arguments' checks shared with linear_cross_entropy; returns (keep, safe_target):
+    keep (...) bool, False at ignore_index; safe_target (...) int64 with 0 there."""
+    if not isinstance(target, torch.Tensor) or target.dtype not in _validate.INT_DTYPES:
+        raise TypeError(f"target must be an integer torch.Tensor; got "
+                        f"{target.dtype if isinstance(target, torch.Tensor) else type(target).__name__}")
+    if tuple(target.shape) != shape:
+        raise ValueError(f"target must have {against}' shape without the class dimension {shape}; "
+                         f"got {tuple(target.shape)}")
+    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing <= 1:
+        raise ValueError(f"smoothing must be a float in [0, 1]; got {smoothing!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
+    if ignore_index is not None:
+        _validate.integer("ignore_index", ignore_index)
+    keep = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
+    safe_target = torch.where(keep, target, torch.zeros_like(target)).long()
+    if _checks.host_checks_enabled(target.device) and bool(keep.any()):
+        low, high = int(safe_target[keep].min()), int(safe_target[keep].max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"target must hold class ids in [0, {vocab}); got [{low}, {high}]")
+    return keep, safe_target
+
+
 def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, smoothing: float = 0.1,
                                  ignore_index: int | None = None, reduction: str = "mean") -> torch.Tensor:
     """Cross entropy against ``(1 - smoothing) * one_hot(target) + smoothing / V``.
@@ -29,26 +53,10 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, smo
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point torch.Tensor; got "
                         f"{logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__}")
-    if not isinstance(target, torch.Tensor) or target.dtype not in _validate.INT_DTYPES:
-        raise TypeError(f"target must be an integer torch.Tensor; got "
-                        f"{target.dtype if isinstance(target, torch.Tensor) else type(target).__name__}")
-    if logits.dim() < 1 or tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"target must have logits' shape without the class dimension "
-                         f"{tuple(logits.shape[:-1])}; got {tuple(target.shape)}")
-    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing <= 1:
-        raise ValueError(f"smoothing must be a float in [0, 1]; got {smoothing!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
-    if ignore_index is not None:
-        _validate.integer("ignore_index", ignore_index)
-    vocab = logits.shape[-1]
-    keep = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
-    safe_target = torch.where(keep, target, torch.zeros_like(target)).long()
-    if _checks.host_checks_enabled(target.device) and bool(keep.any()):
-        low, high = int(safe_target[keep].min()), int(safe_target[keep].max())
-        if low < 0 or high >= vocab:
-            raise ValueError(f"target must hold class ids in [0, {vocab}); got [{low}, {high}]")
-
+    if logits.dim() < 1:
+        raise ValueError("logits must have a class dimension (..., V); got a 0-d tensor")
+    keep, safe_target = check_targets(target, tuple(logits.shape[:-1]), logits.shape[-1], smoothing,
+                                      ignore_index, reduction, "logits")
     wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     logp = torch.log_softmax(wide, dim=-1)  # (..., V): half-precision logits upcast to float32
     nll = -logp.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # (...)
@@ -131,8 +139,8 @@ def train_step(model, src: torch.Tensor, tgt: torch.Tensor, optimizer: torch.opt
     ctx = (torch.autocast(src.device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
     with ctx:
-        logits = model(src, tgt_in)  # (B, T, V)
-    loss = label_smoothed_cross_entropy(logits, tgt, smoothing, ignore_index=model.pad_id)
+        # label_smoothed_cross_entropy(model(src, tgt_in), tgt, ...) without the (B, T, V) logits
+        loss = model.loss(src, tgt_in, tgt, smoothing)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if clip_norm is not None:

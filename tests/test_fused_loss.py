@@ -1,0 +1,281 @@
+"""linear_cross_entropy: the pre-softmax projection fused with the label-smoothed cross entropy
+(transformer_fast/models/fused_loss.py), against its unfused composition in float64
+(DESIGN section 6's oracle), and Seq2SeqTransformer.loss / train_step on top of it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _functional_helpers import dt_id, generator, randn
+from transformer_fast import reference as ref
+from transformer_fast.models import (
+    Seq2SeqTransformer,
+    label_smoothed_cross_entropy,
+    linear_cross_entropy,
+    shift_right,
+    train_step,
+)
+from transformer_fast.models import fused_loss as lce_module
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+PAD = 0
+
+
+def _case(rows_shape, e, v, dtype, bias, g, ignored=0.3):
+    hidden = randn(*rows_shape, e, dtype=dtype, g=g)
+    weight = randn(v, e, dtype=dtype, g=g, scale=e ** -0.5)
+    b = randn(v, dtype=dtype, g=g) if bias else None
+    target = torch.randint(1, v, rows_shape, generator=g)
+    target[torch.rand(rows_shape, generator=g) < ignored] = PAD
+    return hidden, weight, b, target
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dt_id)
+@pytest.mark.parametrize("rows_shape,e,v", [((1,), 8, 5), ((7,), 33, 127), ((3, 33), 16, 1000), ((100,), 64, 50)])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_rows", [None, 1, 7])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_matches_the_composition_under_the_oracle(dtype, rows_shape, e, v, bias, smoothing, chunk_rows, reduction):
+    hidden, weight, b, target = _case(rows_shape, e, v, dtype, bias, generator())
+    inputs = {"hidden": hidden, "weight": weight}
+    grads = ["hidden", "weight"]
+    if bias:
+        inputs["bias"] = b
+        grads.append("bias")
+
+    def fused(hidden, weight, bias=None):
+        return linear_cross_entropy(hidden, weight, target, bias, smoothing, PAD, reduction, chunk_rows=chunk_rows)
+
+    def composition(hidden, weight, bias=None):
+        return lce_module.reference(hidden, weight, target, bias, smoothing, PAD, reduction)
+
+    ref.assert_oracle(ref.run_oracle(fused, composition, inputs, grads),
+                      f"{dt_id(dtype)} rows {rows_shape} E {e} V {v} chunk {chunk_rows}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=dt_id)
+def test_loss_dtype_and_value_equal_the_composition(dtype):
+    hidden, weight, b, target = _case((4, 9), 16, 40, dtype, True, generator())
+    got = linear_cross_entropy(hidden, weight, target, b, 0.1, PAD, chunk_rows=5)
+    want = lce_module.reference(hidden, weight, target, b, 0.1, PAD)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float64 else 1e-5, atol=0)
+
+
+def test_every_token_ignored_gives_zero_loss_and_zero_gradients():
+    hidden, weight, _, target = _case((3, 5), 8, 11, torch.float32, False, generator())
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    loss = linear_cross_entropy(hidden, weight, torch.full_like(target, PAD), None, 0.1, PAD)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert hidden.grad.abs().max().item() == 0.0 and weight.grad.abs().max().item() == 0.0
+
+
+def test_nan_states_at_ignored_tokens_count_for_nothing_in_the_loss():
+    hidden, weight, _, target = _case((2, 6), 8, 11, torch.float32, False, generator(), ignored=0.0)
+    target[0, 2] = PAD
+    hidden[0, 2] = float("nan")
+    got = linear_cross_entropy(hidden, weight, target, None, 0.1, PAD, chunk_rows=4)
+    want = lce_module.reference(hidden, weight, target, None, 0.1, PAD)
+    assert torch.isfinite(got)
+    torch.testing.assert_close(got, want)
+
+
+def test_reduction_none_matches_the_composition():
+    hidden, weight, b, target = _case((3, 7), 8, 13, torch.float32, True, generator())
+    hidden.requires_grad_(True)
+    got = linear_cross_entropy(hidden, weight, target, b, 0.1, PAD, "none")
+    want = lce_module.reference(hidden, weight, target, b, 0.1, PAD, "none")
+    assert got.shape == (3, 7)
+    torch.testing.assert_close(got, want)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 16])
+def test_no_tensor_holds_more_than_one_chunk_of_logits(chunk_rows):
+    """The point of the op: forward and backward never make more than chunk_rows x V logits
+    (the composition makes N x V several times)."""
+    n, e, v = 64, 8, 512
+    hidden, weight, _, target = _case((n,), e, v, torch.float32, False, generator())
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    with _LargestTensor() as fused:
+        linear_cross_entropy(hidden, weight, target, None, 0.1, PAD, chunk_rows=chunk_rows).backward()
+    with _LargestTensor() as composition:
+        lce_module.reference(hidden, weight, target, None, 0.1, PAD).backward()
+    assert composition.largest == n * v
+    assert fused.largest == max(chunk_rows * v, v * e)
+
+
+def test_backward_is_bitwise_reproducible():
+    hidden, weight, b, target = _case((40,), 16, 300, torch.float32, True, generator())
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, b)]
+        linear_cross_entropy(*leaves[:2], target, leaves[2], 0.1, PAD, chunk_rows=7).backward()
+        runs.append([t.grad for t in leaves])
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
+
+
+def test_double_backward_raises():
+    hidden, weight, _, target = _case((5,), 8, 11, torch.float32, False, generator())
+    hidden.requires_grad_(True)
+    loss = linear_cross_entropy(hidden, weight, target, None, 0.1, PAD)
+    with pytest.raises(RuntimeError, match="backward is not differentiable"):
+        torch.autograd.grad(loss, hidden, create_graph=True)
+
+
+def test_under_cpu_autocast_the_gemms_run_in_the_autocast_dtype():
+    hidden, weight, b, target = _case((6, 5), 16, 30, torch.float32, True, generator())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(hidden, weight, target, b, 0.1, PAD, chunk_rows=4)
+        logits = F.linear(hidden, weight, b)
+    assert logits.dtype == torch.bfloat16
+    want = label_smoothed_cross_entropy(logits, target, 0.1, PAD)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"weight": torch.randn(11, 9)}, ValueError, "weight must be a \\(V, E\\)"),
+    ({"bias": torch.randn(10)}, ValueError, "bias must be None or a \\(11,\\)"),
+    ({"weight": torch.randn(11, 8, dtype=torch.float64)}, TypeError, "weight and bias must have hidden's dtype"),
+    ({"target": torch.randint(0, 11, (5,))}, ValueError, "target must have hidden' shape"),
+    ({"target": torch.rand(4, 5)}, TypeError, "target must be an integer"),
+    ({"target": torch.full((4, 5), 11)}, ValueError, "class ids in \\[0, 11\\)"),
+    ({"hidden": torch.randint(0, 3, (4, 5, 8))}, TypeError, "hidden must be a floating-point"),
+    ({"smoothing": 1.5}, ValueError, "smoothing"),
+    ({"reduction": "avg"}, ValueError, "reduction"),
+    ({"chunk_rows": 0}, ValueError, "chunk_rows"),
+])
+def test_bad_arguments_are_named(kwargs, exc, match):
+    args = {"hidden": torch.randn(4, 5, 8), "weight": torch.randn(11, 8), "target": torch.randint(1, 11, (4, 5)),
+            "bias": None}
+    chunk = kwargs.pop("chunk_rows", None)
+    extra = {k: kwargs.pop(k) for k in ("smoothing", "reduction") if k in kwargs}
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        linear_cross_entropy(args["hidden"], args["weight"], args["target"], args["bias"], ignore_index=PAD,
+                             chunk_rows=chunk, **extra)
+
+
+# --------------------------------------------------------------------------------------------
+# Seq2SeqTransformer.loss and train_step
+
+
+def _model_and_batch(share_embeddings):
+    model = Seq2SeqTransformer(23, 23 if share_embeddings else 19, d_model=32, nhead=4, num_encoder_layers=2,
+                               num_decoder_layers=2, dim_feedforward=64, dropout=0.0,
+                               share_embeddings=share_embeddings).double()
+    g = generator()
+    vocab = model.tgt_vocab_size
+    src = torch.randint(3, 23, (3, 9), generator=g)
+    src[0, 6:] = PAD
+    tgt = torch.randint(3, vocab, (3, 8), generator=g)
+    tgt[1, 5:] = PAD
+    return model, src, tgt
+
+
+@pytest.mark.parametrize("share_embeddings", [False, True], ids=["separate", "shared"])
+def test_model_loss_equals_the_loss_of_its_logits(share_embeddings):
+    model, src, tgt = _model_and_batch(share_embeddings)
+    tgt_in = shift_right(tgt, model.bos_id)
+    losses, grads = [], []
+    for fn in (lambda: model.loss(src, tgt_in, tgt, 0.1),
+               lambda: label_smoothed_cross_entropy(model(src, tgt_in), tgt, 0.1, ignore_index=model.pad_id)):
+        model.zero_grad()
+        loss = fn()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=0)
+    for k in grads[1]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_train_step_minimises_the_same_loss():
+    model, src, tgt = _model_and_batch(False)
+    twin, _, _ = _model_and_batch(False)
+    twin.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = train_step(model, src, tgt, opt, smoothing=0.1, clip_norm=None)
+    want = label_smoothed_cross_entropy(twin(src, shift_right(tgt, twin.bos_id)), tgt, 0.1, ignore_index=PAD)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=0)
+    want.backward()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q - 0.1 * q.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_model_loss_compiles_fullgraph():
+    model, src, tgt = _model_and_batch(False)
+    model.float()
+    tgt_in = shift_right(tgt, model.bos_id)
+    eager = model.loss(src, tgt_in, tgt)
+    compiled = torch.compile(model.loss, fullgraph=True, backend="aot_eager")(src, tgt_in, tgt)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dt_id)
+@pytest.mark.parametrize("chunk_rows", [None, 100])
+def test_on_gpu_under_the_oracle(dtype, chunk_rows):
+    g = generator()
+    hidden, weight, b, target = _case((4, 129), 64, 3001, dtype, True, g)
+    target = target.cuda()
+    inputs = {"hidden": hidden.cuda(), "weight": weight.cuda(), "bias": b.cuda()}
+
+    def fused(hidden, weight, bias):
+        return linear_cross_entropy(hidden, weight, target, bias, 0.1, PAD, chunk_rows=chunk_rows)
+
+    def composition(hidden, weight, bias):
+        return lce_module.reference(hidden, weight, target, bias, 0.1, PAD)
+
+    ref.assert_oracle(ref.run_oracle(fused, composition, inputs, ["hidden", "weight", "bias"]), dt_id(dtype))
+
+
+@pytest.mark.gpu
+def test_model_loss_on_gpu_peaks_below_the_composition():
+    """Seq2SeqTransformer.loss in bf16 on a GPU, with the default chunks (8 of them here): the
+    loss of its logits, at under half the composition's peak memory (~14 bytes per logit)."""
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(200, 32000, d_model=64, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
+                               dim_feedforward=128, dropout=0.0).cuda().bfloat16()
+    src = torch.randint(3, 200, (64, 16), device="cuda")
+    tgt = torch.randint(3, 32000, (64, 128), device="cuda")
+    tgt_in = shift_right(tgt, model.bos_id)
+
+    def peak_of(fn):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = fn()
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach(), torch.cuda.max_memory_allocated() - before
+
+    want, composition = peak_of(
+        lambda: label_smoothed_cross_entropy(model(src, tgt_in), tgt, 0.1, ignore_index=PAD))
+    got, fused = peak_of(lambda: model.loss(src, tgt_in, tgt, 0.1))
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    assert fused < composition / 2, f"peak {fused / 1e6:.0f} MB vs the composition's {composition / 1e6:.0f} MB"

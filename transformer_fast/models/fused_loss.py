@@ -1,0 +1,193 @@
+"""The pre-softmax projection fused with the label-smoothed cross entropy, in row chunks.
+
+    loss = linear_cross_entropy(hidden, weight, target, bias, smoothing=0.1, ignore_index=pad)
+    # == label_smoothed_cross_entropy(F.linear(hidden, weight, bias), target, 0.1, pad)
+
+A training step of the paper's model spends more memory on its last layer than on any other:
+the (N, V) logits (N = B * T target tokens, V = 32000 in the base setup) in the model's dtype,
+their float32 copy, the float32 log-probabilities the loss keeps for backward and, in backward,
+two more (N, V) float32 gradients: about 14 bytes per logit at the peak, 3.7 GB at B 64, T 128.
+
+Here the logits are made a chunk of rows at a time, and each chunk's gradient is formed at
+once (softmax minus the smoothed one-hot target, over the count of kept tokens) and pushed
+through the projection: d hidden for the chunk's rows, d weight and d bias accumulated.  The
+loss keeps those gradients (N x E and V x E) instead of any logits, and backward scales them by
+the incoming gradient of the (scalar) loss.  The GEMMs are the same three as Linear's forward
+and backward, so no FLOPs are added; the logits of one chunk (at most ``CHUNK_ELEMENTS``) are
+all that is ever in memory.
+
+Where the precomputed gradients do not apply, the unfused composition runs instead (the
+readable reference, ``reference()`` below): reduction="none" (each token's gradient would
+need its own upstream factor) and torch.compile tracing (Inductor fuses the composition
+itself).  The fused backward is not itself differentiable (create_graph=True raises).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..functional import _allow_tf32
+from .training import check_targets, label_smoothed_cross_entropy
+
+# Logits per chunk: 2**25 float32 values (128 MiB), e.g. 1048 rows of a 32000-token vocabulary.
+CHUNK_ELEMENTS = 1 << 25
+
+
+def reference(hidden, weight, target, bias=None, smoothing=0.1, ignore_index=None, reduction="mean"):
+    """The unfused composition: Linear, then label_smoothed_cross_entropy on its logits."""
+    return label_smoothed_cross_entropy(F.linear(hidden, weight, bias), target, smoothing, ignore_index, reduction)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
+                         smoothing: float = 0.1, ignore_index: int | None = None, reduction: str = "mean",
+                         *, chunk_rows: int | None = None) -> Tensor:
+    """``label_smoothed_cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the
+    (..., V) logits ever in memory at once.
+
+    Args:
+        hidden: (..., E) float, the states before the pre-softmax projection.
+        weight: (V, E), as nn.Linear stores it; bias: (V,) or None.
+        target: (...) integer class ids in [0, V), or ignore_index (counts for nothing).
+        smoothing, ignore_index, reduction: as label_smoothed_cross_entropy.
+        chunk_rows: rows of logits made at a time (default: CHUNK_ELEMENTS // V).
+    """
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
+        raise TypeError(f"hidden must be a floating-point torch.Tensor; got "
+                        f"{hidden.dtype if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have a feature dimension (..., E); got a 0-d tensor")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be a (V, E) tensor with E = hidden.shape[-1] = {hidden.shape[-1]}; got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"bias must be None or a ({weight.shape[0]},) tensor; got "
+                         f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+    for name, t in (("weight", weight), ("bias", bias), ("target", target)):
+        if isinstance(t, torch.Tensor) and t.device != hidden.device:
+            raise ValueError(f"{name} must be on hidden's device {hidden.device}; got {t.device}")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"chunk_rows must be a positive int or None; got {chunk_rows!r}")
+    keep, safe_target = check_targets(target, tuple(hidden.shape[:-1]), weight.shape[0], smoothing,
+                                      ignore_index, reduction, "hidden")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # As F.linear under autocast: the GEMMs in the autocast dtype (the loss stays float32).
+        low = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(low), weight.to(low)
+        bias = None if bias is None else bias.to(low)
+    elif weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(f"weight and bias must have hidden's dtype {hidden.dtype}; got {weight.dtype}"
+                        f"{'' if bias is None else f' and {bias.dtype}'}")
+    if reduction == "none" or torch.compiler.is_compiling():
+        with torch.autocast(device_type, enabled=False):
+            return reference(hidden, weight, target, bias, smoothing, ignore_index, reduction)
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, weight.shape[0]))
+    with torch.autocast(device_type, enabled=False):
+        return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                         keep.reshape(-1), safe_target.reshape(-1), float(smoothing),
+                                         reduction == "mean", rows)
+
+
+def _accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of a chunk's softmax and reductions.  16-bit logits: float32, as the composition
+    upcasts them.  float32 logits: float64 (unless tf32 GEMMs are allowed on CUDA, where the
+    oracle's tolerance is bf16's): the chunks' GEMMs and sums then land within the composition's
+    own float32 error rather than beside it (in float32, DESIGN section 6's oracle failed about
+    one case in 1000 at chunks of 1 and 7 rows)."""
+    if dtype == torch.float64 or (dtype == torch.float32 and not (device.type == "cuda" and _allow_tf32(dtype))):
+        return torch.float64
+    return torch.float32
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward forms the gradients for an upstream gradient of 1 and a count of 1, unscaled:
+    values of order 1 that fp16 holds without underflow (divided by a count of thousands of
+    tokens they would not be).  Backward scales them by upstream / count in float32 or float64
+    and rounds once."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, keep, target, smoothing, mean, rows):
+        # hidden (N, E), weight (V, E), bias (V,) or None, keep / target (N,)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        grads = ctx.needs_input_grad[:3]
+        acc = _accumulation_dtype(hidden.dtype, hidden.device)
+        sixteen_bit = hidden.dtype in (torch.float16, torch.bfloat16)
+        # Each token's loss in float64, summed once: the result is within half a unit of the
+        # last place where the composition's float32 sum may be off by more.
+        row_losses = torch.empty(n, dtype=torch.float64, device=hidden.device)
+        d_hidden = torch.empty_like(hidden) if grads[0] else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32 if sixteen_bit else weight.dtype,
+                               device=weight.device) if grads[1] else None
+        d_bias = torch.zeros(vocab, dtype=torch.float64, device=weight.device) if grads[2] else None
+        weight_dgrad = weight.to(acc) if grads[0] and not sixteen_bit else weight
+        # A 16-bit GEMM per chunk would round d weight once per chunk; on the CPU (no faster in
+        # 16-bit) each chunk's goes through float32 instead.  On CUDA, chunks are >= 1000 rows
+        # at the base model's vocabulary: a few roundings, summed in float32.
+        wgrad_in_float32 = sixteen_bit and hidden.device.type == "cpu"
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            h, kept, t = hidden[start:stop], keep[start:stop], target[start:stop].unsqueeze(1)
+            logits = F.linear(h, weight, bias)  # (rows, V) in hidden's dtype, as nn.Linear's
+            z = logits if logits.dtype == acc else logits.to(acc)
+            del logits
+            z_target = z.gather(1, t).squeeze(1).double()
+            z_mean = z.mean(dim=1).double() if smoothing > 0.0 else None
+            row_max = z.amax(dim=1, keepdim=True)
+            e = z.sub_(row_max).exp_()  # exp(z - max), in place
+            total_e = e.sum(dim=1)
+            lse = row_max.squeeze(1).double() + total_e.double().log()  # (rows,)
+            row_loss = lse - (1.0 - smoothing) * z_target
+            if z_mean is not None:  # skipped at 0: 0 * inf (a class masked with -inf) would be NaN
+                row_loss = row_loss - smoothing * z_mean
+            # A masked_fill, not a product: NaN / inf logits at ignored rows count for nothing.
+            row_losses[start:stop] = row_loss.masked_fill(~kept, 0.0)
+            if not any(grads):
+                continue
+            # d loss / d logits, unscaled: softmax - smoothed one-hot, zero at ignored rows.
+            dz = e.div_(total_e.unsqueeze(1))
+            if smoothing > 0.0:
+                dz.sub_(smoothing / vocab)
+            dz.scatter_add_(1, t, torch.full_like(t, -(1.0 - smoothing), dtype=dz.dtype))
+            dz.masked_fill_(~kept.unsqueeze(1), 0.0)
+            if d_bias is not None:
+                d_bias += dz.sum(dim=0)
+            if d_hidden is not None:
+                if sixteen_bit:
+                    torch.mm(dz.to(hidden.dtype), weight, out=d_hidden[start:stop])
+                else:
+                    d_hidden[start:stop] = torch.mm(dz, weight_dgrad)
+            if d_weight is not None:
+                if wgrad_in_float32:
+                    d_weight.addmm_(dz.t(), h.float())
+                elif sixteen_bit:
+                    d_weight += dz.to(hidden.dtype).t().mm(h)
+                else:
+                    d_weight.addmm_(dz.to(weight.dtype).t(), h)
+            del dz, e, z
+        denom = keep.sum().clamp(min=1).to(torch.float64) if mean else None
+        total = row_losses.sum()
+        if d_weight is not None and weight.dtype == torch.bfloat16:
+            d_weight = d_weight.to(weight.dtype)  # bf16 has float32's range; fp16's could overflow
+        ctx.save_for_backward(d_hidden, d_weight, d_bias, denom)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        return (total if denom is None else total / denom).to(wide)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():  # create_graph=True: the saved gradients have no graph
+            raise RuntimeError("linear_cross_entropy's backward is not differentiable (its gradients are formed in "
+                               "forward); for double backward use label_smoothed_cross_entropy(F.linear(...))")
+        d_hidden, d_weight, d_bias, denom = ctx.saved_tensors
+        scale = grad_loss.double() if denom is None else grad_loss.double() / denom
+
+        def scaled(g, dtype):
+            if g is None:
+                return None
+            wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+            return (g.to(wide) * scale.to(wide)).to(dtype)
+
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (scaled(d_hidden, hidden_dtype), scaled(d_weight, weight_dtype), scaled(d_bias, weight_dtype),
+                None, None, None, None, None)
