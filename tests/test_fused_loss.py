@@ -38,7 +38,11 @@ def _case(rows_shape, e, v, dtype, bias, g, ignored=0.3):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("chunk_rows", [None, 1, 7])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_matches_the_composition_under_the_oracle(dtype, rows_shape, e, v, bias, smoothing, chunk_rows, reduction):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_matches_the_composition_under_the_oracle(dtype, rows_shape, e, v, bias, smoothing, chunk_rows, reduction,
+                                                  backend):
+    if backend == "triton" and dtype == torch.float32:
+        pytest.skip("the triton row kernel takes 16-bit logits (float32 runs in float64 on torch)")
     hidden, weight, b, target = _case(rows_shape, e, v, dtype, bias, generator())
     inputs = {"hidden": hidden, "weight": weight}
     grads = ["hidden", "weight"]
@@ -47,13 +51,14 @@ def test_matches_the_composition_under_the_oracle(dtype, rows_shape, e, v, bias,
         grads.append("bias")
 
     def fused(hidden, weight, bias=None):
-        return linear_cross_entropy(hidden, weight, target, bias, smoothing, PAD, reduction, chunk_rows=chunk_rows)
+        return linear_cross_entropy(hidden, weight, target, bias, smoothing, PAD, reduction, chunk_rows=chunk_rows,
+                                    backend=backend)
 
     def composition(hidden, weight, bias=None):
         return lce_module.reference(hidden, weight, target, bias, smoothing, PAD, reduction)
 
     ref.assert_oracle(ref.run_oracle(fused, composition, inputs, grads),
-                      f"{dt_id(dtype)} rows {rows_shape} E {e} V {v} chunk {chunk_rows}")
+                      f"{backend} {dt_id(dtype)} rows {rows_shape} E {e} V {v} chunk {chunk_rows}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=dt_id)
@@ -166,12 +171,14 @@ def test_under_cpu_autocast_the_gemms_run_in_the_autocast_dtype():
     ({"smoothing": 1.5}, ValueError, "smoothing"),
     ({"reduction": "avg"}, ValueError, "reduction"),
     ({"chunk_rows": 0}, ValueError, "chunk_rows"),
+    ({"backend": "cuda"}, ValueError, "backend must be one of"),
+    ({"backend": "triton"}, ValueError, "backend 'triton' of linear_cross_entropy takes float16 / bfloat16"),
 ])
 def test_bad_arguments_are_named(kwargs, exc, match):
     args = {"hidden": torch.randn(4, 5, 8), "weight": torch.randn(11, 8), "target": torch.randint(1, 11, (4, 5)),
             "bias": None}
     chunk = kwargs.pop("chunk_rows", None)
-    extra = {k: kwargs.pop(k) for k in ("smoothing", "reduction") if k in kwargs}
+    extra = {k: kwargs.pop(k) for k in ("smoothing", "reduction", "backend") if k in kwargs}
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         linear_cross_entropy(args["hidden"], args["weight"], args["target"], args["bias"], ignore_index=PAD,
@@ -279,3 +286,34 @@ def test_model_loss_on_gpu_peaks_below_the_composition():
     got, fused = peak_of(lambda: model.loss(src, tgt_in, tgt, 0.1))
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     assert fused < composition / 2, f"peak {fused / 1e6:.0f} MB vs the composition's {composition / 1e6:.0f} MB"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dt_id)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_triton_row_kernel_matches_the_torch_rows(dtype, smoothing):
+    """kernels/cross_entropy.py against the torch path's rows (_softmax_rows) on the same 16-bit
+    logits: -inf classes, a NaN row that is ignored, rows longer than one block (V 5000)."""
+    from transformer_fast.kernels.cross_entropy import cross_entropy_rows
+
+    g = generator()
+    rows, vocab = 6, 5000
+    logits = randn(rows, vocab, dtype=dtype, g=g, scale=3.0)
+    logits[1, ::7] = float("-inf")
+    logits[2] = float("nan")
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    target[1] = 3  # not a -inf class
+    keep = torch.ones(rows, dtype=torch.bool)
+    keep[2] = False
+    want_loss = torch.empty(rows, dtype=torch.float64)
+    want_grad = lce_module._softmax_rows(logits.clone(), target.unsqueeze(1), keep, smoothing, torch.float32,
+                                         want_loss, True)
+    grad = logits.clone()
+    loss = cross_entropy_rows(grad, target, keep, smoothing, True)
+    if smoothing > 0.0:  # a -inf class makes the smoothed row's loss inf, as in the composition
+        assert loss[1].item() == want_loss[1].item() == float("inf")
+        keep_rows = [0, 2, 3, 4, 5]
+    else:
+        keep_rows = list(range(rows))
+    torch.testing.assert_close(loss[keep_rows].double(), want_loss[keep_rows], rtol=2e-6, atol=2e-5)
+    assert loss[2].item() == 0.0 and grad[2].abs().max().item() == 0.0
+    torch.testing.assert_close(grad.float(), want_grad.to(dtype).float(), rtol=0, atol=2e-3)

@@ -32,6 +32,7 @@ from .training import check_targets, label_smoothed_cross_entropy
 
 # Logits per chunk: 2**25 float32 values (128 MiB), e.g. 1048 rows of a 32000-token vocabulary.
 CHUNK_ELEMENTS = 1 << 25
+BACKENDS = (None, "auto", "triton", "torch", "reference")
 
 
 def reference(hidden, weight, target, bias=None, smoothing=0.1, ignore_index=None, reduction="mean"):
@@ -41,7 +42,7 @@ def reference(hidden, weight, target, bias=None, smoothing=0.1, ignore_index=Non
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
                          smoothing: float = 0.1, ignore_index: int | None = None, reduction: str = "mean",
-                         *, chunk_rows: int | None = None) -> Tensor:
+                         *, chunk_rows: int | None = None, backend: str | None = None) -> Tensor:
     """``label_smoothed_cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the
     (..., V) logits ever in memory at once.
 
@@ -51,6 +52,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         target: (...) integer class ids in [0, V), or ignore_index (counts for nothing).
         smoothing, ignore_index, reduction: as label_smoothed_cross_entropy.
         chunk_rows: rows of logits made at a time (default: CHUNK_ELEMENTS // V).
+        backend: how each chunk's softmax and gradient run: "triton" (kernels/cross_entropy.py,
+            fp16 / bf16), "torch" (separate torch ops), "reference" (the unfused composition),
+            or None / "auto": triton for 16-bit CUDA tensors where Triton is installed, else torch.
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
         raise TypeError(f"hidden must be a floating-point torch.Tensor; got "
@@ -68,6 +72,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
             raise ValueError(f"{name} must be on hidden's device {hidden.device}; got {t.device}")
     if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int or None; got {chunk_rows!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     keep, safe_target = check_targets(target, tuple(hidden.shape[:-1]), weight.shape[0], smoothing,
                                       ignore_index, reduction, "hidden")
     device_type = hidden.device.type
@@ -79,14 +85,27 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     elif weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
         raise TypeError(f"weight and bias must have hidden's dtype {hidden.dtype}; got {weight.dtype}"
                         f"{'' if bias is None else f' and {bias.dtype}'}")
-    if reduction == "none" or torch.compiler.is_compiling():
+    if backend == "reference" or reduction == "none" or torch.compiler.is_compiling():
         with torch.autocast(device_type, enabled=False):
             return reference(hidden, weight, target, bias, smoothing, ignore_index, reduction)
+    sixteen_bit = hidden.dtype in (torch.float16, torch.bfloat16)
+    if backend == "triton" and not sixteen_bit:
+        raise ValueError(f"backend 'triton' of linear_cross_entropy takes float16 / bfloat16 hidden; got {hidden.dtype}")
+    if backend in (None, "auto"):
+        backend = "triton" if sixteen_bit and hidden.is_cuda and _triton_installed() else "torch"
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, weight.shape[0]))
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                          keep.reshape(-1), safe_target.reshape(-1), float(smoothing),
-                                         reduction == "mean", rows)
+                                         reduction == "mean", rows, backend == "triton")
+
+
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -100,6 +119,32 @@ def _accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype
     return torch.float32
 
 
+def _softmax_rows(logits, t, kept, smoothing, acc, row_losses, want_grad):
+    """The torch-ops path of one chunk: writes each row's loss (float64) into row_losses and
+    returns the unscaled gradient softmax - smoothed one-hot (acc dtype; zero at ignored rows),
+    or None without want_grad.  logits (rows, V), t (rows, 1), kept (rows,)."""
+    vocab = logits.shape[1]
+    z = logits if logits.dtype == acc else logits.to(acc)
+    z_target = z.gather(1, t).squeeze(1).double()
+    z_mean = z.mean(dim=1).double() if smoothing > 0.0 else None
+    row_max = z.amax(dim=1, keepdim=True)
+    e = z.sub_(row_max).exp_()  # exp(z - max), in place
+    total_e = e.sum(dim=1)
+    lse = row_max.squeeze(1).double() + total_e.double().log()  # (rows,)
+    row_loss = lse - (1.0 - smoothing) * z_target
+    if z_mean is not None:  # skipped at 0: 0 * inf (a class masked with -inf) would be NaN
+        row_loss = row_loss - smoothing * z_mean
+    # A masked_fill, not a product: NaN / inf logits at ignored rows count for nothing.
+    row_losses.copy_(row_loss.masked_fill(~kept, 0.0))
+    if not want_grad:
+        return None
+    dz = e.div_(total_e.unsqueeze(1))
+    if smoothing > 0.0:
+        dz.sub_(smoothing / vocab)
+    dz.scatter_add_(1, t, torch.full_like(t, -(1.0 - smoothing), dtype=dz.dtype))
+    return dz.masked_fill_(~kept.unsqueeze(1), 0.0)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward forms the gradients for an upstream gradient of 1 and a count of 1, unscaled:
     values of order 1 that fp16 holds without underflow (divided by a count of thousands of
@@ -107,7 +152,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     and rounds once."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, keep, target, smoothing, mean, rows):
+    def forward(ctx, hidden, weight, bias, keep, target, smoothing, mean, rows, row_kernel):
         # hidden (N, E), weight (V, E), bias (V,) or None, keep / target (N,)
         n, vocab = hidden.shape[0], weight.shape[0]
         grads = ctx.needs_input_grad[:3]
@@ -129,42 +174,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
             stop = min(n, start + rows)
             h, kept, t = hidden[start:stop], keep[start:stop], target[start:stop].unsqueeze(1)
             logits = F.linear(h, weight, bias)  # (rows, V) in hidden's dtype, as nn.Linear's
-            z = logits if logits.dtype == acc else logits.to(acc)
-            del logits
-            z_target = z.gather(1, t).squeeze(1).double()
-            z_mean = z.mean(dim=1).double() if smoothing > 0.0 else None
-            row_max = z.amax(dim=1, keepdim=True)
-            e = z.sub_(row_max).exp_()  # exp(z - max), in place
-            total_e = e.sum(dim=1)
-            lse = row_max.squeeze(1).double() + total_e.double().log()  # (rows,)
-            row_loss = lse - (1.0 - smoothing) * z_target
-            if z_mean is not None:  # skipped at 0: 0 * inf (a class masked with -inf) would be NaN
-                row_loss = row_loss - smoothing * z_mean
-            # A masked_fill, not a product: NaN / inf logits at ignored rows count for nothing.
-            row_losses[start:stop] = row_loss.masked_fill(~kept, 0.0)
-            if not any(grads):
-                continue
-            # d loss / d logits, unscaled: softmax - smoothed one-hot, zero at ignored rows.
-            dz = e.div_(total_e.unsqueeze(1))
-            if smoothing > 0.0:
-                dz.sub_(smoothing / vocab)
-            dz.scatter_add_(1, t, torch.full_like(t, -(1.0 - smoothing), dtype=dz.dtype))
-            dz.masked_fill_(~kept.unsqueeze(1), 0.0)
+            if row_kernel:  # kernels/cross_entropy.py: the loss, and the gradient over the logits
+                from transformer_fast.kernels.cross_entropy import cross_entropy_rows
+
+                row_losses[start:stop] = cross_entropy_rows(logits, t.squeeze(1), kept, smoothing, any(grads))
+                if not any(grads):
+                    continue
+                dz, dz_low = None, logits
+            else:
+                dz = _softmax_rows(logits, t, kept, smoothing, acc, row_losses[start:stop], any(grads))
+                del logits
+                if dz is None:
+                    continue
+                dz_low = dz if dz.dtype == hidden.dtype else dz.to(hidden.dtype)
             if d_bias is not None:
-                d_bias += dz.sum(dim=0)
+                d_bias += dz.sum(dim=0) if dz is not None else dz_low.sum(dim=0, dtype=torch.float32)
             if d_hidden is not None:
                 if sixteen_bit:
-                    torch.mm(dz.to(hidden.dtype), weight, out=d_hidden[start:stop])
+                    torch.mm(dz_low, weight, out=d_hidden[start:stop])
                 else:
                     d_hidden[start:stop] = torch.mm(dz, weight_dgrad)
             if d_weight is not None:
                 if wgrad_in_float32:
-                    d_weight.addmm_(dz.t(), h.float())
+                    d_weight.addmm_((dz if dz is not None else dz_low.float()).t(), h.float())
                 elif sixteen_bit:
-                    d_weight += dz.to(hidden.dtype).t().mm(h)
+                    d_weight += dz_low.t().mm(h)
                 else:
                     d_weight.addmm_(dz.to(weight.dtype).t(), h)
-            del dz, e, z
+            del dz, dz_low
         denom = keep.sum().clamp(min=1).to(torch.float64) if mean else None
         total = row_losses.sum()
         if d_weight is not None and weight.dtype == torch.bfloat16:
@@ -190,4 +227,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
         hidden_dtype, weight_dtype = ctx.dtypes
         return (scaled(d_hidden, hidden_dtype), scaled(d_weight, weight_dtype), scaled(d_bias, weight_dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
