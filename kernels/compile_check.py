@@ -9,9 +9,9 @@ launchers can pick, for sm_90 by default, with the installed Triton and its bund
 
 Kernels: kernels/layer_norm.py, kernels/attention.py (forward, delta, dk/dv, dq),
 kernels/decode.py (split-K forward, combine, cache append), kernels/masked_softmax.py
-(fused and looped paths, forward and backward) and kernels/ffn.py (the autotuned GEMM with its
+(fused and looped paths, forward and backward), kernels/ffn.py (the autotuned GEMM with its
 forward and dact epilogues for every activation, with and without dropout, and the elementwise
-act-grad / column-sum kernel).
+act-grad / column-sum kernel) and kernels/cross_entropy.py (the fused loss's row kernel).
 
 How the configurations are found.  The launchers themselves are called, on ``meta`` tensors
 (no memory, no device), with their kernels replaced by recorders; each recorded launch is turned
@@ -41,7 +41,7 @@ import time
 
 HIDDEN_SIZES = (1, 7, 127, 512, 768, 1000, 4096, 8192, 12288, 65536)
 DTYPES = ("bf16", "fp16", "fp32")
-KERNEL_SETS = ("layer_norm", "attention", "decode", "masked_softmax", "ffn")
+KERNEL_SETS = ("layer_norm", "attention", "decode", "masked_softmax", "ffn", "cross_entropy")
 H100_SMS = 132
 
 # ---------------------------------------------------------------------------------------------
@@ -382,8 +382,31 @@ def _ffn_jobs(dtypes=DTYPES, quick=False):
     return jobs
 
 
+def _cross_entropy_jobs(dtypes=DTYPES, quick=False):
+    """The fused loss's row kernel (16-bit logits only): the base model's chunk of a 32000-token
+    vocabulary and a vocabulary shorter than one block, with and without the gradient."""
+    import torch
+    from transformer_fast.kernels import cross_entropy as K
+
+    shapes = ((1048, 32000),) if quick else ((1048, 32000), (7, 1000), (100, 50))
+    jobs = []
+    for dt in dtypes:
+        if dt == "fp32":
+            continue
+        for rows, vocab in shapes:
+            for smoothing in (0.0, 0.1):
+                for grad in (False, True):
+                    rec = []
+                    with _recording(K, ("_cross_entropy_rows_kernel",), rec):
+                        K.cross_entropy_rows(_meta(rows, vocab, dtype=_dt(dt)), _meta(rows, dtype=torch.int64),
+                                             _meta(rows, dtype=torch.bool), smoothing, grad)
+                    jobs += _jobs_from(rec, f"cross_entropy {dt} rows={rows} V={vocab} smoothing={smoothing} "
+                                            f"grad={int(grad)}")
+    return jobs
+
+
 _COLLECTORS = {"layer_norm": _layer_norm_jobs, "attention": _attention_jobs, "decode": _decode_jobs,
-               "masked_softmax": _masked_softmax_jobs, "ffn": _ffn_jobs}
+               "masked_softmax": _masked_softmax_jobs, "ffn": _ffn_jobs, "cross_entropy": _cross_entropy_jobs}
 
 
 def collect_jobs(kernel_sets=KERNEL_SETS, dtypes=DTYPES, quick=False):
