@@ -317,3 +317,19 @@ def test_triton_row_kernel_matches_the_torch_rows(dtype, smoothing):
     torch.testing.assert_close(loss[keep_rows].double(), want_loss[keep_rows], rtol=2e-6, atol=2e-5)
     assert loss[2].item() == 0.0 and grad[2].abs().max().item() == 0.0
     torch.testing.assert_close(grad.float(), want_grad.to(dtype).float(), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("ambient,path", [("reference", "reference"), ("torch", "torch"), ("cpu", "torch"),
+                                          ("triton", "triton"), ("auto", "torch")])
+def test_the_package_backend_selection_picks_the_path(monkeypatch, ambient, path):
+    import transformer_fast
+
+    calls = []
+    monkeypatch.setattr(lce_module, "reference", lambda *a, **k: calls.append("reference") or torch.zeros(()))
+    monkeypatch.setattr(lce_module._LinearCrossEntropy, "apply",
+                        lambda *a: calls.append("triton" if a[-1] else "torch") or torch.zeros(()))
+    hidden, weight, _, target = _case((3, 4), 8, 11, torch.bfloat16, False, generator())
+    with transformer_fast.use_backend(ambient):
+        linear_cross_entropy(hidden, weight, target, None, 0.1, PAD)
+        linear_cross_entropy(hidden.float(), weight.float(), target, None, 0.1, PAD)  # float32: never triton
+    assert calls == [path, "torch" if path == "triton" else path]

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import backends
 from ..functional import _allow_tf32
 from .training import check_targets, label_smoothed_cross_entropy
 
@@ -54,7 +55,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         chunk_rows: rows of logits made at a time (default: CHUNK_ELEMENTS // V).
         backend: how each chunk's softmax and gradient run: "triton" (kernels/cross_entropy.py,
             fp16 / bf16), "torch" (separate torch ops), "reference" (the unfused composition),
-            or None / "auto": triton for 16-bit CUDA tensors where Triton is installed, else torch.
+            "auto": triton for 16-bit CUDA tensors where Triton is installed, else torch; None:
+            the package's selection (transformer_fast.use_backend / TRANSFORMER_FAST_BACKEND:
+            reference and triton as named, torch / cpu / cuda -> torch, auto -> auto).
     """
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
         raise TypeError(f"hidden must be a floating-point torch.Tensor; got "
@@ -85,19 +88,34 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     elif weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
         raise TypeError(f"weight and bias must have hidden's dtype {hidden.dtype}; got {weight.dtype}"
                         f"{'' if bias is None else f' and {bias.dtype}'}")
+    explicit = backend is not None
+    if backend is None:
+        backend = _ambient(backends.requested_backend())
     if backend == "reference" or reduction == "none" or torch.compiler.is_compiling():
         with torch.autocast(device_type, enabled=False):
             return reference(hidden, weight, target, bias, smoothing, ignore_index, reduction)
     sixteen_bit = hidden.dtype in (torch.float16, torch.bfloat16)
     if backend == "triton" and not sixteen_bit:
-        raise ValueError(f"backend 'triton' of linear_cross_entropy takes float16 / bfloat16 hidden; got {hidden.dtype}")
-    if backend in (None, "auto"):
+        if explicit:
+            raise ValueError(
+                f"backend 'triton' of linear_cross_entropy takes float16 / bfloat16 hidden; got {hidden.dtype}")
+        backend = "torch"  # use_backend("triton") around a float32 model: its loss on torch ops
+    if backend == "auto":
         backend = "triton" if sixteen_bit and hidden.is_cuda and _triton_installed() else "torch"
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, weight.shape[0]))
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                          keep.reshape(-1), safe_target.reshape(-1), float(smoothing),
                                          reduction == "mean", rows, backend == "triton")
+
+
+def _ambient(requested: str) -> str:
+    """The package's backend selection (use_backend / TRANSFORMER_FAST_BACKEND) mapped onto this
+    loss: reference -> the composition, triton -> the row kernel (16-bit; else torch ops), the
+    other named backends -> torch ops, auto -> auto."""
+    if requested in ("reference", "auto"):
+        return requested
+    return "triton" if requested == "triton" else "torch"
 
 
 def _triton_installed() -> bool:
