@@ -333,3 +333,17 @@ def test_the_package_backend_selection_picks_the_path(monkeypatch, ambient, path
         linear_cross_entropy(hidden, weight, target, None, 0.1, PAD)
         linear_cross_entropy(hidden.float(), weight.float(), target, None, 0.1, PAD)  # float32: never triton
     assert calls == [path, "torch" if path == "triton" else path]
+
+
+def test_train_step_under_autocast_computes_the_loss_of_the_autocast_logits():
+    model, src, tgt = _model_and_batch(False)
+    model.float()
+    twin, _, _ = _model_and_batch(False)
+    twin.float().load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    got = train_step(model, src, tgt, opt, smoothing=0.1, clip_norm=None, autocast_dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = twin(src, shift_right(tgt, twin.bos_id))
+    assert logits.dtype == torch.bfloat16
+    want = label_smoothed_cross_entropy(logits, tgt, 0.1, ignore_index=PAD)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
