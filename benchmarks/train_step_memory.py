@@ -52,14 +52,16 @@ def peak_above_start(step) -> tuple[float, dict]:
     return peak / 1e6, categories
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="cpu", help="ours' backend (use_backend)")
+    p.add_argument("--tiny", action="store_true", help="a 1+1-layer d_model 32 model (tests)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    cfg = models.Config("base", 512, 8, 6, 2048, 32000, args.batch, 128, 128, 1, 1, 1)
+    cfg = (models.Config("tiny", 32, 2, 1, 64, 500, args.batch, 16, 16, 1, 1, 1) if args.tiny
+           else models.Config("base", 512, 8, 6, 2048, 32000, args.batch, 128, 128, 1, 1, 1))
     g = torch.Generator().manual_seed(1)
     cpu = torch.device("cpu")
     src = models._tokens(g, cfg.batch, cfg.src_len, cfg.vocab, cpu)
@@ -105,8 +107,8 @@ def main(argv=None) -> int:
               f"peak: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(categories.items(), key=lambda kv: -kv[1])))
     base = results["torch.nn"]
     print("ratios to torch.nn: " + ", ".join(f"{k} {v / base:.2f}x" for k, v in results.items()))
-    return 0
+    return results
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -424,3 +424,13 @@ def test_quick_gpu_timing_of_slow_calls_makes_four_calls(monkeypatch):
     median, low, high, timer = common.time_gpu(fn, quick=True)
     assert len(calls) == 4 and timer == "wall clock, 3 calls"
     assert 100 <= low <= median <= high < 1000
+
+
+def test_train_step_memory_reports_each_model(capsys):
+    from benchmarks import train_step_memory
+
+    peaks = train_step_memory.main(["--tiny", "--batch", "2", "--dtype", "float32"])
+    assert set(peaks) == {"torch.nn", "ours:cpu+logits", "ours:cpu"}
+    assert all(v > 0 for v in peaks.values())
+    out = capsys.readouterr().out
+    assert "ratios to torch.nn" in out and "ours:cpu+logits" in out
