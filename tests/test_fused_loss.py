@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _functional_helpers import dt_id, generator, randn
+from conftest import backend_device
 from transformer_fast import reference as ref
 from transformer_fast.models import (
     Seq2SeqTransformer,
@@ -44,6 +45,9 @@ def test_matches_the_composition_under_the_oracle(dtype, rows_shape, e, v, bias,
     if backend == "triton" and dtype == torch.float32:
         pytest.skip("the triton row kernel takes 16-bit logits (float32 runs in float64 on torch)")
     hidden, weight, b, target = _case(rows_shape, e, v, dtype, bias, generator())
+    dev = backend_device(backend)  # triton: CUDA where there is one, else the interpreter on the CPU
+    hidden, weight, target = hidden.to(dev), weight.to(dev), target.to(dev)
+    b = None if b is None else b.to(dev)
     inputs = {"hidden": hidden, "weight": weight}
     grads = ["hidden", "weight"]
     if bias:
@@ -304,7 +308,9 @@ def test_triton_row_kernel_matches_the_torch_rows(dtype, smoothing):
     target[1] = 3  # not a -inf class
     keep = torch.ones(rows, dtype=torch.bool)
     keep[2] = False
-    want_loss = torch.empty(rows, dtype=torch.float64)
+    dev = backend_device("triton")
+    logits, target, keep = logits.to(dev), target.to(dev), keep.to(dev)
+    want_loss = torch.empty(rows, dtype=torch.float64, device=dev)
     want_grad = lce_module._softmax_rows(logits.clone(), target.unsqueeze(1), keep, smoothing, torch.float32,
                                          want_loss, True)
     grad = logits.clone()
