@@ -159,6 +159,25 @@ def ffn_cases(backend, device):
                 yield f"linear_bias_act {dtype} {m}x{d_model}x{d_ff} {act}", (y, w1.grad)
 
 
+def cross_entropy_cases(backend, device):
+    """The fused loss's row kernel (triton, 16-bit): vocabularies shorter than, equal to and
+    longer than one block, chunks of 1 and 7 rows, ignored rows, a bias."""
+    from transformer_fast.models import linear_cross_entropy
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for n, e, v, chunk in ((1, 8, 1, None), (7, 33, 127, 1), (129, 64, 4096, 7), (33, 16, 5001, None)):
+            if not _take():
+                continue
+            h = torch.randn(n, e, device=device, dtype=dtype, requires_grad=True)
+            w = (torch.randn(v, e, device=device, dtype=dtype) / e ** 0.5).requires_grad_(True)
+            b = torch.randn(v, device=device, dtype=dtype, requires_grad=True)
+            t = torch.randint(0, v, (n,), device=device)
+            t[::3] = -100
+            loss = linear_cross_entropy(h, w, t, b, 0.1, ignore_index=-100, chunk_rows=chunk, backend=backend)
+            loss.backward()
+            yield f"linear_cross_entropy {dtype} {n}x{e}x{v} chunk {chunk}", (loss, h.grad, w.grad, b.grad)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="cuda")
@@ -179,6 +198,7 @@ def main():
     cases = [layer_norm_cases(args.backend, args.device), ffn_cases(args.backend, args.device)]
     if args.backend == "triton":
         cases.append(attention_cases(args.backend, args.device))
+        cases.append(cross_entropy_cases(args.backend, args.device))
     if args.backend in ("cuda", "cpu"):
         cases.append(sdpa_cases(args.backend, args.device))
     if args.backend in ("triton", "cuda", "cpu"):

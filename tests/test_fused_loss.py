@@ -39,7 +39,7 @@ def _case(rows_shape, e, v, dtype, bias, g, ignored=0.3):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("chunk_rows", [None, 1, 7])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
 def test_matches_the_composition_under_the_oracle(dtype, rows_shape, e, v, bias, smoothing, chunk_rows, reduction,
                                                   backend):
     if backend == "triton" and dtype == torch.float32:
@@ -292,6 +292,7 @@ def test_model_loss_on_gpu_peaks_below_the_composition():
     assert fused < composition / 2, f"peak {fused / 1e6:.0f} MB vs the composition's {composition / 1e6:.0f} MB"
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dt_id)
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_triton_row_kernel_matches_the_torch_rows(dtype, smoothing):
