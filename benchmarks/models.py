@@ -48,13 +48,15 @@ LOGITS_SUFFIX = "+logits"  # ours' training step with torch's loss on the (B, T,
 SUFFIXES = (GRAPH_SUFFIX, LOGITS_SUFFIX)
 
 
+PAD, BOS, EOS = 0, 1, 2
+
+
 def _base_provider(provider: str) -> str:
-    """"ours:auto+cuda_graph" -> "auto"."""
+    """The backend of an ours:<backend>[+suffix] provider (ours:auto+cuda_graph -> auto)."""
     base = provider.split(":", 1)[-1]
     for suffix in SUFFIXES:
         base = base.removesuffix(suffix)
     return base
-PAD, BOS, EOS = 0, 1, 2
 
 
 @dataclasses.dataclass
