@@ -46,8 +46,6 @@ MODEL_OPS = ("encoder_layer", "decoder_layer", "inference", "train_step", "greed
 GRAPH_SUFFIX = "+cuda_graph"  # ours' greedy decoding with cuda_graph=True (GPU only)
 LOGITS_SUFFIX = "+logits"  # ours' training step with torch's loss on the (B, T, V) logits
 SUFFIXES = (GRAPH_SUFFIX, LOGITS_SUFFIX)
-
-
 PAD, BOS, EOS = 0, 1, 2
 
 
