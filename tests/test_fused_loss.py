@@ -354,3 +354,24 @@ def test_train_step_under_autocast_computes_the_loss_of_the_autocast_logits():
     assert logits.dtype == torch.bfloat16
     want = label_smoothed_cross_entropy(logits, tgt, 0.1, ignore_index=PAD)
     torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_train_step_keeps_a_subclass_forward_and_generator_hooks():
+    """train_step fuses the loss only where model.loss computes what forward would."""
+
+    class Scaled(Seq2SeqTransformer):
+        def forward(self, src, tgt_in):
+            return 2.0 * super().forward(src, tgt_in)
+
+    torch.manual_seed(0)
+    kwargs = dict(d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64, dropout=0.0)
+    _, src, tgt = _model_and_batch(False)
+    for model in (Scaled(23, 19, **kwargs), Seq2SeqTransformer(23, 19, **kwargs)):
+        if type(model) is Seq2SeqTransformer:
+            model.generator.register_forward_hook(lambda mod, args, out: 2.0 * out)
+        tgt_in = shift_right(tgt, 1)
+        want = label_smoothed_cross_entropy(model(src, tgt_in), tgt, 0.1, ignore_index=PAD)
+        fused = model.loss(src, tgt_in, tgt, 0.1)
+        assert (fused - want).abs().item() > 1e-3  # the fused loss would miss the doubling
+        got = train_step(model, src, tgt, torch.optim.SGD(model.parameters(), lr=0.0), smoothing=0.1, clip_norm=None)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)

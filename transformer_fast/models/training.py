@@ -119,6 +119,18 @@ def shift_right(tgt: torch.Tensor, bos_id: int) -> torch.Tensor:
     return torch.cat([bos, tgt[:, :-1]], dim=1)
 
 
+def _fused_loss_applies(model) -> bool:
+    """Whether Seq2SeqTransformer.loss computes what model(...) then the loss would: the class's
+    own forward / decode, and a plain Linear generator without hooks (loss does not call it)."""
+    from .seq2seq import Seq2SeqTransformer  # here: seq2seq imports this module (through fused_loss)
+
+    cls = type(model)
+    generator = getattr(model, "generator", None)
+    return (isinstance(model, Seq2SeqTransformer) and cls.forward is Seq2SeqTransformer.forward
+            and cls.decode is Seq2SeqTransformer.decode and type(generator) is nn.Linear
+            and not generator._forward_hooks and not generator._forward_pre_hooks)
+
+
 def train_step(model, src: torch.Tensor, tgt: torch.Tensor, optimizer: torch.optim.Optimizer,
                scheduler=None, smoothing: float = 0.1, clip_norm: float | None = 1.0,
                autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -138,9 +150,11 @@ def train_step(model, src: torch.Tensor, tgt: torch.Tensor, optimizer: torch.opt
     tgt_in = shift_right(tgt, model.bos_id)
     ctx = (torch.autocast(src.device.type, dtype=autocast_dtype) if autocast_dtype is not None
            else contextlib.nullcontext())
+    fused = _fused_loss_applies(model)
     with ctx:
-        # label_smoothed_cross_entropy(model(src, tgt_in), tgt, ...) without the (B, T, V) logits
-        loss = model.loss(src, tgt_in, tgt, smoothing)
+        # fused: label_smoothed_cross_entropy(model(src, tgt_in), tgt, ...) without the logits
+        out = model.loss(src, tgt_in, tgt, smoothing) if fused else model(src, tgt_in)
+    loss = out if fused else label_smoothed_cross_entropy(out, tgt, smoothing, ignore_index=model.pad_id)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if clip_norm is not None:
