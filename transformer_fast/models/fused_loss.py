@@ -78,7 +78,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     keep, safe_target = check_targets(target, tuple(hidden.shape[:-1]), weight.shape[0], smoothing,
-                                      ignore_index, reduction, "hidden")
+                                      ignore_index, reduction, "hidden's")
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # As F.linear under autocast: the GEMMs in the autocast dtype (the loss stays float32).
@@ -95,13 +95,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         with torch.autocast(device_type, enabled=False):
             return reference(hidden, weight, target, bias, smoothing, ignore_index, reduction)
     sixteen_bit = hidden.dtype in (torch.float16, torch.bfloat16)
-    if backend == "triton" and not sixteen_bit:
+    triton_ok, triton_why = backends.available("triton", device_type)
+    if backend == "triton" and not (sixteen_bit and triton_ok):
         if explicit:
-            raise ValueError(
-                f"backend 'triton' of linear_cross_entropy takes float16 / bfloat16 hidden; got {hidden.dtype}")
+            why = triton_why if sixteen_bit else f"it takes float16 / bfloat16 hidden; got {hidden.dtype}"
+            raise ValueError(f"backend 'triton' of linear_cross_entropy cannot run: {why}")
         backend = "torch"  # use_backend("triton") around a float32 model: its loss on torch ops
     if backend == "auto":
-        backend = "triton" if sixteen_bit and hidden.is_cuda and _triton_installed() else "torch"
+        backend = "triton" if sixteen_bit and hidden.is_cuda and triton_ok else "torch"
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, weight.shape[0]))
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
@@ -116,14 +117,6 @@ def _ambient(requested: str) -> str:
     if requested in ("reference", "auto"):
         return requested
     return "triton" if requested == "triton" else "torch"
-
-
-def _triton_installed() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -188,13 +181,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # 16-bit) each chunk's goes through float32 instead.  On CUDA, chunks are >= 1000 rows
         # at the base model's vocabulary: a few roundings, summed in float32.
         wgrad_in_float32 = sixteen_bit and hidden.device.type == "cpu"
+        if row_kernel:
+            from transformer_fast.kernels.cross_entropy import cross_entropy_rows  # Triton: imported on use
         for start in range(0, n, rows):
             stop = min(n, start + rows)
             h, kept, t = hidden[start:stop], keep[start:stop], target[start:stop].unsqueeze(1)
             logits = F.linear(h, weight, bias)  # (rows, V) in hidden's dtype, as nn.Linear's
             if row_kernel:  # kernels/cross_entropy.py: the loss, and the gradient over the logits
-                from transformer_fast.kernels.cross_entropy import cross_entropy_rows
-
                 row_losses[start:stop] = cross_entropy_rows(logits, t.squeeze(1), kept, smoothing, any(grads))
                 if not any(grads):
                     continue

@@ -14,13 +14,14 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def check_targets(target, shape: tuple, vocab: int, smoothing, ignore_index, reduction: str, against: str):
-    """The loss arguments' checks shared with linear_cross_entropy; returns (keep, safe_target):
+    """The loss arguments' checks shared with linear_cross_entropy (``against``: the possessive
+    of the input whose shape target must match); returns (keep, safe_target):
     keep (...) bool, False at ignore_index; safe_target (...) int64 with 0 there."""
     if not isinstance(target, torch.Tensor) or target.dtype not in _validate.INT_DTYPES:
         raise TypeError(f"target must be an integer torch.Tensor; got "
                         f"{target.dtype if isinstance(target, torch.Tensor) else type(target).__name__}")
     if tuple(target.shape) != shape:
-        raise ValueError(f"target must have {against}' shape without the class dimension {shape}; "
+        raise ValueError(f"target must have {against} shape without the class dimension {shape}; "
                          f"got {tuple(target.shape)}")
     if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing <= 1:
         raise ValueError(f"smoothing must be a float in [0, 1]; got {smoothing!r}")
@@ -56,7 +57,7 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, smo
     if logits.dim() < 1:
         raise ValueError("logits must have a class dimension (..., V); got a 0-d tensor")
     keep, safe_target = check_targets(target, tuple(logits.shape[:-1]), logits.shape[-1], smoothing,
-                                      ignore_index, reduction, "logits")
+                                      ignore_index, reduction, "logits'")
     wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     logp = torch.log_softmax(wide, dim=-1)  # (..., V): half-precision logits upcast to float32
     nll = -logp.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)  # (...)
