@@ -20,7 +20,7 @@ from pathlib import Path
 ALL_OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
            "add_layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "inference",
            "train_step", "greedy_decode")
-PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cuda.mma_sync", "cpu")
+PROVIDERS = ("reference", "torch", "torch.compile", "triton", "triton.dq_kernel", "cuda", "cuda.mma_sync", "cpu")
 
 
 def parse_args(argv=None):
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     if args.providers:
-        ours = ("ours:auto",) + tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.mma_sync"))
+        ours = ("ours:auto",) + tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.mma_sync", "triton.dq_kernel"))
         known = (PROVIDERS + ("torch.nn", "torch.nn+compile") + ours + tuple(o + "+cuda_graph" for o in ours)
                  + ("ours:auto+logits",))
         unknown = [n for n in args.providers.split(",") if n.strip() and n.strip() not in known]

@@ -31,7 +31,7 @@ from . import common
 
 OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
        "add_layer_norm", "feed_forward")
-PROVIDERS = ("reference", "torch", "torch.compile", "triton", "cuda", "cuda.mma_sync", "cpu")
+PROVIDERS = ("reference", "torch", "torch.compile", "triton", "triton.dq_kernel", "cuda", "cuda.mma_sync", "cpu")
 # The cuda backend with its sm_90a wgmma kernels switched off (TRANSFORMER_FAST_CUDA_WGMMA=0: the
 # mma.sync kernels, what the cuda backend runs before Hopper): scaled_dot_product_attention on a
 # compute capability 9.x GPU only, where "cuda" runs the wgmma kernels for unmasked calls.
@@ -485,6 +485,10 @@ def provider_reasons(provider: str, case: Case, inputs: dict, device: torch.devi
         if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
             return ["only on a compute capability 9.x (Hopper) GPU is it other than the cuda row"]
         return backends.not_supported_reasons("cuda", case.op, inputs)
+    if provider == "triton.dq_kernel":
+        if case.op != "scaled_dot_product_attention" or not case.backward:
+            return ["the dq kernel's schedule differs from triton's only in scaled_dot_product_attention's backward"]
+        provider = "triton"
     if provider == "triton" and device.type == "cpu":
         return ["on a CPU Triton runs only through its interpreter (TRITON_INTERPRET=1), which "
                 "checks kernels but is not a benchmark"]
@@ -503,9 +507,21 @@ _COMPILED: dict = {}
 
 
 @contextlib.contextmanager
-def _wgmma_switch(provider: str):
-    """TRANSFORMER_FAST_CUDA_WGMMA=0 for the cuda.mma_sync provider (the C++ side reads it at every
-    call, the backward's included: hold it across both)."""
+def _variant_switch(provider: str):
+    """The switches of the variant providers, held across forward and backward (read at every
+    call): cuda.mma_sync sets TRANSFORMER_FAST_CUDA_WGMMA=0 (the C++ side's mma.sync kernels on a
+    Hopper); triton.dq_kernel has the Triton backward compute dq in its own kernel (the schedule
+    torch.use_deterministic_algorithms gets) instead of by atomics in the dk/dv kernel."""
+    if provider == "triton.dq_kernel":
+        from transformer_fast.kernels import attention as triton_attention
+
+        previous = triton_attention.FORCE_ATOMIC_DQ
+        triton_attention.FORCE_ATOMIC_DQ = False
+        try:
+            yield
+        finally:
+            triton_attention.FORCE_ATOMIC_DQ = previous
+        return
     if provider != "cuda.mma_sync":
         yield
         return
@@ -520,10 +536,13 @@ def _wgmma_switch(provider: str):
             os.environ[WGMMA_ENV] = previous
 
 
+_VARIANT_OF = {"cuda.mma_sync": "cuda", "triton.dq_kernel": "triton"}
+
+
 def _call(case: Case, inputs: dict, provider: str):
-    if provider == "cuda.mma_sync":
-        with _wgmma_switch(provider):
-            return case.call(inputs, "cuda")
+    if provider in _VARIANT_OF:
+        with _variant_switch(provider):
+            return case.call(inputs, _VARIANT_OF[provider])
     if provider != "torch.compile":
         return case.call(inputs, provider)
     # torch.compile of the torch backend: the peer issue 6's "under torch.compile" target names.
@@ -535,7 +554,7 @@ def _call(case: Case, inputs: dict, provider: str):
 
 
 def _forward_backward(case: Case, inputs: dict, provider: str, upstream):
-    with _wgmma_switch(provider):  # (run 3 timed its forward's switch without the backward)
+    with _variant_switch(provider):  # (run 3 timed its forward's switch without the backward)
         out = _call(case, inputs, provider)
         if not case.backward:
             return [out], []
@@ -545,7 +564,7 @@ def _forward_backward(case: Case, inputs: dict, provider: str, upstream):
 
 # Providers whose first call compiles (Triton's autotuner compiles every config it times;
 # inductor): warm_case runs them once so that their compilations are cached on disk.
-COMPILING_PROVIDERS = ("triton", "torch.compile")
+COMPILING_PROVIDERS = ("triton", "triton.dq_kernel", "torch.compile")
 
 
 def warm_case(op: str, mode: str, dtype: str, index: int, providers, device_type: str) -> str:
@@ -666,7 +685,7 @@ def _run_case(case: Case, providers, device: torch.device, mode: str, peaks: dic
                 with torch.set_grad_enabled(case.backward):
                     return _forward_backward(case, inputs, provider, upstream)
 
-            tuners = common.triton_autotuners() if provider == "triton" and device.type == "cuda" else {}
+            tuners = common.triton_autotuners() if provider.startswith("triton") and device.type == "cuda" else {}
             for tuner in tuners.values():
                 tuner.best_config = None
             timing = common.bench(step, device, mode, cudagraph=case.cudagraph and provider != "reference")

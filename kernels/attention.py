@@ -459,14 +459,15 @@ def _load_lse(LSEh, offs, ok, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n, lo, hi, Lq, Lk, qk_scale,
+def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, DQAh, sqm, sdom, n0, offs_n, lo, hi, Lq, Lk, qk_scale,
                 AMh, s_amm, s_amn, KPMb, s_kpn,
                 seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, REFINE_LSE: tl.constexpr):
+    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, REFINE_LSE: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_mb = tl.arange(0, BLOCK_M)
     d_ok = offs_d < HEAD_DIM
@@ -507,14 +508,25 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_
             dpT = tl.where(keep, dpT * drop_scale, 0.0)
         # p == 1: the row is saturated on this key (in particular a single visible key), whose
         # exact gradient is 0; dp - delta would leave the rounding gap of two different sums.
-        dsT = tl.where(pT == 1.0, 0.0, pT * (dpT - Di[None, :]))
-        dk = _dot_acc(_cast(dsT, qT.dtype, INTERPRET), tl.trans(qT), dk, PRECISE, DOT_FP32, IEEE)
+        dsT = _cast(tl.where(pT == 1.0, 0.0, pT * (dpT - Di[None, :])), qT.dtype, INTERPRET)
+        dk = _dot_acc(dsT, tl.trans(qT), dk, PRECISE, DOT_FP32, IEEE)
+        if ATOMIC_DQ:
+            # This key block's share of dq (unscaled), added into the fp32 accumulator: one more
+            # product here instead of the dq kernel's three (it recomputes s and dp).  Keys past
+            # Lk (unmasked above) can hold inf / NaN scores: their ds must be 0 here.
+            dsT = tl.where(offs_n[:, None] < Lk, dsT, 0.0)
+            dq_part = dot(tl.trans(dsT), k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), DOT_FP32, IEEE)
+            if OFF64:
+                dqa_ptrs = DQAh + offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+            else:
+                dqa_ptrs = DQAh + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.atomic_add(dqa_ptrs, dq_part, mask=m_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, RINV, DELTA, DK, DV, AM, KPM, KCNT, RNG,
+    Q, K, V, DO, LSE, RINV, DELTA, DK, DV, DQA, AM, KPM, KCNT, RNG,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
     sdks, sdkb, sdkh, sdkn, sdvs, sdvb, sdvh, sdvn,
     s_amb, s_amh, s_amm, s_amn, s_kpb, s_kpn,
@@ -524,8 +536,11 @@ def _attn_bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
     PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, REFINE_LSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dk, dv of one (batch, kv head, key block), over the query heads of its GQA group (or of
+    its split of the group); with ATOMIC_DQ also each tile's share of dq, added into DQA (fp32,
+    (B, H, Lq, HEAD_DIM) contiguous)."""
     pid = tl.program_id(0)
     n_nb = tl.cdiv(Lk, BLOCK_N)
     nb = pid % n_nb
@@ -579,20 +594,23 @@ def _attn_bwd_dkdv_kernel(
         LSEh = LSE + row_base
         RINVh = RINV + row_base
         DELTAh = DELTA + row_base
+        DQAh = DQA + row_base * HEAD_DIM
         AMh = AM
         if MASK_KIND != 0:
             AMh = AM + b64 * s_amb + h64 * s_amh
         if IS_CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n,
+            dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, DQAh, sqm, sdom, n0, offs_n,
                                  diag_lo, full_lo, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                  seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                                  HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                 HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, sqm, sdom, n0, offs_n,
+                                 HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE,
+                                 ATOMIC_DQ)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, DQAh, sqm, sdom, n0, offs_n,
                              full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE,
+                             ATOMIC_DQ)
 
     split64 = split.to(tl.int64)
     dk_ptrs = DK + split64 * sdks + b64 * sdkb + hk64 * sdkh + rows_n * sdkn + offs_d[None, :]
@@ -711,8 +729,10 @@ def _attn_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
     PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, EXACT_DELTA: tl.constexpr,
-    REFINE_LSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    REFINE_LSE: tl.constexpr, ROW_SUMS_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dq of one (batch, head, query block), after the row sums of REFINE_LSE / EXACT_DELTA
+    (below); ROW_SUMS_ONLY: those sums alone, for a dk/dv kernel that adds up dq itself."""
     pid = tl.program_id(0)
     n_mb = tl.cdiv(Lq, BLOCK_M)
     bh = pid // n_mb
@@ -779,27 +799,28 @@ def _attn_bwd_dq_kernel(
     else:
         Di = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
 
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if HAS_KPM:  # [lo, a): blocks before the run of valid keys, masked
-        dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, lo, a, Lq, Lk, qk_scale,
+    if not ROW_SUMS_ONLY:
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if HAS_KPM:  # [lo, a): blocks before the run of valid keys, masked
+            dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, lo, a, Lq, Lk, qk_scale,
+                           AMh, s_amm, s_amn, KPMb, s_kpn,
+                           seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                           HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
+                           HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+        # [a, full): full blocks, no mask code
+        dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, a, full, Lq, Lk, qk_scale,
+                       AMh, s_amm, s_amn, KPMb, s_kpn,
+                       seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
+                       HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND, False,
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+        dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk, qk_scale,
                        AMh, s_amm, s_amn, KPMb, s_kpn,
                        seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
                        HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
-    # [a, full): full blocks, no mask code
-    dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, a, full, Lq, Lk, qk_scale,
-                   AMh, s_amm, s_amn, KPMb, s_kpn,
-                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
-                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND, False,
-                   HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
-    dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk, qk_scale,
-                   AMh, s_amm, s_amn, KPMb, s_kpn,
-                   seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
-                   HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                   HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
 
-    dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + rows * sdqm + offs_d[None, :]
-    tl.store(dq_ptrs, _cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=md_mask)
+        dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + rows * sdqm + offs_d[None, :]
+        tl.store(dq_ptrs, _cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=md_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -893,6 +914,8 @@ def _smem_estimate(kind: str, c, args) -> int:
         est = st * 2 * bn * bd * es + bn * bd * es + bm * bd * (es + 4)
     else:  # dkdv: streams q^T, dO (BLOCK_M x BLOCK_D); holds k, v, dk, dv (BLOCK_N x BLOCK_D)
         est = st * 2 * bm * bd * es + bm * bd * es + bn * bd * (2 * es + 4) + 1024
+        if args.get("ATOMIC_DQ", False):  # the dq product's operands: k once more, ds (Triton 3.8)
+            est += bn * bd * es + bm * bn * es
     if args.get("MASK_KIND", 0):
         est += st * bm * bn * 4
     if args.get("HAS_DROPOUT", 0) == 2:
@@ -974,9 +997,10 @@ if _INTERPRET:
 else:
     _fwd = triton.autotune(configs=_all_configs(_FWD_CONFIGS, _FWD_SMALL_M + _FP32_CONFIGS["fwd"]), key=_TUNE_KEY,
                            prune_configs_by={"early_config_prune": _prune_fwd})(_attn_fwd_kernel)
-    _dkdv = triton.autotune(configs=_all_configs(_DKDV_CONFIGS, _FP32_CONFIGS["dkdv"]), key=_TUNE_KEY + ["HEADS_PER_SPLIT"],
+    _dkdv = triton.autotune(configs=_all_configs(_DKDV_CONFIGS, _FP32_CONFIGS["dkdv"]),
+                            key=_TUNE_KEY + ["HEADS_PER_SPLIT", "ATOMIC_DQ"],
                             prune_configs_by={"early_config_prune": _prune_dkdv})(_attn_bwd_dkdv_kernel)
-    _dq = triton.autotune(configs=_all_configs(_DQ_CONFIGS, _FP32_CONFIGS["dq"]), key=_TUNE_KEY,
+    _dq = triton.autotune(configs=_all_configs(_DQ_CONFIGS, _FP32_CONFIGS["dq"]), key=_TUNE_KEY + ["ROW_SUMS_ONLY"],
                           prune_configs_by={"early_config_prune": _prune_dq})(_attn_bwd_dq_kernel)
 
 
@@ -1155,6 +1179,24 @@ def _gqa_split(c: _Common, device: torch.device) -> int:
     return best
 
 
+# dq by atomics: None = the rule of _atomic_dq, True / False forces it (tests, benchmarks).
+FORCE_ATOMIC_DQ = None
+
+
+def _atomic_dq(c: _Common, dtype: torch.dtype) -> bool:
+    """Whether the dk/dv kernel adds up dq itself (fp32 atomics), so that no dq kernel recomputes
+    s and dp: 5 products per tile pair instead of 7 (FlashAttention-2's schedule).  Not for exact
+    fp32 (PRECISE: its two-level sums), nor when torch asks for deterministic algorithms (the
+    atomics' order varies run to run), nor on short key rows (<= EXACT_DELTA_MAX_LK keys: the dq
+    kernel runs anyway for their exact delta, and few key blocks leave little to save)."""
+    if c.precise:
+        return False
+    if FORCE_ATOMIC_DQ is not None:
+        return bool(FORCE_ATOMIC_DQ)
+    return (dtype in (torch.float16, torch.bfloat16) and c.block_d <= 128 and c.Lk > EXACT_DELTA_MAX_LK
+            and not torch.are_deterministic_algorithms_enabled())
+
+
 # Key count up to which backward computes delta = rowsum(p * dp) instead of rowsum(dO * O):
 # one extra pass over at most two key blocks.  Measured (interpreter, 100 fresh draws per shape,
 # oracle ratio): rowsum(dO * O) failed 10-26% of draws at Lk <= 7 and 4% at Lq = 1, Lk = 32.
@@ -1189,6 +1231,7 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
     # (|lse| x 2^-24, 1e-3 relative at a float mask of -1e4) uncancelled, so a row with one key
     # got dq, dk of 1e-2 where the exact gradient is 0.
     refine = c.precise or exact_delta
+    atomic_dq = _atomic_dq(c, q.dtype)
 
     with _device_guard(q):
         delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -1205,14 +1248,17 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
         def grid_q(m):
             return (triton.cdiv(Lq, m["BLOCK_M"]) * B * H,)
 
-        _dq[grid_q](
-            q, k, v, do, lse, rinv, delta, dq, c.am, c.kpm, c.kvr, c.rng,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-            *c.am_strides, *c.kpm_strides,
-            H, c.group, Lq, Lk, c.qk_scale, c.scale, c.drop_thr, c.drop_scale,
-            c.lq_key, c.lk_key,
-            **flags, EXACT_DELTA=exact_delta, REFINE_LSE=refine, **meta,
-        )
+        if refine or not atomic_dq:
+            _dq[grid_q](
+                q, k, v, do, lse, rinv, delta, dq, c.am, c.kpm, c.kvr, c.rng,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+                *c.am_strides, *c.kpm_strides,
+                H, c.group, Lq, Lk, c.qk_scale, c.scale, c.drop_thr, c.drop_scale,
+                c.lq_key, c.lk_key,
+                **flags, EXACT_DELTA=exact_delta, REFINE_LSE=refine, ROW_SUMS_ONLY=atomic_dq, **meta,
+            )
+        # (B, H, Lq, D) fp32, zeroed: dq's sum over key blocks (atomic_dq), else a placeholder
+        dq_acc = torch.zeros((B, H, Lq, D), dtype=torch.float32, device=q.device) if atomic_dq else delta
 
         nsplit = _gqa_split(c, q.device)
         if nsplit == 1:
@@ -1230,14 +1276,16 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
             return (triton.cdiv(Lk, m["BLOCK_N"]) * B * Hkv * nsplit,)
 
         _dkdv[grid_kv](
-            q, k, v, do, lse, rinv, delta, dk_buf, dv_buf, c.am, c.kpm, c.kcnt if c.has_kpm else q, c.rng,
+            q, k, v, do, lse, rinv, delta, dk_buf, dv_buf, dq_acc, c.am, c.kpm, c.kcnt if c.has_kpm else q, c.rng,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk_strides, *dv_strides,
             *c.am_strides, *c.kpm_strides,
             H, Hkv, c.group, c.group // nsplit, nsplit, Lq, Lk, c.qk_scale, c.scale,
             c.drop_thr, c.drop_scale, c.lq_key, c.lk_key,
-            **flags, REFINE_LSE=refine, **meta,
+            **flags, REFINE_LSE=refine, ATOMIC_DQ=atomic_dq, **meta,
         )
+        if atomic_dq:
+            torch.mul(dq_acc, c.scale, out=dq)
         if nsplit > 1:
             dk.copy_(dk_buf.sum(0))
             dv.copy_(dv_buf.sum(0))

@@ -218,13 +218,16 @@ _ATTN_FLAGS = _ATTN_PLAIN + ((True, None, False, True), (True, "float", True, Tr
 
 
 def _attention_scenarios(dtypes, quick):
-    """(dtype, tf32, head dim, Lq = Lk, flags, (Hkv divisor, forced GQA split, OFF64))."""
-    plain = ((1, None, False),)
+    """(dtype, tf32, head dim, Lq = Lk, flags, (Hkv divisor, forced GQA split, OFF64, atomic dq)).
+    Atomic dq None: the launcher's rule (16-bit rows of more than 128 keys add up dq in the dk/dv
+    kernel); False: the dq kernel, as under torch.use_deterministic_algorithms."""
+    plain = ((1, None, False, None),)
+    dq_kernel = (1, None, False, False)
     if quick:  # fp32 (exact dots: FMA loops, 10-50 s per config to compile) at D=64 only
         for dt in dtypes:
             for D in ((64,) if dt == "fp32" else (64, 128)):
                 for flags in (_ATTN_FLAGS[0], _ATTN_FLAGS[3]):
-                    yield dt, False, D, 1024, flags, plain
+                    yield dt, False, D, 1024, flags, plain + ((dq_kernel,) if dt != "fp32" and D == 128 else ())
                     if dt != "fp32" and D == 64:  # short 16-bit rows: the dq kernel's EXACT_DELTA pass
                         yield dt, False, D, 64, flags, plain
         return
@@ -234,7 +237,9 @@ def _attention_scenarios(dtypes, quick):
             main = dt in ("bf16", "fp32") and not tf32
             for D in ((16, 64, 80, 128, 256) if main else (64, 128, 256)):
                 for flags in _ATTN_FLAGS:
-                    extra = ((2, 2, False), (1, None, True)) if main and flags == _ATTN_FLAGS[0] else ()
+                    extra = ((2, 2, False, None), (1, None, True, None)) if main and flags == _ATTN_FLAGS[0] else ()
+                    if dt != "fp32":
+                        extra += (dq_kernel,)
                     yield dt, tf32, D, 1024, flags, plain + extra
                 for L in (1, 64):  # short sequences: the small-tile configs the pruning keeps
                     for flags in _ATTN_PLAIN:
@@ -248,7 +253,7 @@ def _attention_jobs(dtypes=DTYPES, quick=False):
     B, H = 2, 4
     jobs = []
     for dt, tf32, D, L, (causal, mask, kpm, drop), variants in _attention_scenarios(dtypes, quick):
-        for hkv_div, split, off64 in variants:
+        for hkv_div, split, off64, atomic in variants:
             hkv = H // hkv_div
             q = _meta(B, H, L, D, dtype=_dt(dt))
             k, v = _meta(B, hkv, L, D, dtype=_dt(dt)), _meta(B, hkv, L, D, dtype=_dt(dt))
@@ -260,14 +265,15 @@ def _attention_jobs(dtypes=DTYPES, quick=False):
             pad = _meta(B, L, dtype=torch.bool) if kpm else None
             p, rng = (0.1, _rng()) if drop else (0.0, None)
             rec = []
-            with _patched(A, FORCE_GQA_SPLIT=split, FORCE_OFF64=off64):
+            with _patched(A, FORCE_GQA_SPLIT=split, FORCE_OFF64=off64, FORCE_ATOMIC_DQ=atomic):
                 with _recording(A, ("_fwd", "_kpm_ranges_kernel"), rec):
                     out, lse = A.attention_fwd(q, k, v, am, pad, causal, D ** -0.5, p, rng, tf32)
                 with _recording(A, ("_dkdv", "_dq", "_attn_bwd_delta_kernel", "_kpm_ranges_kernel"), rec):
                     A.attention_bwd(out, q, k, v, out, lse, am, pad, causal, D ** -0.5, p, rng, tf32)
             label = (f"attention {dt}{' tf32' if tf32 else ''} D={D} L={L} causal={int(causal)} "
                      f"mask={mask} kpm={int(kpm)} dropout={int(drop)}"
-                     + (f" gqa_split={split}" if split else "") + (" off64" if off64 else ""))
+                     + (f" gqa_split={split}" if split else "") + (" off64" if off64 else "")
+                     + (" dq_kernel" if atomic is False else ""))
             jobs += _jobs_from(rec, label, first_config_only=quick)
     return jobs
 

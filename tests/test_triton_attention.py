@@ -458,6 +458,63 @@ def test_block_config_and_gqa_split(monkeypatch, cfg, split, off64):
 
 
 # ---------------------------------------------------------------------------------------------
+# dq added up by the dk/dv kernel (fp32 atomics; FlashAttention-2's schedule)
+
+
+@pytest.mark.parametrize("case", [c for c in GRID if c[0] != F32], ids=_grid_id)
+def test_atomic_dq_oracle_grid(monkeypatch, case):
+    """The dk/dv kernel's dq (no dq kernel, or one for the row sums of short rows only) passes
+    the oracle over the grid's 16-bit cases: every mask kind, GQA, Lq != Lk, keys past Lk."""
+    monkeypatch.setattr(attention, "FORCE_ATOMIC_DQ", True)
+    dtype, B, H, Hkv, Lq, Lk, D, causal, mask_kind, with_kpm = case
+    q, k, v = make_qkv(B, H, Hkv, Lq, Lk, D, dtype)
+    am = make_mask(mask_kind, B, H, Lq, Lk, dtype) if mask_kind else None
+    kpm = make_kpm(B, Lk) if with_kpm else None
+    check_attention(q, k, v, am, kpm, causal, context=_grid_id(case))
+
+
+def test_atomic_dq_dropout_gqa_split_tf32(monkeypatch):
+    """With dropout (both Philox stream layouts), the split GQA dk/dv reduction, rows with nothing
+    to attend to, and fp32 through tf32 dots."""
+    monkeypatch.setattr(attention, "FORCE_ATOMIC_DQ", True)
+    monkeypatch.setattr(attention, "FORCE_GQA_SPLIT", 2)
+    torch.manual_seed(12)
+    for Lk in (45, 52):
+        q, k, v = make_qkv(2, 4, 2, 33, Lk, 32, F16)
+        am = make_mask("bool2d", 2, 4, 33, Lk, F16)
+        check_attention(q, k, v, am, make_kpm(2, Lk), True, dropout_p=0.3, rng=philox.new_rng(DEVICE),
+                        context=f"dropout Lk={Lk}")
+    q, k, v = make_qkv(2, 2, 1, 33, 140, 64, F32)
+    check_attention(q, k, v, None, make_kpm(2, 140), False, allow_tf32=True, atol=ATOL[BF16], context="tf32")
+
+
+def test_atomic_dq_rule(monkeypatch):
+    """Auto: 16-bit, head dim <= 128, rows of more than EXACT_DELTA_MAX_LK keys, and not when
+    torch asks for deterministic algorithms (the atomics' order varies on a GPU); never for exact
+    fp32, even when forced."""
+    def common(dtype, Lk, D=64):
+        q, k, v = make_qkv(1, 2, 1, 4, Lk, D, dtype)
+        return attention._Common(q, k, v, None, None, False, D ** -0.5, 0.0, None, False)
+
+    long = attention.EXACT_DELTA_MAX_LK + 1
+    assert attention._atomic_dq(common(BF16, long), BF16)
+    assert attention._atomic_dq(common(F16, long, D=128), F16)
+    assert not attention._atomic_dq(common(F16, long, D=256), F16)
+    assert not attention._atomic_dq(common(BF16, attention.EXACT_DELTA_MAX_LK), BF16)
+    assert not attention._atomic_dq(common(F32, long), F32)
+    monkeypatch.setattr(attention, "FORCE_ATOMIC_DQ", True)
+    assert not attention._atomic_dq(common(F32, long), F32)  # exact fp32 (PRECISE)
+    assert attention._atomic_dq(common(BF16, 7), BF16)
+    monkeypatch.setattr(attention, "FORCE_ATOMIC_DQ", None)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not attention._atomic_dq(common(BF16, long), BF16)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+# ---------------------------------------------------------------------------------------------
 # Larger sweep (run with -m slow)
 
 
