@@ -474,10 +474,11 @@ def test_atomic_dq_oracle_grid(monkeypatch, case):
 
 
 def test_atomic_dq_dropout_gqa_split_tf32(monkeypatch):
-    """With dropout (both Philox stream layouts), the split GQA dk/dv reduction, rows with nothing
-    to attend to, and fp32 through tf32 dots."""
+    """With dropout (both Philox stream layouts), the split GQA dk/dv reduction, the int64 in-head
+    offsets, rows with nothing to attend to, and fp32 through tf32 dots."""
     monkeypatch.setattr(attention, "FORCE_ATOMIC_DQ", True)
     monkeypatch.setattr(attention, "FORCE_GQA_SPLIT", 2)
+    monkeypatch.setattr(attention, "FORCE_OFF64", True)
     torch.manual_seed(12)
     for Lk in (45, 52):
         q, k, v = make_qkv(2, 4, 2, 33, Lk, 32, F16)
