@@ -1,6 +1,6 @@
 #!/bin/bash
 # Registers and spills of the sm_90a dense wgmma attention kernels (bf16, head dims 64 / 128,
-# causal or not; the forward with and without a key_padding_mask) in ~40 s without a GPU, instead of the 10-20 minutes of the whole
+# causal or not; the forward with and without a key_padding_mask; dK / dV at 128 with dQ by atomics too) in ~40 s without a GPU, instead of the 10-20 minutes of the whole
 # csrc/attention_cuda.cu: compiles a unit made of that file's first part (everything up to the
 # wgmma kernels' includes) and a table of the kernels' addresses, for sm_90a only, with the
 # extension's nvcc flags (torch's COMMON_NVCC_FLAGS and setup.py's): the kernels' code is the
@@ -21,6 +21,8 @@ void* wgmma_kernels[] = {
   (void*)fwd_wgmma_dense_kernel<__nv_bfloat16, DP, C, true>, \
   (void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, DP, C>, (void*)dq_wgmma_dense_kernel<__nv_bfloat16, DP, C>,
 TF_WG3(64, false) TF_WG3(64, true) TF_WG3(128, false) TF_WG3(128, true)
+  (void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, false, true>,
+  (void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, true, true>,
 };
 }  // namespace
 void* wgmma_kernel_table() { return wgmma_kernels[0]; }
@@ -59,7 +61,8 @@ for line in open(sys.argv[1]):
     m = re.search(r"Used (\d+) registers", line)
     k = name and re.search(r"(fwd|dkdv|dq)_wgmma_dense_kernelI\w*?(\d+)ELb(\d)E(?:Lb(\d)E)?", name)
     if m and k:
-        pad = f" kpm={k.group(4)}" if k.group(4) is not None else "      "
+        flag = "dq" if k.group(1) == "dkdv" else "kpm"  # dkdv's fourth argument: kDq (dQ by atomics)
+        pad = f" {flag}={k.group(4)}" if k.group(4) is not None else "      "
         print(f"{k.group(1) + '_wgmma_dense_kernel':26s} D{k.group(2):4s} causal={k.group(3)}{pad}  "
               f"{m.group(1)} registers, {spill} bytes spilled")
         name = None

@@ -60,6 +60,7 @@
 // TF_CUDA_EMULATE: tests/test_attention_cpu.py (slow) compiles this file as host C++ with the
 // warp primitives emulated by threads and barriers (mma.sync by its documented fragment layout),
 // so that the kernels' indexing, masking and tiling run against the oracle without a GPU.
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -990,6 +991,20 @@ bool emulate_dense_kernels = false;  // the emulation harness chooses (its older
 bool dense_kernels_enabled() { return emulate_dense_kernels; }
 #endif
 
+#ifndef TF_CUDA_EMULATE
+// TRANSFORMER_FAST_CUDA_ATOMIC_DQ=1: the wgmma backward at head dims 65-128 forms dQ in its dK / dV
+// kernel by fp32 atomics (dkdv_wgmma_dense_kernel<..., kDq>) instead of dq_wgmma_dense_kernel.
+// Off by default until a GPU run has checked and timed it (written without a GPU, 2026-11-28);
+// never under torch.use_deterministic_algorithms (the atomics' order varies run to run).
+bool atomic_dq_enabled() {
+  const char* env = std::getenv("TRANSFORMER_FAST_CUDA_ATOMIC_DQ");
+  return env != nullptr && std::strcmp(env, "1") == 0 && !at::globalContext().deterministicAlgorithms();
+}
+#else
+bool emulate_atomic_dq = false;  // the emulation harness chooses
+bool atomic_dq_enabled() { return emulate_atomic_dq; }
+#endif
+
 // Which sm_90a warpgroup-MMA kernels run.  kDense: the two-warpgroup dense kernels for the calls
 // the dense kernels take (forward: without an attn_mask; backward: without any mask); every
 // other call runs what it runs without wgmma.  kAll: fwd_wgmma_kernel as well, for
@@ -1039,6 +1054,17 @@ Wgmma wgmma_mode(const Tensor&) { return emulate_wgmma_forward ? Wgmma::kAll : W
 // they do not fit the generic ones (whose kDense forms drop the masks).
 template <typename T, int DP, bool kDense = false>
 void run_bwd(const Params& pkv, const Params& pq, bool wgmma = false) {
+  // pkv.dq_acc set: the wgmma dK / dV kernel adds up dQ there, and no dQ kernel runs (the caller
+  // set it only where that kernel is taken: wgmma, DP 128, the dkdv conditions below).
+  if constexpr (kDense && DP == 128) {
+    if (pkv.dq_acc != nullptr) {
+      const int64_t blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kWkBN - 1) / kWkBN);
+      constexpr size_t smem = wgmma_dkdv_smem_bytes<DP, true>();
+      pkv.causal ? launch_threads(dkdv_wgmma_dense_kernel<T, DP, true, true>, blocks, kWdThreads, smem, pkv)
+                 : launch_threads(dkdv_wgmma_dense_kernel<T, DP, false, true>, blocks, kWdThreads, smem, pkv);
+      return;
+    }
+  }
   const int64_t kv_blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kKvBN - 1) / kKvBN);
   const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (DP + kPad) * sizeof(uint16_t) +
                          size_t{4} * kKvBM * sizeof(float);
@@ -1220,6 +1246,15 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     // turns both off), on wgmma too where there is no attn_mask and wgmma_mode allows it.
     const bool dense = p.rng == nullptr && p.D <= 128 && dense_kernels_enabled();
     const bool wg = dense && p.am_type == kMaskNone && wgmma_mode(q) != Wgmma::kOff;
+    // dQ by atomics in the wgmma dK / dV kernel: where run_bwd takes that kernel, at head dims
+    // 65-128, when switched on (atomic_dq_enabled).
+    Tensor dq_acc;
+    if (wg && head_dim_bucket(p.D) == 128 && atomic_dq_enabled() && pkv.vec16 && out_pairs_aligned(pkv) &&
+        reinterpret_cast<uintptr_t>(pkv.out2) % 4 == 0 && pkv.o2_sb % 2 == 0 && pkv.o2_sh % 2 == 0 &&
+        pkv.o2_sm % 2 == 0) {
+      dq_acc = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(at::kFloat));
+      pkv.dq_acc = dq_acc.mutable_data_ptr<float>();
+    }
     if (dense && head_dim_bucket(p.D) == 64) {
       half ? run_bwd<__half, 64, true>(pkv, pq, wg) : run_bwd<__nv_bfloat16, 64, true>(pkv, pq, wg);
     } else if (dense) {
@@ -1229,6 +1264,7 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
       case 128: half ? run_bwd<__half, 128>(pkv, pq) : run_bwd<__nv_bfloat16, 128>(pkv, pq); break;
       default: half ? run_bwd<__half, 256>(pkv, pq) : run_bwd<__nv_bfloat16, 256>(pkv, pq); break;
     }
+    if (dq_acc.defined()) dq_.copy_(dq_acc.mul_(static_cast<double>(p.scale)));
   }
   finish_output(dq, dq_);
   finish_output(dk, dk_);

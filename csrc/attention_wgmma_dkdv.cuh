@@ -29,10 +29,12 @@
 constexpr int kWkBN = 128;  // keys per CTA (64 per warpgroup)
 constexpr int kWkBM = 64;   // queries per tile
 
-template <int DP>
+template <int DP, bool kDq = false>
 constexpr size_t wgmma_dkdv_smem_bytes() {
-  // K, V; 2 x {Q, dO}; 2 x {lse2, delta}; 1 KB to start the tiles on a 1024-byte boundary
-  return size_t{2 * kWkBN + 4 * kWkBM} * DP * sizeof(uint16_t) + size_t{4} * kWkBM * sizeof(float) + 1024;
+  // K, V; 2 x {Q, dO}; (kDq) the dS tile; 2 x {lse2, delta}; 1 KB to start the tiles on a
+  // 1024-byte boundary
+  return (size_t{2 * kWkBN + 4 * kWkBM} * DP + (kDq ? size_t{kWkBM} * kWkBN : 0)) * sizeof(uint16_t) +
+         size_t{4} * kWkBM * sizeof(float) + 1024;
 }
 
 // One committed wgmma group over the head dim, d = A B^T (64 x 64, fp32): A the 64 rows a0 ..
@@ -49,9 +51,16 @@ __device__ __forceinline__ void wgmma_group_64x64(float (&d)[32], const uint16_t
   wgmma_commit();
 }
 
-template <typename T, int DP, bool kCausal>
+// kDq (DP 128 only): the kernel also forms each tile's dQ share, dQ_part = dS K (64 queries x
+// 128 keys x the head dim: warpgroup w the head-dim columns 64w..), and adds it into p.dq_acc
+// (fp32, (B, H, Lq, D) contiguous) by atomics, so that no dQ kernel recomputes S and dP (5
+// products per tile pair instead of 7, FlashAttention-2's schedule).  dS goes through shared
+// memory (queries x keys, K-major, swizzled as the other tiles): both warpgroups' keys are the
+// product's K.
+template <typename T, int DP, bool kCausal, bool kDq = false>
 __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const Params p) {
   static_assert(DP == 64 || DP == 128, "head-dim buckets of the wgmma kernels");
+  static_assert(!kDq || DP == 128, "dQ by atomics: head dims 65-128 (one 64-column atom per warpgroup)");
 #if defined(__CUDA_ARCH__) && !defined(TF_SM90A)
   __trap();  // sm_90a only, as fwd_wgmma_dense_kernel
 #else
@@ -60,7 +69,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
   uint16_t* const Ks = sw128_base(smem);
   uint16_t* const Vs = Ks + BN * DP;
   uint16_t* const qo_buf = Vs + BN * DP;                                     // [2][Q, dO][BM x DP]
-  float* const stat_buf = reinterpret_cast<float*>(qo_buf + 4 * BM * DP);  // [2][lse2, delta][BM]
+  uint16_t* const dSs = qo_buf + 4 * BM * DP;                              // (kDq) [BM x BN]
+  float* const stat_buf = reinterpret_cast<float*>(dSs + (kDq ? BM * BN : 0));  // [2][lse2, delta][BM]
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int warp_in_wg = (tid % 128) / 32;
@@ -191,11 +201,54 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
       wgmma_m64k16_rs<T, DP>(dk, sa[kk], wgmma_desc_sw128(Qs + 16 * kk * 64, BM * 128));  // Q MN-major
     }
     wgmma_commit();
-    wgmma_wait<0>();  // both products done: their A registers and this buffer are free
+    [[maybe_unused]] float dq[kDq ? 32 : 1];  // dQ_part: rows = queries 16 warp_in_wg + g (+8), columns 64 wg + 8 nt + 2 t (+1)
+    if constexpr (kDq) {
+      // dS^T as packed for dK (the same rounding) into dS (query, key): sa[kk][r] holds keys
+      // key_a (+8 if r odd), queries 16 kk + 2 t + 8 (r >> 1) and the next one.
+      const int key_l = key_a - n0;
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int kr = key_l + 8 * (r & 1), qr = 16 * kk + 2 * t + 8 * (r >> 1);
+          dSs[sw128_offset<BM>(qr, kr)] = static_cast<uint16_t>(sa[kk][r] & 0xFFFFu);
+          dSs[sw128_offset<BM>(qr + 1, kr)] = static_cast<uint16_t>(sa[kk][r] >> 16);
+        }
+      }
+      wgmma_wait<1>();  // dV's product done (dK's may run on): its A registers are free for dQ's
+      pin_registers(dv);
+      pin_registers(pa);
+      fence_proxy_async_smem();  // the generic-proxy stores, visible to the tensor cores
+      __syncthreads();           // both warpgroups' keys are written
+#pragma unroll
+      for (int i = 0; i < 32; ++i) dq[i] = 0.0f;
+      pin_registers(dq);
+      wgmma_fence();
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; ++kc) {
+        wgmma_m64n64k16_ss_bt<T>(dq, wgmma_desc_sw128(dSs + sw128_k_slab<BM>(0, kc), 16),
+                                 wgmma_desc_sw128(Ks + wg * (BN * 64) + 16 * kc * 64, BN * 128), kc);
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();  // the products done: their A registers and this buffer (and dSs) are free
     pin_registers(dv);
     pin_registers(dk);
     pin_registers(pa);
     pin_registers(sa);
+    if constexpr (kDq) {
+      pin_registers(dq);
+      const int h = hk * group + it / nm;
+      float* const dqh = p.dq_acc + static_cast<int64_t>(b * p.H + h) * p.Lq * p.D;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = m0 + 16 * warp_in_wg + g + 8 * (e >> 1), col = 64 * wg + 8 * nt + 2 * t + (e & 1);
+          if (qi < p.Lq && col < p.D) atomicAdd(dqh + static_cast<int64_t>(qi) * p.D + col, dq[4 * nt + e]);
+        }
+      }
+    }
   }
   if (ntiles == 0) cp_async_wait<0>();  // K / V copies still owe their completion
 

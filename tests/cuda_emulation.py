@@ -176,6 +176,8 @@ inline void run_grid(EmuDim3 grid, int threads, void* smem, size_t smem_capacity
 inline void __syncthreads() { emu::block_bar->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::my_warp().bar.arrive_and_wait(); }
 inline void __trap() { std::abort(); }
+// atomicAdd on fp32 global memory (its result unused by the kernels: a reduction)
+inline float atomicAdd(float* address, float v) { return std::atomic_ref<float>(*address).fetch_add(v); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }

@@ -309,6 +309,9 @@ void set_smem_window(int64_t address) { emu::smem_window = static_cast<uint32_t>
 // Whether the forwards that fit it run fwd_dense_kernel (attention_dense_fwd.cuh; on a GPU they
 // do unless TRANSFORMER_FAST_CUDA_DENSE=0) or, as in the other emulated cases, fwd_kernel.
 void set_dense(bool on) { transformer_fast::emulate_dense_kernels = on; }
+// Whether the wgmma backward at head dims 65-128 forms dQ by atomics in its dK / dV kernel (on a
+// GPU: TRANSFORMER_FAST_CUDA_ATOMIC_DQ=1).
+void set_atomic_dq(bool on) { transformer_fast::emulate_atomic_dq = on; }
 
 // The names of the dense kernels launched since the last call ("other" for any other kernel).
 template <typename T, int DP, bool kCausal>
@@ -326,6 +329,9 @@ void name_dense_kernels(std::map<void*, std::string>& names) {
   names[reinterpret_cast<void*>(&fwd_wgmma_dense_kernel<T, DP, kCausal, true>)] = "fwd_wgmma_dense_kernel";
   names[reinterpret_cast<void*>(&dq_wgmma_dense_kernel<T, DP, kCausal>)] = "dq_wgmma_dense_kernel";
   names[reinterpret_cast<void*>(&dkdv_wgmma_dense_kernel<T, DP, kCausal>)] = "dkdv_wgmma_dense_kernel";
+  if constexpr (DP == 128) {
+    names[reinterpret_cast<void*>(&dkdv_wgmma_dense_kernel<T, DP, kCausal, true>)] = "dkdv_wgmma_dense_kernel+dq";
+  }
 }
 std::vector<std::string> launched_kernels() {
   std::map<void*, std::string> names;
@@ -361,7 +367,8 @@ def cuda_emulation():
                                  "attention_dense_fwd.cuh", "attention_dense_dq.cuh", "attention_dense_dkdv.cuh",
                                  "attention_cuda.h", "attention_device.cuh", "ops.h",
                                  "philox.h"),
-                                ("fwd", "bwd", "set_wgmma", "set_dense", "set_smem_window", "launched_kernels"))
+                                ("fwd", "bwd", "set_wgmma", "set_dense", "set_atomic_dq", "set_smem_window",
+                                 "launched_kernels"))
 
 
 _EMU_CASES = [  # B, H, Hkv, Lq, Lk, D, dtype, mask kind, dropout
@@ -782,6 +789,42 @@ def test_cuda_wgmma_backward_aligns_its_swizzled_tiles_emulated(cuda_emulation, 
             cuda_emulation.set_smem_window(0)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def _wgmma_atomic_dq(emu):
+    stack = _wgmma_dense_forward(emu)
+    stack.enter_context(_switched_on(emu.set_atomic_dq))
+    return stack
+
+
+@pytest.mark.parametrize("kpm", [False, True], ids=["nomask", "kpm"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [96, 128])
+def test_cuda_wgmma_atomic_dq_matches_dq_kernel_emulated(cuda_emulation, d, causal, kpm):
+    """dQ added up by dkdv_wgmma_dense_kernel<..., kDq> (atomics; no dQ kernel runs) agrees with
+    dq_wgmma_dense_kernel's to bf16 rounding (the same dS values, summed in another order), dK
+    and dV are the same bits (the same code before the dQ part), from one forward with odd
+    lengths, GQA, a whole 64-key tile of padding among scattered keys."""
+    args = _emulated_bwd_args(cuda_emulation, 150, 200, d, causal, kpm)
+    with _wgmma_dense_forward(cuda_emulation):
+        want = cuda_emulation.bwd(*args)
+    cuda_emulation.launched_kernels()
+    with _wgmma_atomic_dq(cuda_emulation):
+        got = cuda_emulation.bwd(*args)
+    launched = set(cuda_emulation.launched_kernels())
+    assert "dkdv_wgmma_dense_kernel+dq" in launched and "dq_wgmma_dense_kernel" not in launched
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if i in (0, 4) else [pytest.mark.slow])
+                                  for i, c in enumerate(c for c in _EMU_WGMMA_DENSE_CASES if 64 < c[5] <= 128)],
+                         ids=_emu_id)
+def test_cuda_wgmma_atomic_dq_oracle_emulated(cuda_emulation, case):
+    """The oracle over the wgmma cases of head dims 65-128 with dQ by atomics: one query tile and
+    several, Lq != Lk both ways, causal, a single query, key padding with rows of one key and none."""
+    with _wgmma_atomic_dq(cuda_emulation):
+        _run_emulated(cuda_emulation, case)
 
 
 @pytest.mark.parametrize("kernel", ["fwd_dense", "fwd_wgmma_dense"])

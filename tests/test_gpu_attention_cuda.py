@@ -207,6 +207,53 @@ def test_wgmma_backward_matches_dense(wgmma, monkeypatch, d, causal, mask):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
+ATOMIC_DQ_ENV = "TRANSFORMER_FAST_CUDA_ATOMIC_DQ"
+
+
+@pytest.mark.parametrize("mask", ["nomask", "kpm"])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+@pytest.mark.parametrize("d", [96, 128])
+def test_wgmma_atomic_dq_matches_dq_kernel(device, monkeypatch, d, causal, mask):
+    """TRANSFORMER_FAST_CUDA_ATOMIC_DQ=1 on a Hopper: dkdv_wgmma_dense_kernel forms dQ by atomics
+    and dq_wgmma_dense_kernel does not run; dQ agrees with that kernel's to bf16 rounding and dK,
+    dV are the same bits (as in the CPU emulation); under torch.use_deterministic_algorithms the
+    dQ kernel runs again."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the wgmma kernels run on compute capability 9.x (Hopper) only")
+    monkeypatch.delenv(WGMMA_ENV, raising=False)
+    ops = torch.ops.transformer_fast_C
+    args = _bwd_args(ops, device, d, causal, mask)
+    want = ops.attention_bwd(*args)
+    monkeypatch.setenv(ATOMIC_DQ_ENV, "1")
+    names = _kernel_names(lambda: ops.attention_bwd(*args))
+    assert not any("dq_wgmma_dense_kernel" in n for n in names), sorted(names)
+    got = ops.attention_bwd(*args)
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        names = _kernel_names(lambda: ops.attention_bwd(*args))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert any("dq_wgmma_dense_kernel" in n for n in names), sorted(names)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "kpm", "causal+kpm_tail"])
+@pytest.mark.parametrize("d", [80, 128])
+def test_wgmma_atomic_dq_oracle(device, monkeypatch, d, kind):
+    """The oracle with dQ by atomics: ragged lengths, GQA, padding with rows of one key and none."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the wgmma kernels run on compute capability 9.x (Hopper) only")
+    monkeypatch.delenv(WGMMA_ENV, raising=False)
+    monkeypatch.setenv(ATOMIC_DQ_ENV, "1")
+    b, h, lq, lk = 3, 4, 300, 517
+    g = generator()
+    q, k, v = base._qkv(b, h, 2, lq, lk, d, torch.bfloat16, device, g)
+    m = base._to(make_masks(kind, b, h, lq, lk, torch.bfloat16, g), device)
+    check_sdpa("cuda", q, k, v, enable_gqa=True, context=f"atomic dq {kind} d={d}", **m)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("d", [16, 40, 64, 96, 128])
 @pytest.mark.parametrize("shape", [(2, 4, 2, 300, 517), (1, 2, 2, 1, 129), (2, 2, 1, 256, 64), (1, 4, 4, 1024, 1024)],

@@ -85,6 +85,12 @@ __global__ void max_abs_diff_kernel(const __nv_bfloat16* a, const __nv_bfloat16*
   atomicMax(out, __float_as_uint(m));  // non-negative floats order as their bit patterns
 }
 
+// dq = acc * scale in bf16 (the atomic-dQ variant's last step; the package does it with ATen)
+__global__ void dq_convert_kernel(const float* acc, __nv_bfloat16* dq, size_t n, float scale) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    dq[i] = __float2bfloat16_rn(acc[i] * scale);
+}
+
 __global__ void poison_kernel(uint16_t* x, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) x[i] = 0x7FC1;
 }
@@ -319,11 +325,13 @@ int main(int argc, char** argv) {
       // wgmma twins (dkdv_wgmma_dense_kernel + dq_wgmma_dense_kernel), from one forward (O, lse
       // by fwd_dense_kernel), dO ~ N(0, 1).  Checked: max |difference| of dQ / dK / dV between the
       // two (bf16 rounding expected, ~1e-2) and NaNs; TFLOP/s at the benchmarks' 2.5x count.
-      __nv_bfloat16 *dout, *grads[2][3];
+      __nv_bfloat16 *dout, *grads[3][3];
+      float* dq_acc;
       float* delta;
       unsigned* diff;
       CK(cudaMalloc(&dout, n * 2)); CK(cudaMalloc(&delta, (size_t)sh.B * sh.H * sh.L * 4)); CK(cudaMalloc(&diff, 4));
       for (auto& gv : grads) for (auto& gp : gv) CK(cudaMalloc(&gp, n * 2));
+      CK(cudaMalloc(&dq_acc, n * 4));
       init_kernel<<<1024, 256>>>(dout, n, 4u);
       for (int causal = 0; causal < (quick ? 1 : 2); ++causal) {
         Params p{};
@@ -342,7 +350,7 @@ int main(int argc, char** argv) {
         CK(cudaGetLastError());
         p.dout = (const uint16_t*)dout; p.lse = lse; p.delta = delta;
         const double flops = 2.5 * 4.0 * sh.B * sh.H * (double)sh.L * sh.L * D * (causal ? 0.5 : 1.0);
-        for (int wg = 0; wg < 2; ++wg) {
+        for (int wg = 0; wg < 3; ++wg) {  // mma.sync pair, wgmma pair, wgmma dK / dV with dQ by atomics
           Params pkv = p, pq = p;
           pkv.out = (uint16_t*)grads[wg][1]; pkv.out2 = (uint16_t*)grads[wg][2]; pq.out = (uint16_t*)grads[wg][0];
           auto run = [&]() {
@@ -354,6 +362,13 @@ int main(int argc, char** argv) {
                      : launch_any(dkdv_dense_kernel<__nv_bfloat16, 128, false, false>, pkv, kvb, 128, kv_smem, st);
               causal ? launch_any(dq_dense_kernel<__nv_bfloat16, 128, true, false>, pq, qb, 128, q_smem, st)
                      : launch_any(dq_dense_kernel<__nv_bfloat16, 128, false, false>, pq, qb, 128, q_smem, st);
+            } else if (wg == 2) {
+              const int kvb = sh.B * sh.H * (sh.L / kWkBN);
+              pkv.dq_acc = dq_acc;
+              CK(cudaMemsetAsync(dq_acc, 0, n * 4, st));
+              causal ? launch_any(dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, true, true>, pkv, kvb, kWdThreads, wgmma_dkdv_smem_bytes<128, true>(), st)
+                     : launch_any(dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, false, true>, pkv, kvb, kWdThreads, wgmma_dkdv_smem_bytes<128, true>(), st);
+              dq_convert_kernel<<<1024, 256, 0, st>>>(dq_acc, grads[wg][0], n, scale);
             } else {
               const int kvb = sh.B * sh.H * (sh.L / kWkBN), qb = sh.B * sh.H * (sh.L / kWqBM);
               causal ? launch_any(dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, true>, pkv, kvb, kWdThreads, wgmma_dkdv_smem_bytes<128>(), st)
@@ -375,10 +390,10 @@ int main(int argc, char** argv) {
             nans += c;
           }
           float maxdiff[3] = {0, 0, 0};
-          if (wg == 1) {
+          if (wg >= 1) {
             for (int gi = 0; gi < 3; ++gi) {
               CK(cudaMemset(diff, 0, 4));
-              max_abs_diff_kernel<<<1024, 256>>>(grads[0][gi], grads[1][gi], n, diff);
+              max_abs_diff_kernel<<<1024, 256>>>(grads[0][gi], grads[wg][gi], n, diff);
               unsigned bits = 0;
               CK(cudaMemcpy(&bits, diff, 4, cudaMemcpyDeviceToHost));
               std::memcpy(&maxdiff[gi], &bits, 4);
@@ -401,7 +416,7 @@ int main(int argc, char** argv) {
           char line[512];
           snprintf(line, sizeof line,
                    "| B%d H%d L%d D%d | %s | backward %-20s | %.3f | %.3f-%.3f | bwd alone %.1f TFLOP/s (1.5x count) | |dq|,|dk|,|dv| diff vs dense %.4f %.4f %.4f | NaNs %llu |",
-                   sh.B, sh.H, sh.L, D, causal ? "causal" : "none", wg ? "wgmma (dkdv+dq)" : "dense (dkdv+dq)", med,
+                   sh.B, sh.H, sh.L, D, causal ? "causal" : "none", wg == 2 ? "wgmma (dkdv+atomic dq)" : wg ? "wgmma (dkdv+dq)" : "dense (dkdv+dq)", med,
                    ms[ms.size() / 5], ms[ms.size() * 4 / 5], flops * 0.6 / (med * 1e-3) / 1e12, maxdiff[0], maxdiff[1],
                    maxdiff[2], nans);
           printf("%s\n", line);
@@ -409,7 +424,7 @@ int main(int argc, char** argv) {
           table.push_back(line);
         }
       }
-      CK(cudaFree(dout)); CK(cudaFree(delta)); CK(cudaFree(diff));
+      CK(cudaFree(dout)); CK(cudaFree(delta)); CK(cudaFree(diff)); CK(cudaFree(dq_acc));
       for (auto& gv : grads) for (auto& gp : gv) CK(cudaFree(gp));
     }
     CK(cudaFree(q)); CK(cudaFree(k)); CK(cudaFree(v)); CK(cudaFree(o)); CK(cudaFree(lse)); CK(cudaFree(ref)); CK(cudaFree(nan_count));
