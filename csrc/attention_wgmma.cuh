@@ -79,27 +79,13 @@ __device__ __forceinline__ uint64_t wgmma_desc(const uint16_t* start, uint32_t l
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define TF_SM90A 1
-#define TF_WGMMA_SS_M64N64K16(TY)                                                               \
+// TB: imm-trans-b, "0" for B K-major, "1" for B MN-major.
+#define TF_WGMMA_SS_M64N64K16(TY, TB)                                                           \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                     \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                     \
                "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
                "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-               "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                               \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),        \
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),      \
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),  \
-                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),  \
-                 "+f"(d[30]), "+f"(d[31])                                                       \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d) : "memory")
-
-// As TF_WGMMA_SS_M64N64K16 with B MN-major (imm-trans-b 1).
-#define TF_WGMMA_SS_M64N64K16_BT(TY)                                                            \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                     \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                     \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "         \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-               "}, %32, %33, p, 1, 1, 0, 1;\n}\n"                                               \
+               "}, %32, %33, p, 1, 1, 0, " TB ";\n}\n"                                          \
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),        \
                  "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),      \
                  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),  \
@@ -233,41 +219,21 @@ __device__ __forceinline__ void pin_registers(uint32_t (&r)[N][4]) {
   }
 }
 
-// d (64 x 64 fp32, accumulator layout) = A B (+ d if scale_d): A 64 x 16 and B 16 x 64 both
-// K-major in shared memory.
-template <typename T>
+// d (64 x 64 fp32, accumulator layout) = A B (+ d if scale_d): A 64 x 16 K-major and B 16 x 64
+// K-major (kBMnMajor: MN-major, as the dK / dV kernel's dQ = dS K reads K) in shared memory.
+template <typename T, bool kBMnMajor = false>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a,
                                                    uint64_t desc_b, int scale_d) {
 #if defined(TF_SM90A)
   if constexpr (std::is_same_v<T, __half>) {
-    TF_WGMMA_SS_M64N64K16("f16");
+    if constexpr (kBMnMajor) { TF_WGMMA_SS_M64N64K16("f16", "1"); } else { TF_WGMMA_SS_M64N64K16("f16", "0"); }
   } else {
-    TF_WGMMA_SS_M64N64K16("bf16");
+    if constexpr (kBMnMajor) { TF_WGMMA_SS_M64N64K16("bf16", "1"); } else { TF_WGMMA_SS_M64N64K16("bf16", "0"); }
   }
 #elif defined(TF_CUDA_EMULATE)
-  emulated_wgmma(d, 64, desc_a, nullptr, desc_b, /*b_mn_major=*/false, scale_d != 0,
-                 std::is_same_v<T, __nv_bfloat16>);
+  emulated_wgmma(d, 64, desc_a, nullptr, desc_b, kBMnMajor, scale_d != 0, std::is_same_v<T, __nv_bfloat16>);
 #else
   __trap();  // sm_90a only (the host runs fwd_wgmma_kernel only where it was built for it)
-#endif
-}
-
-// d (64 x 64 fp32) = A B (+ d if scale_d): A 64 x 16 K-major, B 16 x 64 MN-major, both in shared
-// memory (the dK / dV kernel's dQ = dS K, K as stored for S^T = K Q^T).
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n64k16_ss_bt(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
-                                                      int scale_d) {
-#if defined(TF_SM90A)
-  if constexpr (std::is_same_v<T, __half>) {
-    TF_WGMMA_SS_M64N64K16_BT("f16");
-  } else {
-    TF_WGMMA_SS_M64N64K16_BT("bf16");
-  }
-#elif defined(TF_CUDA_EMULATE)
-  emulated_wgmma(d, 64, desc_a, nullptr, desc_b, /*b_mn_major=*/true, scale_d != 0,
-                 std::is_same_v<T, __nv_bfloat16>);
-#else
-  __trap();
 #endif
 }
 

@@ -226,8 +226,8 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
       wgmma_fence();
 #pragma unroll
       for (int kc = 0; kc < BN / 16; ++kc) {
-        wgmma_m64n64k16_ss_bt<T>(dq, wgmma_desc_sw128(dSs + sw128_k_slab<BM>(0, kc), 16),
-                                 wgmma_desc_sw128(Ks + wg * (BN * 64) + 16 * kc * 64, BN * 128), kc);
+        wgmma_m64n64k16_ss<T, true>(dq, wgmma_desc_sw128(dSs + sw128_k_slab<BM>(0, kc), 16),
+                                     wgmma_desc_sw128(Ks + wg * (BN * 64) + 16 * kc * 64, BN * 128), kc);
       }
       wgmma_commit();
     }
