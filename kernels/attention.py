@@ -997,8 +997,10 @@ if _INTERPRET:
 else:
     _fwd = triton.autotune(configs=_all_configs(_FWD_CONFIGS, _FWD_SMALL_M + _FP32_CONFIGS["fwd"]), key=_TUNE_KEY,
                            prune_configs_by={"early_config_prune": _prune_fwd})(_attn_fwd_kernel)
+    # reset_to_zero: the timed runs of each config add dq into DQA (ATOMIC_DQ); it is zeroed before
+    # each and once more before the call's own run.
     _dkdv = triton.autotune(configs=_all_configs(_DKDV_CONFIGS, _FP32_CONFIGS["dkdv"]),
-                            key=_TUNE_KEY + ["HEADS_PER_SPLIT", "ATOMIC_DQ"],
+                            key=_TUNE_KEY + ["HEADS_PER_SPLIT", "ATOMIC_DQ"], reset_to_zero=["DQA"],
                             prune_configs_by={"early_config_prune": _prune_dkdv})(_attn_bwd_dkdv_kernel)
     _dq = triton.autotune(configs=_all_configs(_DQ_CONFIGS, _FP32_CONFIGS["dq"]), key=_TUNE_KEY + ["ROW_SUMS_ONLY"],
                           prune_configs_by={"early_config_prune": _prune_dq})(_attn_bwd_dq_kernel)
@@ -1257,8 +1259,9 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
                 c.lq_key, c.lk_key,
                 **flags, EXACT_DELTA=exact_delta, REFINE_LSE=refine, ROW_SUMS_ONLY=atomic_dq, **meta,
             )
-        # (B, H, Lq, D) fp32, zeroed: dq's sum over key blocks (atomic_dq), else a placeholder
-        dq_acc = torch.zeros((B, H, Lq, D), dtype=torch.float32, device=q.device) if atomic_dq else delta
+        # (B, H, Lq, D) fp32, zeroed: dq's sum over key blocks (atomic_dq); else a placeholder of
+        # its own (the autotuner zeroes this argument before each timed run: reset_to_zero)
+        dq_acc = torch.zeros((B, H, Lq, D) if atomic_dq else (1,), dtype=torch.float32, device=q.device)
 
         nsplit = _gqa_split(c, q.device)
         if nsplit == 1:

@@ -92,6 +92,39 @@ def test_each_kept_config_passes_the_oracle(forced_config, dtype, head_dim, inde
     reference.assert_oracle(results, f"{kind} {b}x{h}x{hkv}x{lq}x{lk}x{head_dim} {dtype} with {ran}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["none", "causal+kpm"])
+def test_autotuned_atomic_dq_backward_passes_the_oracle(monkeypatch, kind):
+    """With tuning on (every kept config timed on the call's own arguments), the backward that
+    adds up dq by atomics in the dk/dv kernel (16-bit, rows of > 128 keys): the timed runs add
+    into the same buffer, which the autotuner must zero before each and before the call's own
+    run (reset_to_zero), or dq comes out several times too large."""
+    from transformer_fast.kernels import attention as A
+
+    monkeypatch.setenv("TRANSFORMER_FAST_AUTOTUNE", "1")
+    for t in (A._fwd, A._dq, A._dkdv):
+        t.cache.clear()
+    b, h, hkv, lq, lk, d = 1, 4, 2, 300, 517, 128
+    g = torch.Generator().manual_seed(11)
+    masks = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+             for k, v in make_masks(kind, b, h, lq, lk, torch.bfloat16, g).items()}
+    inputs = {n: torch.randn(b, hh, ll, d, generator=g).to("cuda", torch.bfloat16)
+              for n, hh, ll in (("query", h, lq), ("key", hkv, lk), ("value", hkv, lk))}
+    assert A._atomic_dq(A._Common(inputs["query"], inputs["key"], inputs["value"], None, None, False,
+                                  d ** -0.5, 0.0, None, False), torch.bfloat16)
+
+    def kernel(query, key, value):
+        return F.scaled_dot_product_attention(query, key, value, enable_gqa=True, backend="triton", **masks)
+
+    def ref(query, key, value):
+        return reference.scaled_dot_product_attention(
+            query, key, value, masks["attn_mask"], 0.0, masks["is_causal"], None, True,
+            key_padding_mask=masks["key_padding_mask"])
+
+    results = reference.run_oracle(kernel, ref, inputs, list(inputs), atol=oracle_atol("triton", torch.bfloat16), seed=3)
+    reference.assert_oracle(results, f"autotuned, {kind}, dkdv {A._dkdv.best_config}")
+
+
 def _gemm_list_length(dtype):
     from transformer_fast.kernels import ffn as FF
 
