@@ -1252,7 +1252,7 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     if (wg && head_dim_bucket(p.D) == 128 && atomic_dq_enabled() && pkv.vec16 && out_pairs_aligned(pkv) &&
         reinterpret_cast<uintptr_t>(pkv.out2) % 4 == 0 && pkv.o2_sb % 2 == 0 && pkv.o2_sh % 2 == 0 &&
         pkv.o2_sm % 2 == 0) {
-      dq_acc = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options().dtype(at::kFloat));
+      dq_acc = at::zeros({q.size(0), q.size(1), q.size(2), 128}, q.options().dtype(at::kFloat));
       pkv.dq_acc = dq_acc.mutable_data_ptr<float>();
     }
     if (dense && head_dim_bucket(p.D) == 64) {
@@ -1264,7 +1264,7 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
       case 128: half ? run_bwd<__half, 128>(pkv, pq) : run_bwd<__nv_bfloat16, 128>(pkv, pq); break;
       default: half ? run_bwd<__half, 256>(pkv, pq) : run_bwd<__nv_bfloat16, 256>(pkv, pq); break;
     }
-    if (dq_acc.defined()) dq_.copy_(dq_acc.mul_(static_cast<double>(p.scale)));
+    if (dq_acc.defined()) dq_.copy_(dq_acc.narrow(3, 0, p.D).mul_(static_cast<double>(p.scale)));
   }
   finish_output(dq, dq_);
   finish_output(dk, dk_);

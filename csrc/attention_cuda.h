@@ -59,7 +59,7 @@ struct AttentionParams {
   E* out2;              // dkdv_kernel: dv
   float* lse_out;       // forward: (B, H, Lq) contiguous; exact-fp32 backward's first pass: lse_lo
   float* delta_out;     // exact-fp32 backward's first pass: delta
-  float* dq_acc;        // dkdv_wgmma_dense_kernel<..., kDq>: fp32 dQ sums, (B, H, Lq, D) contiguous
+  float* dq_acc;        // dkdv_wgmma_dense_kernel<..., kDq>: fp32 dQ sums, (B, H, Lq, 128) contiguous
   int64_t q_sb, q_sh, q_sm;
   int64_t k_sb, k_sh, k_sm;
   int64_t v_sb, v_sh, v_sm;

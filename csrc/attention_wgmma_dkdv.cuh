@@ -56,7 +56,7 @@ __device__ __forceinline__ void wgmma_group_64x64(float (&d)[32], const uint16_t
 // (fp32, (B, H, Lq, D) contiguous) by atomics, so that no dQ kernel recomputes S and dP (5
 // products per tile pair instead of 7, FlashAttention-2's schedule).  dS goes through shared
 // memory (queries x keys, K-major, swizzled as the other tiles): both warpgroups' keys are the
-// product's K.
+// product's K.  p.dq_acc is (B, H, Lq, DP): rows DP = 128 wide whatever D.
 template <typename T, int DP, bool kCausal, bool kDq = false>
 __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const Params p) {
   static_assert(DP == 64 || DP == 128, "head-dim buckets of the wgmma kernels");
@@ -238,14 +238,16 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
     pin_registers(sa);
     if constexpr (kDq) {
       pin_registers(dq);
+      // p.dq_acc rows are DP wide (columns past D get zeros: K's are), so only rows need a test
+      // and each address is one of two row pointers plus a constant.
       const int h = hk * group + it / nm;
-      float* const dqh = p.dq_acc + static_cast<int64_t>(b * p.H + h) * p.Lq * p.D;
+      const int q0 = m0 + 16 * warp_in_wg + g;
+      float* const row0 = p.dq_acc + (static_cast<int64_t>(b * p.H + h) * p.Lq + q0) * DP + 64 * wg + 2 * t;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int qi = m0 + 16 * warp_in_wg + g + 8 * (e >> 1), col = 64 * wg + 8 * nt + 2 * t + (e & 1);
-          if (qi < p.Lq && col < p.D) atomicAdd(dqh + static_cast<int64_t>(qi) * p.D + col, dq[4 * nt + e]);
+          if (q0 + 8 * (e >> 1) < p.Lq) atomicAdd(row0 + 8 * (e >> 1) * DP + 8 * nt + (e & 1), dq[4 * nt + e]);
         }
       }
     }

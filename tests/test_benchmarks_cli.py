@@ -364,19 +364,22 @@ def test_model_rows_reach_the_caller_as_measured():
     os.path.isfile(os.path.join(d, "nvcc")) for d in os.environ.get("PATH", "").split(os.pathsep)),
     reason="needs nvcc and a CUDA build of torch")
 def test_wgmma_kernels_compile_without_spills(tmp_path):
-    """benchmarks/ptxas_wgmma.sh compiles the dense wgmma attention kernels for sm_90a; none
-    spills (a spill in their main loops costs local-memory traffic per tile: the run-to-run check
-    of a kernel change that only a GPU could time)."""
+    """benchmarks/ptxas_wgmma.sh compiles the dense wgmma attention kernels for sm_90a; none of
+    the default ones spills (a spill in their main loops costs local-memory traffic per tile:
+    the run-to-run check of a kernel change that only a GPU could time).  The opt-in dK / dV
+    with dQ by atomics (TRANSFORMER_FAST_CUDA_ATOMIC_DQ=1, not yet run on a GPU) at 255
+    registers may spill up to 8 bytes (a local load or two per tile; benchmarks/NOTES.md)."""
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(["bash", str(root / "benchmarks" / "ptxas_wgmma.sh"), str(tmp_path / "wg")],
                           capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [ln.split() for ln in proc.stdout.splitlines() if "_wgmma_dense_kernel" in ln]
-    assert len(rows) == 16, proc.stdout  # {fwd x kpm or not, dkdv, dq} x D {64, 128} x causal or not
+    # {fwd x kpm or not, dkdv, dq} x D {64, 128} x causal or not, and dkdv with dQ at D 128
+    assert len(rows) == 18, proc.stdout
     for row in rows:
         at = row.index("registers,")
         registers, spilled = int(row[at - 1]), int(row[at + 1])
-        assert 0 < registers <= 255 and spilled == 0, row
+        assert 0 < registers <= 255 and spilled <= (8 if "dq=1" in row else 0), row
 
 
 def test_graph_rows_can_be_named_alone():
