@@ -53,7 +53,7 @@ __device__ __forceinline__ void wgmma_group_64x64(float (&d)[32], const uint16_t
 
 // kDq (DP 128 only): the kernel also forms each tile's dQ share, dQ_part = dS K (64 queries x
 // 128 keys x the head dim: warpgroup w the head-dim columns 64w..), and adds it into p.dq_acc
-// (fp32, (B, H, Lq, D) contiguous) by atomics, so that no dQ kernel recomputes S and dP (5
+// (fp32, (B, H, Lq, 128) contiguous) by atomics, so that no dQ kernel recomputes S and dP (5
 // products per tile pair instead of 7, FlashAttention-2's schedule).  dS goes through shared
 // memory (queries x keys, K-major, swizzled as the other tiles): both warpgroups' keys are the
 // product's K.  p.dq_acc is (B, H, Lq, DP): rows DP = 128 wide whatever D.
@@ -82,7 +82,14 @@ __global__ void __launch_bounds__(kWdThreads, 1) dkdv_wgmma_dense_kernel(const P
   const int key_w = n0 + 64 * wg + 16 * warp_in_wg;  // this warp's first key
   const int key_a = key_w + g;                       // this thread's keys: key_a, key_a + 8
 
-  const int pad_bits = dkdv_pad_bits(p, b, key_a);  // key_padding_mask (attention_dense_dkdv.cuh)
+  int pad_bits = dkdv_pad_bits(p, b, key_a);  // key_padding_mask (attention_dense_dkdv.cuh)
+  if constexpr (kDq) {
+    // Keys past Lk (zero rows of K and V) feed dQ here: their P must be 0, not exp2(-lse), which
+    // overflows for rows of very negative scores (inf x a zero K row = NaN in dQ).  Without dQ
+    // they fed only dK / dV rows that are never stored.
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) pad_bits |= (key_a + 8 * rh >= p.Lk ? 1 : 0) << rh;
+  }
   if (p.kpm != nullptr) {
     if (__syncthreads_and(pad_bits == 3)) {  // CTA-uniform
       float zero[DP / 2] = {};
