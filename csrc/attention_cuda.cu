@@ -1052,6 +1052,14 @@ Wgmma wgmma_mode(const Tensor&) { return emulate_wgmma_forward ? Wgmma::kAll : W
 // wgmma: the dense dK / dV and dQ on dkdv_wgmma_dense_kernel / dq_wgmma_dense_kernel (the wgmma
 // forward's switch, sm_90a; not with an attn_mask).  kDense with a mask: the dense kernels, or where
 // they do not fit the generic ones (whose kDense forms drop the masks).
+// The dense dK / dV kernels (mma.sync and wgmma) store rows in pairs: 16-byte aligned input
+// rows, dK and dV rows whose element pairs are 4-byte aligned.
+bool dense_dkdv_fits(const Params& pkv) {
+  const auto even = [](int64_t x) { return x % 2 == 0; };
+  return pkv.vec16 && out_pairs_aligned(pkv) && reinterpret_cast<uintptr_t>(pkv.out2) % 4 == 0 &&
+         even(pkv.o2_sb) && even(pkv.o2_sh) && even(pkv.o2_sm);
+}
+
 template <typename T, int DP, bool kDense = false>
 void run_bwd(const Params& pkv, const Params& pq, bool wgmma = false) {
   // pkv.dq_acc set: the wgmma dK / dV kernel adds up dQ there, and no dQ kernel runs (the caller
@@ -1069,15 +1077,13 @@ void run_bwd(const Params& pkv, const Params& pq, bool wgmma = false) {
   const size_t kv_smem = (size_t{2} * kKvBN + size_t{4} * kKvBM) * (DP + kPad) * sizeof(uint16_t) +
                          size_t{4} * kKvBM * sizeof(float);
   if constexpr (kDense) {
-    const auto even = [](int64_t x) { return x % 2 == 0; };
-    const bool dv_pairs = reinterpret_cast<uintptr_t>(pkv.out2) % 4 == 0 && even(pkv.o2_sb) && even(pkv.o2_sh) &&
-                          even(pkv.o2_sm);
-    if (wgmma && pkv.vec16 && out_pairs_aligned(pkv) && dv_pairs) {  // attention_wgmma_dkdv.cuh
+    const bool dv_pairs = dense_dkdv_fits(pkv);
+    if (wgmma && dv_pairs) {  // attention_wgmma_dkdv.cuh
       const int64_t blocks = int64_t{pkv.B} * pkv.Hkv * ((pkv.Lk + kWkBN - 1) / kWkBN);
       constexpr size_t smem = wgmma_dkdv_smem_bytes<DP>();
       pkv.causal ? launch_threads(dkdv_wgmma_dense_kernel<T, DP, true>, blocks, kWdThreads, smem, pkv)
                  : launch_threads(dkdv_wgmma_dense_kernel<T, DP, false>, blocks, kWdThreads, smem, pkv);
-    } else if (pkv.vec16 && out_pairs_aligned(pkv) && dv_pairs) {  // dkdv_dense_kernel (attention_dense_dkdv.cuh)
+    } else if (dv_pairs) {  // dkdv_dense_kernel (attention_dense_dkdv.cuh)
       with_dense_instance(pkv, [&](auto causal, auto am) {
         launch(dkdv_dense_kernel<T, DP, decltype(causal)::value, decltype(am)::value>, kv_blocks, kv_smem, pkv);
       });
@@ -1249,9 +1255,7 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
     // dQ by atomics in the wgmma dK / dV kernel: where run_bwd takes that kernel, at head dims
     // 65-128, when switched on (atomic_dq_enabled).
     Tensor dq_acc;
-    if (wg && head_dim_bucket(p.D) == 128 && atomic_dq_enabled() && pkv.vec16 && out_pairs_aligned(pkv) &&
-        reinterpret_cast<uintptr_t>(pkv.out2) % 4 == 0 && pkv.o2_sb % 2 == 0 && pkv.o2_sh % 2 == 0 &&
-        pkv.o2_sm % 2 == 0) {
+    if (wg && head_dim_bucket(p.D) == 128 && atomic_dq_enabled() && dense_dkdv_fits(pkv)) {
       dq_acc = at::zeros({q.size(0), q.size(1), q.size(2), 128}, q.options().dtype(at::kFloat));
       pkv.dq_acc = dq_acc.mutable_data_ptr<float>();
     }
