@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -350,24 +351,38 @@ Tensor2 dact_with_dbias(const Tensor& g, const Tensor* aux, FfnAct act, const Dr
 // anyway.  The result is in a's dtype, or for fp16 with keep_fp32 the fp32 product itself.
 bool fp16_gemm(const Tensor& a) { return a.scalar_type() == at::kHalf; }
 
-// x @ w^T (+ bias) in fp32 through oneDNN (forward, and dgrad as dy @ (w^T)^T) (the mkldnn::_linear_pointwise op PyTorch registers
-// for inductor), or an undefined tensor where that does not apply.  Why: PyTorch's fp32 CPU
-// matmul is MKL, which runs AVX2 code on this AMD EPYC (0.16 TFLOP/s on 2 cores); oneDNN uses
-// its AVX-512 and took 4.9 ms against MKL's 13.4-15.5 ms at 1024 x 512 -> 2048.  But oneDNN
-// sums K in one sequential chain: 2.5x MKL's error there, past the oracle's 2x.  Chunks of
-// kOneDnnK along K added in fp32 measured 2.3e-5 against MKL's 4.8e-5 (6.6 ms).  Chunks are
-// contiguous copies: on strided views oneDNN fell to a path ~2000x slower (measured).  Small
-// GEMMs stay on MKL (a oneDNN call costs tens of microseconds); TRANSFORMER_FAST_CPU_NO_ONEDNN=1
-// turns the path off.
+// x @ w^T (+ bias) in fp32 through oneDNN (forward, and dgrad as dy @ (w^T)^T) (the
+// mkldnn::_linear_pointwise op PyTorch registers for inductor), or an undefined tensor where that
+// does not apply.  Why: PyTorch's fp32 CPU matmul is MKL, and MKL runs its AVX-512 code only on
+// Intel CPUs: on an AMD EPYC with AVX-512 it ran AVX2 code (0.16 TFLOP/s on 2 cores), and
+// oneDNN's AVX-512 linear took 4.9 ms against MKL's 13.4-15.5 ms at 1024 x 512 -> 2048.  On an
+// Intel Xeon MKL itself is the faster one (8.2 ms against 25 ms for the chunks below; the FFN
+// 18 ms on MKL against 39 ms on oneDNN, torch 23 ms), so the path is taken on AMD CPUs with
+// AVX-512 only (benchmarks/NOTES.md, FFN).  oneDNN sums K in one sequential chain: 2.5x MKL's
+// error there, past the oracle's 2x.  Chunks of kOneDnnK along K added in fp32 measured 2.3e-5
+// against MKL's 4.8e-5 (6.6 ms).  Chunks are contiguous copies: on strided views oneDNN fell to
+// a path ~2000x slower (measured).  Small GEMMs stay on MKL (a oneDNN call costs tens of
+// microseconds).  TRANSFORMER_FAST_CPU_ONEDNN=1 takes the path on any CPU, =0 (or the older
+// TRANSFORMER_FAST_CPU_NO_ONEDNN=1) on none.
 constexpr int64_t kOneDnnK = 64;
 constexpr double kOneDnnMinFlops = 1e8;
 
+bool onednn_gemm_wanted() {
+  const char* force = std::getenv("TRANSFORMER_FAST_CPU_ONEDNN");
+  if (force != nullptr && force[0] != '\0') return std::strcmp(force, "0") != 0;
+  if (std::getenv("TRANSFORMER_FAST_CPU_NO_ONEDNN") != nullptr) return false;
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool amd_avx512 = __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
+  return amd_avx512;
+#else
+  return false;
+#endif
+}
+
 const c10::OperatorHandle* onednn_linear_op() {
-  static const std::optional<c10::OperatorHandle> op = []() -> std::optional<c10::OperatorHandle> {
-    if (std::getenv("TRANSFORMER_FAST_CPU_NO_ONEDNN") != nullptr) return std::nullopt;
-    return c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
-  }();
-  return op.has_value() ? &*op : nullptr;
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+  return op.has_value() && onednn_gemm_wanted() ? &*op : nullptr;
 }
 
 Tensor onednn_linear_chunk(const c10::OperatorHandle& op, const Tensor& x, const Tensor& w,
@@ -384,13 +399,14 @@ Tensor onednn_linear_chunk(const c10::OperatorHandle& op, const Tensor& x, const
 }
 
 Tensor linear_onednn_fp32(const Tensor& x, const Tensor& w, const std::optional<Tensor>& bias) {
-  const c10::OperatorHandle* op = onednn_linear_op();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (op == nullptr || x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat ||
+  if (x.scalar_type() != at::kFloat || w.scalar_type() != at::kFloat ||
       (present(bias) && bias->scalar_type() != at::kFloat) ||
       2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K) < kOneDnnMinFlops) {
     return Tensor();
   }
+  const c10::OperatorHandle* op = onednn_linear_op();
+  if (op == nullptr) return Tensor();
   Tensor out;
   for (int64_t k0 = 0; k0 < K; k0 += kOneDnnK) {
     const int64_t kc = std::min(kOneDnnK, K - k0);

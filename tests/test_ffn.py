@@ -178,13 +178,63 @@ def test_oracle_full_grid(backend, dtype, activation, dropout_p):
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_oracle_cpu_onednn_gemm_chunks(activation):
+def test_oracle_cpu_onednn_gemm_chunks(activation, monkeypatch):
     """fp32 GEMMs of >= 1e8 FLOP go through oneDNN in chunks of 64 along K (ffn_cpu.cpp,
-    linear_onednn_fp32): K = 200 leaves a partial chunk, x is a transposed view."""
+    linear_onednn_fp32; by default on AMD CPUs with AVX-512 only, forced here): K = 200 leaves a
+    partial chunk, x is a transposed view."""
     device = require_backend("cpu")
+    monkeypatch.setenv("TRANSFORMER_FAST_CPU_ONEDNN", "1")
     x, w1, b1, w2, b2 = _make((300,), 200, 1000, 130, torch.float32, device)
     x = x.t().contiguous().t()  # same values, column-major
+    assert _onednn_calls(lambda: F.feed_forward(x, w1, b1, w2, b2, backend="cpu")) > 0
     check_feed_forward("cpu", x, w1, b1, w2, b2, activation, 0.2)
+
+
+def _onednn_calls(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "mkldnn::_linear_pointwise")
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@pytest.mark.parametrize("setting", ["default", "0", "1", "legacy_off"])
+def test_cpu_gemm_path_choice(setting, monkeypatch):
+    """MKL (torch's fp32 matmul) runs its AVX-512 code only on Intel CPUs: the large fp32 GEMMs
+    take oneDNN by default on AMD CPUs with AVX-512 and MKL elsewhere (on an Intel Xeon the oneDNN
+    chunks made the FFN 2.2x slower, benchmarks/NOTES.md); the switches override the default."""
+    require_backend("cpu")
+    monkeypatch.delenv("TRANSFORMER_FAST_CPU_ONEDNN", raising=False)
+    monkeypatch.delenv("TRANSFORMER_FAST_CPU_NO_ONEDNN", raising=False)
+    if setting in ("0", "1"):
+        monkeypatch.setenv("TRANSFORMER_FAST_CPU_ONEDNN", setting)
+    elif setting == "legacy_off":
+        monkeypatch.setenv("TRANSFORMER_FAST_CPU_NO_ONEDNN", "1")
+    x, w1, b1, w2, b2 = _make((300,), 200, 1000, 130, torch.float32, "cpu")  # 1.2e8 FLOP each
+    calls = _onednn_calls(lambda: F.feed_forward(x, w1, b1, w2, b2, backend="cpu"))
+    if setting == "default":
+        vendor = _cpu_vendor()
+        if vendor not in ("GenuineIntel", "AuthenticAMD"):
+            pytest.skip(f"CPU vendor {vendor!r}: no measured default")
+        with open("/proc/cpuinfo") as f:
+            avx512 = " avx512f" in f.read()
+        expected = vendor == "AuthenticAMD" and avx512
+        assert (calls > 0) == expected, (vendor, avx512, calls)
+    else:
+        assert (calls > 0) == (setting == "1"), calls
+    # Small GEMMs stay on MKL whatever the switch says.
+    monkeypatch.setenv("TRANSFORMER_FAST_CPU_ONEDNN", "1")
+    xs, w1s, b1s, w2s, b2s = _make((8,), 16, 32, 16, torch.float32, "cpu")
+    assert _onednn_calls(lambda: F.feed_forward(xs, w1s, b1s, w2s, b2s, backend="cpu")) == 0
 
 
 @pytest.mark.slow
