@@ -61,9 +61,11 @@
 // warp primitives emulated by threads and barriers (mma.sync by its documented fragment layout),
 // so that the kernels' indexing, masking and tiling run against the oracle without a GPU.
 #include <ATen/Context.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
 #ifndef TF_CUDA_EMULATE
 #include <c10/cuda/CUDAException.h>
@@ -1268,7 +1270,12 @@ Tensor3 attention_bwd_cuda(TF_ATTENTION_BWD_ARGS) {
       case 128: half ? run_bwd<__half, 128>(pkv, pq) : run_bwd<__nv_bfloat16, 128>(pkv, pq); break;
       default: half ? run_bwd<__half, 256>(pkv, pq) : run_bwd<__nv_bfloat16, 256>(pkv, pq); break;
     }
-    if (dq_acc.defined()) dq_.copy_(dq_acc.narrow(3, 0, p.D).mul_(static_cast<double>(p.scale)));
+    // One pass for the scale and the rounding to dq's dtype: the scale as a wrapped number (as
+    // Python passes one) keeps the product fp32, which mul_out then casts into dq_.
+    if (dq_acc.defined()) {
+      at::mul_out(dq_, dq_acc.narrow(3, 0, p.D),
+                  at::native::wrapped_scalar_tensor(c10::Scalar(static_cast<double>(p.scale))));
+    }
   }
   finish_output(dq, dq_);
   finish_output(dk, dk_);
