@@ -150,20 +150,32 @@ step pytest_gpu $NO_TUNE $PY -m pytest tests -m "gpu or triton" -q -p no:cachepr
 # mma.sync kernels (what other GPUs run) again with TRANSFORMER_FAST_CUDA_WGMMA=0; table to logs.txt.
 step verify_mma_sync $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=0 $PY -m transformer_fast verify \
     --op scaled_dot_product_attention --backend cuda
+# racecheck over our CUDA kernels alone (all in namespace transformer_fast; the filter matches a
+# substring of the kernel's name): unfiltered it also instruments every PyTorch kernel the cases
+# launch (randn, the finiteness checks), and runs 4 and 5 killed it at 50-60 s before its first
+# report.  Only where this compute-sanitizer has the option (checked, so an older one still runs).
+RACE_OURS=()
+if compute-sanitizer --help 2>/dev/null | grep -q -- '--kernel-name '; then
+    RACE_OURS=(--kernel-name kns=transformer_fast)
+fi
 for tool in memcheck racecheck initcheck synccheck; do
-    step "sanitizer_$tool" $NO_TUNE compute-sanitizer --tool "$tool" --error-exitcode 1 \
+    filter=()
+    [ "$tool" = racecheck ] && filter=("${RACE_OURS[@]}")
+    step "sanitizer_$tool" $NO_TUNE compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 1 \
         --target-processes all $PY benchmarks/sanitize_kernels.py --backend cuda --verbose
 done
 # The sdpa cases alone under racecheck (on a Hopper the wgmma kernels: the whole-backend racecheck
 # was killed at 50-60 s in runs 4 and 5 before reaching them); --verbose names each case as it
 # starts, so a step killed at its limit still shows how far it got.
-step sanitizer_sdpa_racecheck $NO_TUNE compute-sanitizer --tool racecheck --error-exitcode 1 \
+step sanitizer_sdpa_racecheck $NO_TUNE compute-sanitizer --tool racecheck "${RACE_OURS[@]}" --error-exitcode 1 \
     $PY benchmarks/sanitize_kernels.py --backend cuda --only sdpa --verbose
 # Where the GPU is a Hopper (the steps above ran its wgmma kernels): the sdpa cases again on the
 # mma.sync kernels (TRANSFORMER_FAST_CUDA_WGMMA=0; elsewhere a repeat of the steps above).
 for tool in memcheck racecheck initcheck; do
+    filter=()
+    [ "$tool" = racecheck ] && filter=("${RACE_OURS[@]}")
     step "sanitizer_mma_sync_$tool" $NO_TUNE env TRANSFORMER_FAST_CUDA_WGMMA=0 compute-sanitizer \
-        --tool "$tool" --error-exitcode 1 $PY benchmarks/sanitize_kernels.py --backend cuda --only sdpa
+        --tool "$tool" "${filter[@]}" --error-exitcode 1 $PY benchmarks/sanitize_kernels.py --backend cuda --only sdpa
 done
 # Triton: before the first sanitized run, the cases run once in 16 processes without the sanitizer
 # (sanitize_kernels.py --shard), so that every sanitized run loads its kernels from Triton's cache

@@ -125,3 +125,27 @@ def test_recheck_list_names_existing_tests():
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider",
                            *ids], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("has_filter", [True, False], ids=["kernel_name", "older_sanitizer"])
+def test_racecheck_checks_our_kernels_only(tmp_path, has_filter):
+    # Unfiltered, racecheck also instruments every PyTorch kernel the cases launch (runs 4 and 5
+    # killed it before its first report): where compute-sanitizer has --kernel-name, the racecheck
+    # steps pass a filter on our namespace, and only them; an older one runs them unfiltered.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    help_line = "  --kernel-name arg   filter" if has_filter else "  --tool arg   the tool"
+    fake = bin_dir / "compute-sanitizer"
+    fake.write_text(f"#!/usr/bin/env bash\n"
+                    f"if [ \"$1\" = --help ]; then echo '{help_line}'; exit 0; fi\n"
+                    f"echo \"$*\" >> '{calls}'\n")
+    fake.chmod(0o755)
+    steps = "sanitizer_memcheck sanitizer_racecheck sanitizer_sdpa_racecheck sanitizer_mma_sync_racecheck"
+    proc, summary, _ = _run_suite(tmp_path, steps, PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
+    assert all("rc=0" in line for line in summary.splitlines()), summary + proc.stdout[-2000:]
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 4, lines
+    for line in lines:
+        filtered = "--kernel-name kns=transformer_fast" in line
+        assert filtered == (has_filter and "--tool racecheck" in line), line
