@@ -58,6 +58,13 @@ def parse_args(argv=None):
             p.error(f"--providers: unknown {', '.join(unknown)}; expected names from {', '.join(known)}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1; got {args.threads}")
+    if args.output is not None:
+        # A folder, made if missing: refused before any work when a file is in the way.
+        existing = args.output.absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            p.error(f"--output {str(args.output)!r}: {str(existing)!r} is a file, not a folder")
     return args
 
 

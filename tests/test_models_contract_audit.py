@@ -262,6 +262,15 @@ def test_huge_temperature_and_huge_top_k_still_valid():
     (lambda m, s: sample(m, s, 4, top_k=2.0), TypeError, "top_k"),
     (lambda m, s: m(s, torch.full((2, 3), 19)), ValueError, "tgt_in"),
     (lambda m, s: m(s, torch.ones(3, 3, dtype=torch.long)), ValueError, "tgt_in"),
+    # the second audit: generator checked before any work; loss's targets named as loss names them
+    (lambda m, s: sample(m, s, 4, generator="not a generator"), TypeError, "generator"),
+    (lambda m, s: sample(m, s, 4, top_k=1, generator=3), TypeError, "generator"),
+    (lambda m, s: m.loss(s, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 2, dtype=torch.long)),
+     ValueError, "tgt_out"),
+    (lambda m, s: m.loss(s, torch.ones(2, 3, dtype=torch.long), torch.full((2, 3), 19)), ValueError, "tgt_out"),
+    (lambda m, s: m.loss(s, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3)), TypeError, "tgt_out"),
+    (lambda m, s: greedy_decode(m, s, torch.tensor(True)), TypeError, "max_len"),
+    (lambda m, s: greedy_decode(m, s, torch.tensor(2.0)), TypeError, "max_len"),
 ])
 def test_bad_arguments_name_the_argument(call, exc, match):
     model = small_model()
@@ -546,3 +555,17 @@ def test_small_argument_checks_name_the_argument():
         sinusoidal_positions(-1, 4)
     with pytest.raises(TypeError, match="d_model"):
         sinusoidal_positions(3, 4.0)
+
+
+@pytest.mark.parametrize("wrap", [int, lambda n: __import__("numpy").int64(n), torch.tensor],
+                         ids=["int", "numpy", "tensor"])
+def test_integer_like_lengths_are_taken_as_range_takes_them(wrap):
+    """max_len, beam_size and top_k accept any integer-like value (__index__: numpy integers,
+    one-element integer tensors), as range() and most torch APIs do."""
+    model = small_model()
+    src = torch.tensor([[5, 6, 7], [8, PAD, PAD]])
+    assert torch.equal(greedy_decode(model, src, wrap(4)), greedy_decode(model, src, 4))
+    assert torch.equal(beam_search(model, src, wrap(2), wrap(4)), beam_search(model, src, 2, 4))
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(sample(model, src, wrap(4), top_k=wrap(3), generator=g1),
+                       sample(model, src, 4, top_k=3, generator=g2))

@@ -723,3 +723,31 @@ def test_train_demo_bad_arguments(argv, name, capsys):
     err = capsys.readouterr().err
     # --held-out 0 may also be accepted (accuracy over no strings reported as such), not crash
     assert (code == 2 and name in err) or (name == "--held-out" and code == 0), (code, err[-300:])
+
+
+@pytest.mark.parametrize("which", ["verify_dir", "verify_under_file", "bench_file"])
+def test_output_paths_that_cannot_be_written_are_usage_errors(which, tmp_path, capsys):
+    """--output is checked before any work (the second audit: a directory given to verify failed
+    with IsADirectoryError after the whole run; a file given to benchmarks with FileExistsError)."""
+    from benchmarks.__main__ import main as bench_main
+    from transformer_fast.__main__ import main
+
+    a_file = tmp_path / "f.md"
+    a_file.write_text("")
+    with pytest.raises(SystemExit) as info:
+        if which == "verify_dir":
+            main(["verify", "--op", "masked_softmax", "--backend", "cpu", "--output", str(tmp_path)])
+        elif which == "verify_under_file":
+            main(["verify", "--op", "masked_softmax", "--backend", "cpu", "--output", str(a_file / "t.md")])
+        else:
+            bench_main(["--smoke", "--op", "masked_softmax", "--no-plots", "--output", str(a_file)])
+    assert info.value.code == 2
+    assert "--output" in capsys.readouterr().err
+
+
+def test_verify_jobs_must_not_be_negative(capsys):
+    from transformer_fast.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["verify", "--jobs", "-1"])
+    assert info.value.code == 2 and "--jobs" in capsys.readouterr().err

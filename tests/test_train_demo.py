@@ -101,3 +101,42 @@ def test_demo_schedule_is_the_paper_rate_then_a_linear_cooldown():
     assert rate(1000) == 0.0
     no_cool = demo.demo_schedule(demo_args(steps=1000, cooldown=0.0, d_model=64, warmup=200, lr_scale=0.5))
     assert no_cool(999) == pytest.approx(paper(999))
+
+
+def test_held_out_set_must_leave_strings_to_train_on():
+    """With every possible string held out no training string could ever be drawn (the second
+    audit: --symbols 3 --max-len 4 with the default --held-out 1000 hung): refused up front."""
+    task = demo.SyntheticTask("copy", symbols=3, min_len=3, max_len=4, seed=1)
+    assert task.possible == 3 ** 3 + 3 ** 4
+    with pytest.raises(ValueError, match="--held-out"):
+        task.make_held_out(1000, seed=2)
+    task.make_held_out(20, seed=2)
+    src, _ = task.train_batch(4, "cpu")
+    assert src.shape[0] == 4
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--symbols", "3", "--max-len", "4"], "--held-out"),
+    (["--cooldown", "2"], "--cooldown"),
+    (["--dropout", "1.5"], "--dropout"),
+    (["--warmup", "0"], "--warmup"),
+    (["--smoothing", "2"], "--smoothing"),
+    (["--lr-scale", "-1"], "--lr-scale"),
+    (["--nhead", "3"], "--nhead"),
+    (["--min-len", "5", "--max-len", "3"], "--min-len"),
+    (["--symbols", "1"], "--symbols"),
+    (["--threads", "0"], "--threads"),
+])
+def test_bad_option_values_are_usage_errors(argv, name, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train-demo", "--steps", "1", "--out", "", "--no-progress", *argv])
+    assert info.value.code == 2
+    assert name in capsys.readouterr().err
+
+
+def test_help_shows_defaults_but_not_none(capsys):
+    with pytest.raises(SystemExit):
+        main(["train-demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: reverse)" in text and "(default: 3)" in text  # --task, --min-len
+    assert "(default: None)" not in text

@@ -16,6 +16,16 @@ def _device_name(device: str) -> str:
     return f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def cmd_info(args) -> int:
     from . import __version__, backends
 
@@ -73,12 +83,16 @@ def cmd_verify(args) -> int:
     return 1 if failed else 0
 
 
-def cmd_train_demo(args) -> int:
+def cmd_train_demo(args, parser) -> int:
     from .models import demo
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("train-demo: --device cuda: no CUDA device visible to torch here", file=sys.stderr)
         return 2
+    try:
+        demo.check_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))  # exit status 2, as argparse's own errors
     return demo.main(args)
 
 
@@ -86,7 +100,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m transformer_fast")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, and which backends are available and why")
-    p = sub.add_parser("verify", help="check every op x backend x dtype against the float64 oracle")
+    p = verify_parser = sub.add_parser("verify", help="check every op x backend x dtype against the float64 oracle")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     from . import backends, verify
 
@@ -96,18 +110,35 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--output", help="also write the table as markdown to this file")
     p.add_argument("--seed", type=int, help="seed of the random inputs (default: a fresh one, printed)")
-    p.add_argument("--jobs", type=int, default=0,
+    p.add_argument("--jobs", type=_non_negative_int, default=0,
                    help="run the cases in this many processes (default: one per CPU core, at most "
                    "16, on CUDA, where compiling the Triton kernels dominates; 1 on the CPU)")
     from .models import demo
 
-    p = sub.add_parser("train-demo", help="train a small Seq2SeqTransformer on copy/reverse/sort "
-                       "and report held-out exact-match accuracy",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    demo.add_arguments(p)
+    demo_parser = sub.add_parser("train-demo", help="train a small Seq2SeqTransformer on copy/reverse/sort "
+                                 "and report held-out exact-match accuracy", formatter_class=demo.HelpFormatter)
+    demo.add_arguments(demo_parser)
     args = parser.parse_args(argv)
-    commands = {"info": cmd_info, "verify": cmd_verify, "train-demo": cmd_train_demo}
+    if args.command == "verify":
+        _check_output_path(verify_parser, args.output)
+    if args.command == "train-demo":
+        return cmd_train_demo(args, demo_parser)
+    commands = {"info": cmd_info, "verify": cmd_verify}
     return commands[args.command](args)
+
+
+def _check_output_path(parser, path) -> None:
+    """--output names a file to write: refused before any work if it is a directory or its
+    folder cannot be made (a file is in the way)."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        parser.error(f"--output {path!r} is a directory; expected a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if folder and not os.path.isdir(folder):
+        parser.error(f"--output {path!r}: {folder!r} is a file, not a folder")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 dtype, ValueError for a wrong shape or value, each naming the argument (DESIGN section 9)."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .. import _checks
@@ -10,9 +12,19 @@ INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 TOKEN_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding takes
 
 
+def _as_int(name: str, value: object, what: str) -> int:
+    """value as a Python int: an int or anything with __index__ (a numpy integer, a one-element
+    integer tensor), as range() takes it; bools are refused (True is not a length)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be {what}; got {type(value).__name__}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {what}; got {type(value).__name__}") from None
+
+
 def positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int; got {type(value).__name__}")
+    value = _as_int(name, value, "a positive int")
     if value < 1:
         raise ValueError(f"{name} must be a positive int; got {value}")
     return value
@@ -23,8 +35,7 @@ def integer(name: str, value: object, minimum: int | None = None) -> int:
     passes unchecked."""
     if isinstance(value, torch.SymInt):
         return value
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    value = _as_int(name, value, "an int")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}; got {value}")
     return value

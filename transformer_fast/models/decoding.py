@@ -417,7 +417,7 @@ def _generate(model, src, max_len, use_cache, pick, cuda_graph=False):
 def _check_decode_args(model, src, max_len):
     _validate.tokens("src", src, model.src_vocab_size, pad_id=model.pad_id,
                      device=model.generator.weight.device)
-    _validate.positive_int("max_len", max_len)
+    return _validate.positive_int("max_len", max_len)
 
 
 def greedy_decode(model, src: torch.Tensor, max_len: int, use_cache: bool = True, *,
@@ -432,7 +432,7 @@ def greedy_decode(model, src: torch.Tensor, max_len: int, use_cache: bool = True
     benchmarks/NOTES.md, fifth GPU run); off a GPU True runs the same static step eagerly.
     ``cuda_graph=False`` runs every step eagerly.
     """
-    _check_decode_args(model, src, max_len)
+    max_len = _check_decode_args(model, src, max_len)
     cuda_graph = _graph_default(cuda_graph, use_cache, src.device)
     with _inference(model, src.device):
         return _generate(model, src, max_len, use_cache, lambda logits: logits.argmax(dim=-1), cuda_graph)
@@ -444,12 +444,17 @@ def sample(model, src: torch.Tensor, max_len: int, temperature: float = 1.0, top
     """Ancestral sampling from softmax(logits / temperature), restricted to the top_k most
     likely tokens when top_k is given.  Same output layout as greedy_decode; ``generator``
     (on the model's device) makes it reproducible; ``cuda_graph`` as in greedy_decode."""
-    _check_decode_args(model, src, max_len)
+    max_len = _check_decode_args(model, src, max_len)
     cuda_graph = _graph_default(cuda_graph, use_cache, src.device)
     temperature = _validate.finite_float("temperature", temperature, positive=True)
     if top_k is not None:
-        _validate.positive_int("top_k", top_k)
-        top_k = min(top_k, model.tgt_vocab_size)
+        top_k = min(_validate.positive_int("top_k", top_k), model.tgt_vocab_size)
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+        if generator.device.type != src.device.type:
+            raise ValueError(f"generator must be on the model's device ({src.device.type}); "
+                             f"got a {generator.device.type} generator")
 
     def pick(logits):
         logits = logits.float()  # (N, V)
@@ -488,8 +493,8 @@ def beam_search(model, src: torch.Tensor, beam_size: int, max_len: int, length_p
     ``cuda_graph`` as in greedy_decode.
     Output layout as greedy_decode (eos kept, pad after it).
     """
-    _check_decode_args(model, src, max_len)
-    _validate.positive_int("beam_size", beam_size)
+    max_len = _check_decode_args(model, src, max_len)
+    beam_size = _validate.positive_int("beam_size", beam_size)
     length_penalty = _validate.finite_float("length_penalty", length_penalty)
     cuda_graph = _graph_default(cuda_graph, use_cache, src.device)
     with _inference(model, src.device):

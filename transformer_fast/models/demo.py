@@ -26,6 +26,11 @@ PAD, BOS, EOS = 0, 1, 2
 FIRST_SYMBOL = 3
 
 
+def possible_strings(symbols: int, min_len: int, max_len: int) -> int:
+    """How many distinct strings the task draws from."""
+    return sum(symbols ** n for n in range(min_len, max_len + 1))
+
+
 def _target(task: str, seq: list[int]) -> list[int]:
     if task == "copy":
         return list(seq)
@@ -46,6 +51,7 @@ class SyntheticTask:
             raise ValueError(f"need 1 <= min_len <= max_len; got {min_len}, {max_len}")
         self.task, self.symbols, self.min_len, self.max_len = task, symbols, min_len, max_len
         self.vocab_size = FIRST_SYMBOL + symbols
+        self.possible = possible_strings(symbols, min_len, max_len)
         self.generator = torch.Generator().manual_seed(seed)
         self.held_out: set[tuple[int, ...]] = set()
 
@@ -59,6 +65,12 @@ class SyntheticTask:
         return out
 
     def make_held_out(self, n: int, seed: int) -> list[list[int]]:
+        if n > self.possible // 2:
+            # Training draws only strings outside the held-out set: that set must leave most of
+            # them (with all of them held out, no training string could ever be drawn).
+            raise ValueError(f"--held-out {n} is more than half of the {self.possible} possible strings "
+                             f"(--symbols {self.symbols}, lengths {self.min_len}..{self.max_len}): "
+                             f"hold out fewer, or allow more symbols or longer strings")
         strings = self._strings(n, torch.Generator().manual_seed(seed))
         self.held_out = {tuple(s) for s in strings}
         return strings
@@ -150,33 +162,67 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except None (their help says what happens then)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", choices=TASKS, default="reverse")
+    """The train-demo options (the parser should use HelpFormatter)."""
+    p.add_argument("--task", choices=TASKS, default="reverse", help="what the model learns to output")
     p.add_argument("--steps", type=_positive_int, default=1200, help="training updates")
-    p.add_argument("--batch-size", type=_positive_int, default=64)
+    p.add_argument("--batch-size", type=_positive_int, default=64, help="strings per update")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where to train (default: cuda when present)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for training (CUDA)")
     p.add_argument("--out", default="train_demo_loss.png", help="loss-curve PNG path ('' for none)")
-    p.add_argument("--symbols", type=_positive_int, default=10, help="distinct tokens in the strings")
-    p.add_argument("--min-len", type=_positive_int, default=3)
-    p.add_argument("--max-len", type=_positive_int, default=10)
-    p.add_argument("--d-model", type=_positive_int, default=64)
-    p.add_argument("--nhead", type=_positive_int, default=4)
+    p.add_argument("--symbols", type=_positive_int, default=10, help="distinct tokens in the strings (>= 2)")
+    p.add_argument("--min-len", type=_positive_int, default=3, help="shortest string")
+    p.add_argument("--max-len", type=_positive_int, default=10, help="longest string")
+    p.add_argument("--d-model", type=_positive_int, default=64, help="model width")
+    p.add_argument("--nhead", type=_positive_int, default=4, help="attention heads (dividing --d-model)")
     p.add_argument("--layers", type=_positive_int, default=2, help="encoder and decoder layers each")
     p.add_argument("--ffn", type=_positive_int, default=256, help="dim_feedforward")
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--warmup", type=int, default=200, help="warm-up steps of the paper's schedule")
-    p.add_argument("--lr-scale", type=float, default=0.5, help="multiplies the paper's rate")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability, in [0, 1)")
+    p.add_argument("--warmup", type=_positive_int, default=200, help="warm-up steps of the paper's schedule")
+    p.add_argument("--lr-scale", type=float, default=0.5, help="multiplies the paper's rate (> 0)")
     p.add_argument("--cooldown", type=float, default=0.4,
                    help="fraction of the steps at the end with the rate decaying linearly to 0")
-    p.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
-    p.add_argument("--held-out", type=_positive_int, default=1000, help="held-out strings for the accuracy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--smoothing", type=float, default=0.1, help="label smoothing, in [0, 1]")
+    p.add_argument("--held-out", type=_positive_int, default=1000,
+                   help="held-out strings for the accuracy (at most half of the possible strings)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
+    p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads (default on CPU: 1: the demo's matrices are small, "
                         "and on a busy 2-core machine 2 threads were several times slower)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every option's range and the options' combinations, before anything runs: a ValueError
+    naming the option (the command line reports it as a usage error, exit status 2)."""
+    if not 0.0 <= args.cooldown <= 1.0:
+        raise ValueError(f"--cooldown must be in [0, 1]; got {args.cooldown}")
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"--dropout must be in [0, 1); got {args.dropout}")
+    if not 0.0 <= args.smoothing <= 1.0:
+        raise ValueError(f"--smoothing must be in [0, 1]; got {args.smoothing}")
+    if not (math.isfinite(args.lr_scale) and args.lr_scale > 0.0):
+        raise ValueError(f"--lr-scale must be a finite number > 0; got {args.lr_scale}")
+    if args.d_model % args.nhead:
+        raise ValueError(f"--d-model ({args.d_model}) must be divisible by --nhead ({args.nhead})")
+    if args.symbols < 2:
+        raise ValueError(f"--symbols must be >= 2; got {args.symbols}")
+    if args.min_len > args.max_len:
+        raise ValueError(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
+    possible = possible_strings(args.symbols, args.min_len, args.max_len)
+    if args.held_out > possible // 2:
+        raise ValueError(f"--held-out {args.held_out} is more than half of the {possible} possible "
+                         f"strings (--symbols {args.symbols}, lengths {args.min_len}..{args.max_len})")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -198,8 +244,7 @@ def _run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1; got {args.steps}")
-    if not 0.0 <= args.cooldown <= 1.0:
-        raise ValueError(f"--cooldown must be in [0, 1]; got {args.cooldown}")
+    check_args(args)
     torch.manual_seed(args.seed)
     task = SyntheticTask(args.task, args.symbols, args.min_len, args.max_len, seed=args.seed + 1)
     held_out = task.make_held_out(args.held_out, seed=args.seed + 2)

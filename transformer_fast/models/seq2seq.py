@@ -148,6 +148,12 @@ class Seq2SeqTransformer(nn.Module):
         tgt_out, smoothing, ignore_index=pad_id, reduction)``, with the pre-softmax projection
         fused into the loss (fused_loss.py): the (B, T, V) logits are never all in
         memory.  The generator's own forward (and any hook on it) is not called."""
+        # The targets are checked here, under their own names, before any work.
+        _validate.tokens("tgt_in", tgt_in, self.tgt_vocab_size, device=self._device())
+        _validate.tokens("tgt_out", tgt_out, self.tgt_vocab_size, device=self._device())
+        if tgt_out.shape != tgt_in.shape:
+            raise ValueError(f"tgt_out must have tgt_in's shape {tuple(tgt_in.shape)} (one target per "
+                             f"input position); got {tuple(tgt_out.shape)}")
         memory, src_padding = self.encode(src)
         h = self.decoder_states(tgt_in, memory, src_padding)  # (B, T, d)
         return linear_cross_entropy(h, self.generator.weight, tgt_out, self.generator.bias, smoothing,
