@@ -362,6 +362,11 @@ def recording_resolutions():
         _recording.lists.pop()
 
 
+def recording() -> bool:
+    """Whether a recording_resolutions is open (on this thread)."""
+    return bool(_recording.lists)
+
+
 def resolve(op: str, backend: str | None, inputs: Mapping[str, object]) -> str:
     """The concrete backend that will run ``op`` on ``inputs``."""
     name = _resolve(op, backend, inputs)

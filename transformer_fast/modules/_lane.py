@@ -195,8 +195,10 @@ def signature(layer, tensors, flags) -> tuple | None:
 
 
 def plan(layer, key):
-    """The recorded Lane for ``key``, or None."""
-    if key is None:
+    """The recorded Lane for ``key``, or None.  None also while an enclosing module records its
+    own call: a replay resolves nothing, so the enclosing record would miss this module's ops
+    (and its own replay would then fail); the checked call records them for both."""
+    if key is None or backends.recording():
         return None
     plans = _PLANS.get(layer)
     if plans is None:

@@ -33,6 +33,7 @@ Host time: a call with a signature seen before replays the checked call's backen
 C++ op (modules/_native.py).
 """
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -146,6 +147,16 @@ class _FusedFFN:
         if not all(_norm_fusable(n, x) for n in norms):
             return False
         return not (check_hooks and sem.has_hooks(self))
+
+
+def _plain_parts(layer, base, blocks, attentions) -> bool:
+    """The fused path computes ``base``'s blocks itself and, replayed, runs each attention's
+    computation without its forward: a subclass that overrides a block, or an attention module
+    that is not exactly ours (torch's, a subclass with its own forward), goes through the
+    blocks and the modules' forwards, as torch's layers do."""
+    cls = type(layer)
+    return (all(getattr(cls, name) is getattr(base, name) for name in blocks)
+            and all(type(a) is MultiheadAttention for a in attentions))
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,7 +283,7 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         return x
 
     def _can_fuse(self, x, check_hooks=True) -> bool:
-        return self._fusable(
+        return _plain_parts(self, TransformerEncoderLayer, ("_sa_block", "_ff_block"), (self.self_attn,)) and self._fusable(
             x, (self.norm1, self.norm2), (self.dropout, self.dropout1, self.dropout2), check_hooks
         )
 
@@ -402,6 +413,9 @@ class TransformerDecoderLayer(_FusedFFN, Module):
         return x
 
     def _can_fuse(self, x, check_hooks=True) -> bool:
+        if not _plain_parts(self, TransformerDecoderLayer, ("_sa_block", "_mha_block", "_ff_block"),
+                            (self.self_attn, self.multihead_attn)):
+            return False
         return self._fusable(
             x, (self.norm1, self.norm2, self.norm3),
             (self.dropout, self.dropout1, self.dropout2, self.dropout3), check_hooks,
@@ -506,14 +520,33 @@ def _chained(stack, layer_cls, inputs, flags, chain):
 
 
 def _nested_tensor_capable(layer) -> bool:
-    """torch.nn.TransformerEncoder's conditions for its NestedTensor fast path (without its
-    warning: that path is torch's, ours never takes it)."""
+    """torch.nn.TransformerEncoder's conditions for its NestedTensor fast path (that path is
+    torch's; ours runs such batches padded, _nested_padding)."""
+    return not _why_not_nested_tensor(layer)
+
+
+def _why_not_nested_tensor(layer) -> str:
+    """Why torch.nn.TransformerEncoder's constructor turns use_nested_tensor off for this layer,
+    in its words ("" when it does not); our layer counts as its TransformerEncoderLayer."""
+    name = "encoder_layer"
     if not isinstance(layer, (TransformerEncoderLayer, torch.nn.TransformerEncoderLayer)):
-        return False
+        return f"{name} was not TransformerEncoderLayer"
     attn = layer.self_attn
-    return bool(not layer.norm_first and attn.batch_first and attn._qkv_same_embed_dim
-                and attn.in_proj_bias is not None and layer.activation_relu_or_gelu
-                and layer.norm1.eps == layer.norm2.eps and attn.num_heads % 2 == 0)
+    if layer.norm_first:
+        return f"{name}.norm_first was True"
+    if not attn.batch_first:
+        return f"{name}.self_attn.batch_first was not True(use batch_first for better inference performance)"
+    if not attn._qkv_same_embed_dim:
+        return f"{name}.self_attn._qkv_same_embed_dim was not True"
+    if attn.in_proj_bias is None:
+        return f"{name}.self_attn was passed bias=False"
+    if not layer.activation_relu_or_gelu:
+        return f"{name}.activation_relu_or_gelu was not True"
+    if layer.norm1.eps != layer.norm2.eps:
+        return f"{name}.norm1.eps was not equal to {name}.norm2.eps"
+    if attn.num_heads % 2 == 1:
+        return f"{name}.self_attn.num_heads is odd"
+    return ""
 
 
 def _fast_path_tensors_ok(layer, src) -> bool:
@@ -580,7 +613,14 @@ class TransformerEncoder(Module):
         # torch would run a padded batch as a NestedTensor, ours runs it padded through the
         # kernels' key padding mask and gives the padded positions the values torch gives them.
         self.enable_nested_tensor = enable_nested_tensor
-        self.use_nested_tensor = enable_nested_tensor and _nested_tensor_capable(encoder_layer)
+        self.use_nested_tensor = enable_nested_tensor
+        why_not = _why_not_nested_tensor(encoder_layer)
+        if enable_nested_tensor and why_not:
+            warnings.warn(  # torch's warning, word for word
+                f"enable_nested_tensor is True, but self.use_nested_tensor is False because {why_not}",
+                stacklevel=2,
+            )
+            self.use_nested_tensor = False
         self.mask_check = mask_check
 
     def forward(
