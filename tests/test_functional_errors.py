@@ -16,7 +16,7 @@ Q, K, V = qkv()
 META = torch.device("meta")
 
 SDPA_BAD = {
-    "query rank": (dict(query=torch.randn(5, 16)), ValueError, "query"),
+    "query rank": (dict(query=torch.randn(16)), ValueError, "query"),  # (2-D broadcasts, as torch)
     "query not a tensor": (dict(query=[[1.0]]), TypeError, "query"),
     "key rank": (dict(key=torch.randn(2, 4, 7, 16, 1)), ValueError, "key"),
     "int query": (dict(query=torch.ones(2, 4, 5, 16, dtype=torch.int64)), TypeError, "query"),

@@ -152,8 +152,9 @@ CASES = [
            ValueError, "batch"),
     raises("sdpa-gqa-not-dividing", SDPA, sdpa(lambda: qkv(h=3, hkv=2), enable_gqa=True), ValueError, "head"),
     raises("sdpa-gqa-without-flag", SDPA, sdpa(lambda: qkv(h=4, hkv=2)), ValueError, "enable_gqa"),
-    # (L, D) query, key and value run (as torch's); a 2-D query with 4-D keys does not
-    raises("sdpa-rank-2-query", SDPA, sdpa_with(lambda q, k, v: ((q[0, 0], k, v), {})), ValueError, "query"),
+    # (L, D) query, key and value run, and a 2-D query broadcasts against 4-D keys (as torch's,
+    # tests/test_functional_audit2.py); a 1-D query does not
+    raises("sdpa-rank-1-query-4d-keys", SDPA, sdpa_with(lambda q, k, v: ((q[0, 0, 0], k, v), {})), ValueError, "query"),
     raises("sdpa-rank-1-query", SDPA, sdpa_with(lambda q, k, v: ((q[0, 0, 0], k[0, 0, 0], v[0, 0, 0]), {})), ValueError, "query"),
     raises("sdpa-int-mask", SDPA, sdpa(attn_mask=torch.ones(5, 7, dtype=torch.int32)), TypeError, "attn_mask"),
     raises("sdpa-mask-wrong-shape", SDPA, sdpa(attn_mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, "attn_mask"),

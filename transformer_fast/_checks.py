@@ -41,6 +41,10 @@ def _real(value: object) -> float | None:
     if isinstance(value, numbers.Real):
         return float(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        if value.requires_grad:
+            # float() would detach it: a learned scale would silently get no gradient (torch's
+            # own float arguments refuse a tensor outright).
+            return None
         return float(value)
     return None
 

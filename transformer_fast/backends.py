@@ -260,6 +260,12 @@ def not_supported_reasons(backend: str, op: str, inputs: Mapping[str, object]) -
     checks = _SUPPORT.get(op, {})
     if backend not in checks:
         return [f"{op} has no {backend} implementation yet"]
+    if backend not in ("reference", "torch"):
+        # The kernels read strided memory: a NestedTensor (or a sparse tensor) goes to torch's ops.
+        odd = sorted({name for name, t in inputs.items() if isinstance(t, torch.Tensor)
+                      and (t.is_nested or t.layout is not torch.strided)})
+        if odd:
+            return [f"{backend} takes strided tensors only; {', '.join(odd)} is nested or sparse"]
     try:
         return list(checks[backend](inputs))
     except KeyError as exc:  # a partial mapping (the ops pass every input; a caller may not)

@@ -143,6 +143,21 @@ def _zero_dead_rows_softmax(x):
     return probs.masked_fill(dead, 0.0)
 
 
+def _autocast(*tensors):
+    """torch's autocast runs SDPA and linear in its lower-precision dtype, casting their floating
+    inputs (float64 excepted) to it: the same cast here, before any backend, so that every
+    backend computes what torch computes under autocast (the fused kernels do not see
+    autocast themselves)."""
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    device_type = None if first is None else first.device.type
+    if (device_type is None or not torch.amp.is_autocast_available(device_type)
+            or not torch.is_autocast_enabled(device_type)):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.dtype not in (dtype, torch.float64) else t for t in tensors)
+
+
 # ---- scaled_dot_product_attention
 
 
@@ -524,6 +539,19 @@ def scaled_dot_product_attention(
             query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale,
             enable_gqa, key_padding_mask=key_padding_mask, backend=backend,
         )[0]
+    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if isinstance(t, torch.Tensor) and t.dim() < 2:
+            raise ArgumentValueError(f"{name} must have at least 2 dimensions ((..., L, D), as torch's "
+                                     f"SDPA takes); got shape {tuple(t.shape)}")
+    if (all(isinstance(t, torch.Tensor) for t in (query, key, value))
+            and min(t.dim() for t in (query, key, value)) == 2 < max(t.dim() for t in (query, key, value))):
+        # A 2-D (L, D) operand beside batched ones: torch broadcasts it over their leading dims.
+        query, key, value = (t[None] if t.dim() == 2 else t for t in (query, key, value))
+    if (isinstance(query, torch.Tensor) and query.dim() == 3 and isinstance(attn_mask, torch.Tensor)
+            and attn_mask.dim() == 4 and attn_mask.shape[0] == 1):
+        # torch also takes, for 3-D inputs, a mask one rank higher with a leading 1.
+        attn_mask = attn_mask[0]
     if (enable_gqa is True and key_padding_mask is None
             and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (query, key, value))):
         # torch reads dim -3 of 3-D inputs as the heads under enable_gqa: one batch of heads.
@@ -892,6 +920,7 @@ def feed_forward(x, w1, b1, w2, b2, *, activation="relu", dropout_p=0.0, backend
     Returns:
         (..., d_out) in x's dtype.
     """
+    x, w1, b1, w2, b2 = _autocast(x, w1, b1, w2, b2)
     _checks.tensor("x", x, min_ndim=1)
     _checks.tensor("w1", w1, ndim=2)
     _checks.optional_tensor("b1", b1, ndim=1)
@@ -951,6 +980,7 @@ def linear_bias_act(x, w, b=None, *, activation=None, dropout_p=0.0, backend=Non
     Raises:
         TypeError / ValueError naming the argument for any malformed input, before computing.
     """
+    x, w, b = _autocast(x, w, b)
     _checks.tensor("x", x, min_ndim=1)
     _check_linear("x", x, "w", w, "b", b)
     _checks.same_dtype(x=x, w=w, b=b)
