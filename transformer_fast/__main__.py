@@ -16,16 +16,6 @@ def _device_name(device: str) -> str:
     return f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def cmd_info(args) -> int:
     from . import __version__, backends
 
@@ -103,6 +93,7 @@ def main(argv=None) -> int:
     p = verify_parser = sub.add_parser("verify", help="check every op x backend x dtype against the float64 oracle")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     from . import backends, verify
+    from .models import demo
 
     p.add_argument("--op", action="append", choices=list(verify.CASES), help="only this op (repeatable)")
     p.add_argument("--backend", action="append", choices=list(backends.BACKENDS),
@@ -110,11 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--output", help="also write the table as markdown to this file")
     p.add_argument("--seed", type=int, help="seed of the random inputs (default: a fresh one, printed)")
-    p.add_argument("--jobs", type=_non_negative_int, default=0,
+    p.add_argument("--jobs", type=demo.int_at_least(0), default=0,
                    help="run the cases in this many processes (default: one per CPU core, at most "
                    "16, on CUDA, where compiling the Triton kernels dominates; 1 on the CPU)")
-    from .models import demo
-
     demo_parser = sub.add_parser("train-demo", help="train a small Seq2SeqTransformer on copy/reverse/sort "
                                  "and report held-out exact-match accuracy", formatter_class=demo.HelpFormatter)
     demo.add_arguments(demo_parser)

@@ -151,15 +151,20 @@ def demo_schedule(args: argparse.Namespace):
     return rate
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse names the option in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(minimum: int):
+    """argparse type: an int >= minimum (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = int_at_least(1)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
