@@ -569,3 +569,14 @@ def test_integer_like_lengths_are_taken_as_range_takes_them(wrap):
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert torch.equal(sample(model, src, wrap(4), top_k=wrap(3), generator=g1),
                        sample(model, src, 4, top_k=3, generator=g2))
+
+
+def test_integer_like_constructor_sizes():
+    np = pytest.importorskip("numpy")
+    model = Seq2SeqTransformer(np.int64(20), np.int64(20), d_model=np.int64(16), nhead=np.int64(2),
+                               num_encoder_layers=np.int64(1), num_decoder_layers=torch.tensor(1),
+                               dim_feedforward=np.int64(32))
+    assert model.greedy_decode(torch.tensor([[5, 6, 7]]), 4).shape[0] == 1
+    clf = TransformerClassifier(np.int64(20), np.int64(3), d_model=np.int64(16), nhead=np.int64(2),
+                                num_layers=np.int64(1), dim_feedforward=np.int64(32))
+    assert clf(torch.tensor([[5, 6, 7]])).shape == (1, 3)

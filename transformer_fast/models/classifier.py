@@ -28,10 +28,10 @@ class TransformerClassifier(nn.Module):
                  dim_feedforward=2048, dropout=0.1, pad_id=0, pooling="mean", *,
                  activation="relu", norm_first=False):
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("num_classes", num_classes),
-                            ("d_model", d_model), ("nhead", nhead), ("num_layers", num_layers),
-                            ("dim_feedforward", dim_feedforward)):
-            _validate.positive_int(name, value)
+        vocab_size, num_classes, d_model, nhead, num_layers, dim_feedforward = (
+            _validate.positive_int(name, value) for name, value in (
+                ("vocab_size", vocab_size), ("num_classes", num_classes), ("d_model", d_model),
+                ("nhead", nhead), ("num_layers", num_layers), ("dim_feedforward", dim_feedforward)))
         if d_model % nhead:
             raise ValueError(f"d_model ({d_model}) must be divisible by nhead ({nhead})")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:

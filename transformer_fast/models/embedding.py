@@ -17,7 +17,7 @@ def sinusoidal_positions(length: int, d_model: int, *, offset: int = 0, device=N
     Computed in float64 (exact enough for positions far past any training length), then cast.
     """
     for name, value, low in (("length", length, 0), ("d_model", d_model, 1), ("offset", offset, 0)):
-        _validate.integer(name, value, low)
+        _validate.integer(name, value, low)  # (arange and the division take integer-likes)
     pos = torch.arange(offset, offset + length, dtype=torch.float64, device=device).unsqueeze(1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=device)  # (ceil(d/2),)
     angle = pos / torch.pow(10000.0, two_i / d_model)  # (length, ceil(d/2))

@@ -47,12 +47,13 @@ class Seq2SeqTransformer(nn.Module):
                  num_decoder_layers=6, dim_feedforward=2048, dropout=0.1, pad_id=0, bos_id=1,
                  eos_id=2, share_embeddings=False, *, activation="relu", norm_first=False):
         super().__init__()
-        for name, value in (("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size),
-                            ("d_model", d_model), ("nhead", nhead),
-                            ("num_encoder_layers", num_encoder_layers),
-                            ("num_decoder_layers", num_decoder_layers),
-                            ("dim_feedforward", dim_feedforward)):
-            _validate.positive_int(name, value)
+        # (integer-like values, a numpy integer say, become ints: the layers take ints)
+        (src_vocab_size, tgt_vocab_size, d_model, nhead, num_encoder_layers, num_decoder_layers,
+         dim_feedforward) = (
+            _validate.positive_int(name, value) for name, value in (
+                ("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size),
+                ("d_model", d_model), ("nhead", nhead), ("num_encoder_layers", num_encoder_layers),
+                ("num_decoder_layers", num_decoder_layers), ("dim_feedforward", dim_feedforward)))
         if d_model % nhead:
             raise ValueError(f"d_model ({d_model}) must be divisible by nhead ({nhead})")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:

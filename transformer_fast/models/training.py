@@ -28,7 +28,7 @@ def check_targets(target, shape: tuple, vocab: int, smoothing, ignore_index, red
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
     if ignore_index is not None:
-        _validate.integer("ignore_index", ignore_index)
+        ignore_index = _validate.integer("ignore_index", ignore_index)
     keep = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
     safe_target = torch.where(keep, target, torch.zeros_like(target)).long()
     if _checks.host_checks_enabled(target.device) and bool(keep.any()):
@@ -87,8 +87,8 @@ def warmup_lr_lambda(d_model: int, warmup_steps: int = 4000, scale: float = 1.0)
     """The paper's rate as a function of the 0-based scheduler step s (update s + 1):
     ``scale * d_model**-0.5 * min((s + 1)**-0.5, (s + 1) * warmup_steps**-1.5)`` -- linear
     warm-up for warmup_steps updates, then inverse square root decay."""
-    _validate.positive_int("d_model", d_model)
-    _validate.positive_int("warmup_steps", warmup_steps)
+    d_model = _validate.positive_int("d_model", d_model)
+    warmup_steps = _validate.positive_int("warmup_steps", warmup_steps)
     scale = _validate.finite_float("scale", scale, positive=True)
 
     def rate(step: int) -> float:
