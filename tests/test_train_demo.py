@@ -107,7 +107,7 @@ def test_held_out_set_must_leave_strings_to_train_on():
     """With every possible string held out no training string could ever be drawn (the second
     audit: --symbols 3 --max-len 4 with the default --held-out 1000 hung): refused up front."""
     task = demo.SyntheticTask("copy", symbols=3, min_len=3, max_len=4, seed=1)
-    assert task.possible == 3 ** 3 + 3 ** 4
+    assert demo.possible_strings(3, 3, 4) == 3 ** 3 + 3 ** 4
     with pytest.raises(ValueError, match="--held-out"):
         task.make_held_out(1000, seed=2)
     task.make_held_out(20, seed=2)

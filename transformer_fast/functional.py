@@ -148,10 +148,13 @@ def _autocast(*tensors):
     inputs (float64 excepted) to it: the same cast here, before any backend, so that every
     backend computes what torch computes under autocast (the fused kernels do not see
     autocast themselves)."""
-    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
-    device_type = None if first is None else first.device.type
-    if (device_type is None or not torch.amp.is_autocast_available(device_type)
-            or not torch.is_autocast_enabled(device_type)):
+    first = tensors[0]  # (the callers' main input; checked later, maybe not a tensor)
+    if not isinstance(first, torch.Tensor):
+        return tensors
+    device_type = first.device.type
+    if device_type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device_type):
+        return tensors  # (meta tensors and the like: no autocast state to read)
+    if not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()

@@ -31,6 +31,16 @@ def possible_strings(symbols: int, min_len: int, max_len: int) -> int:
     return sum(symbols ** n for n in range(min_len, max_len + 1))
 
 
+def check_held_out(n: int, symbols: int, min_len: int, max_len: int) -> None:
+    """Training draws only strings outside the held-out set: that set must leave most of them
+    (with all of them held out, no training string could ever be drawn)."""
+    possible = possible_strings(symbols, min_len, max_len)
+    if n > possible // 2:
+        raise ValueError(f"--held-out {n} is more than half of the {possible} possible strings "
+                         f"(--symbols {symbols}, lengths {min_len}..{max_len}): hold out fewer, "
+                         f"or allow more symbols or longer strings")
+
+
 def _target(task: str, seq: list[int]) -> list[int]:
     if task == "copy":
         return list(seq)
@@ -51,7 +61,6 @@ class SyntheticTask:
             raise ValueError(f"need 1 <= min_len <= max_len; got {min_len}, {max_len}")
         self.task, self.symbols, self.min_len, self.max_len = task, symbols, min_len, max_len
         self.vocab_size = FIRST_SYMBOL + symbols
-        self.possible = possible_strings(symbols, min_len, max_len)
         self.generator = torch.Generator().manual_seed(seed)
         self.held_out: set[tuple[int, ...]] = set()
 
@@ -65,12 +74,7 @@ class SyntheticTask:
         return out
 
     def make_held_out(self, n: int, seed: int) -> list[list[int]]:
-        if n > self.possible // 2:
-            # Training draws only strings outside the held-out set: that set must leave most of
-            # them (with all of them held out, no training string could ever be drawn).
-            raise ValueError(f"--held-out {n} is more than half of the {self.possible} possible strings "
-                             f"(--symbols {self.symbols}, lengths {self.min_len}..{self.max_len}): "
-                             f"hold out fewer, or allow more symbols or longer strings")
+        check_held_out(n, self.symbols, self.min_len, self.max_len)
         strings = self._strings(n, torch.Generator().manual_seed(seed))
         self.held_out = {tuple(s) for s in strings}
         return strings
@@ -224,10 +228,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--symbols must be >= 2; got {args.symbols}")
     if args.min_len > args.max_len:
         raise ValueError(f"--min-len ({args.min_len}) must be <= --max-len ({args.max_len})")
-    possible = possible_strings(args.symbols, args.min_len, args.max_len)
-    if args.held_out > possible // 2:
-        raise ValueError(f"--held-out {args.held_out} is more than half of the {possible} possible "
-                         f"strings (--symbols {args.symbols}, lengths {args.min_len}..{args.max_len})")
+    check_held_out(args.held_out, args.symbols, args.min_len, args.max_len)
 
 
 def run(args: argparse.Namespace) -> dict:

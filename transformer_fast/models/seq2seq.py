@@ -149,10 +149,10 @@ class Seq2SeqTransformer(nn.Module):
         tgt_out, smoothing, ignore_index=pad_id, reduction)``, with the pre-softmax projection
         fused into the loss (fused_loss.py): the (B, T, V) logits are never all in
         memory.  The generator's own forward (and any hook on it) is not called."""
-        # The targets are checked here, under their own names, before any work.
-        _validate.tokens("tgt_in", tgt_in, self.tgt_vocab_size, device=self._device())
+        # tgt_out is checked here, under its own name, before any work (decoder_states checks
+        # tgt_in, as forward's decode does).
         _validate.tokens("tgt_out", tgt_out, self.tgt_vocab_size, device=self._device())
-        if tgt_out.shape != tgt_in.shape:
+        if isinstance(tgt_in, torch.Tensor) and tgt_out.shape != tgt_in.shape:
             raise ValueError(f"tgt_out must have tgt_in's shape {tuple(tgt_in.shape)} (one target per "
                              f"input position); got {tuple(tgt_out.shape)}")
         memory, src_padding = self.encode(src)

@@ -283,7 +283,9 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         return x
 
     def _can_fuse(self, x, check_hooks=True) -> bool:
-        return _plain_parts(self, TransformerEncoderLayer, ("_sa_block", "_ff_block"), (self.self_attn,)) and self._fusable(
+        if not _plain_parts(self, TransformerEncoderLayer, ("_sa_block", "_ff_block"), (self.self_attn,)):
+            return False
+        return self._fusable(
             x, (self.norm1, self.norm2), (self.dropout, self.dropout1, self.dropout2), check_hooks
         )
 
