@@ -17,9 +17,9 @@ from pathlib import Path
 
 # Kept here (ops.OPS + models.MODEL_OPS; a test checks) so that --help and argument errors
 # answer before torch is imported.
+MODEL_OPS = ("encoder_layer", "decoder_layer", "inference", "train_step", "greedy_decode")
 ALL_OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
-           "add_layer_norm", "feed_forward", "encoder_layer", "decoder_layer", "inference",
-           "train_step", "greedy_decode")
+           "add_layer_norm", "feed_forward") + MODEL_OPS
 PROVIDERS = ("reference", "torch", "torch.compile", "triton", "triton.dq_kernel", "cuda", "cuda.mma_sync", "cpu")
 
 
@@ -56,6 +56,12 @@ def parse_args(argv=None):
         unknown = [n for n in args.providers.split(",") if n.strip() and n.strip() not in known]
         if unknown:
             p.error(f"--providers: unknown {', '.join(unknown)}; expected names from {', '.join(known)}")
+        if "all" not in args.op and not set(args.op) & set(MODEL_OPS):
+            # The end-to-end names (torch.nn, ours:...) select nothing in a per-op benchmark.
+            model_only = [n.strip() for n in args.providers.split(",") if n.strip() and n.strip() not in PROVIDERS]
+            if model_only:
+                p.error(f"--providers: {', '.join(model_only)} name end-to-end providers, and --op "
+                        f"{' '.join(args.op)} has none; per op the names are {', '.join(PROVIDERS)}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1; got {args.threads}")
     if args.output is not None:

@@ -154,6 +154,7 @@ def test_op_names_match():
     from benchmarks import __main__ as cli
 
     assert cli.ALL_OPS == ALL_OPS
+    assert cli.MODEL_OPS == models.MODEL_OPS
     assert cli.PROVIDERS == ops.PROVIDERS
 
 
@@ -161,6 +162,7 @@ def test_op_names_match():
     (["--op", "nope"], "invalid choice"),
     (["--providers", "torch,tritonn"], "unknown tritonn"),
     (["--threads", "0"], "--threads must be >= 1"),
+    (["--op", "add_layer_norm", "--providers", "ours:cpu"], "ours:cpu name end-to-end providers"),
 ])
 def test_bad_arguments(argv, message):
     """Argument errors answer at once (before torch is imported), naming the argument."""

@@ -96,10 +96,18 @@ def test_cached_decoding_with_torch_nn_layer_classes():
     assert torch.equal(cached, fused), seed
 
 
-def test_greedy_restores_training_mode():
-    model = small_model().train()
-    model.greedy_decode(ragged_src([3, 2]), max_len=4)
-    assert model.training
+@pytest.mark.parametrize("method", ["greedy_decode", "beam_search", "sample"])
+@pytest.mark.parametrize("top_mode", [True, False], ids=["train", "eval"])
+def test_decoding_restores_every_module_mode(method, top_mode):
+    """Each submodule gets its own mode back: a frozen encoder in eval inside a model in
+    training, or one dropout left in train (MC dropout) inside a model in eval."""
+    model = small_model().train(top_mode)
+    odd = model.encoder if top_mode else model.decoder.layers[0].dropout
+    odd.train(not top_mode)
+    before = {name: m.training for name, m in model.named_modules()}
+    kwargs = {"beam_search": {"beam_size": 2}}.get(method, {})
+    getattr(model, method)(ragged_src([3, 2]), max_len=4, **kwargs)
+    assert {name: m.training for name, m in model.named_modules()} == before
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -134,6 +134,16 @@ def test_bad_option_values_are_usage_errors(argv, name, capsys):
     assert name in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["a folder", "under a file"])
+def test_bad_out_path_is_a_usage_error_before_training(where, tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    out = tmp_path if where == "a folder" else tmp_path / "afile" / "loss.png"
+    with pytest.raises(SystemExit) as info:
+        main(["train-demo", "--steps", "100000", "--no-progress", "--out", str(out)])
+    assert info.value.code == 2
+    assert "--out" in capsys.readouterr().err
+
+
 def test_help_shows_defaults_but_not_none(capsys):
     with pytest.raises(SystemExit):
         main(["train-demo", "--help"])

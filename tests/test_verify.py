@@ -28,6 +28,52 @@ def test_a_failure_is_reported_not_hidden(monkeypatch):
     assert rows[0].status == "FAIL" and "kernel exploded" in rows[0].detail
 
 
+def test_a_failure_is_not_hidden_by_a_later_skip(monkeypatch):
+    """A row whose first cases fail the oracle and whose last case is unsupported stays FAIL,
+    and the command exits 1 (the skip used to overwrite the failure: SKIP, exit 0)."""
+    from transformer_fast import backends
+    from transformer_fast.__main__ import main
+
+    original = verify.functional.masked_softmax
+
+    def wrong_then_unsupported(scores, *args, **kwargs):
+        if scores.shape[-1] == 1000:  # the last case
+            raise backends.BackendError("masked_softmax: cannot run these inputs: stand-in")
+        return original(scores, *args, **kwargs) + 1e-3
+
+    monkeypatch.setattr(verify.functional, "masked_softmax", wrong_then_unsupported)
+    rows = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["cpu"],
+                         log=lambda *a: None)
+    assert rows[0].status == "FAIL" and "then skipped" in rows[0].detail, rows
+    assert main(["verify", "--device", "cpu", "--op", "masked_softmax", "--backend", "cpu",
+                 "--dtype", "float32"]) == 1
+
+
+def test_an_error_spanning_lines_keeps_the_table_rows(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("at 12:4:\n    acc += tl.dot(a, b)\n    ^\nincompatible | fp32 vs bf16")
+
+    monkeypatch.setattr(verify.functional, "masked_softmax", broken)
+    rows = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["torch"],
+                         log=lambda *a: None)
+    lines = verify.markdown_table(rows).splitlines()
+    assert len(lines) == 3, lines
+    assert all(line.replace("\\|", "").count("|") == 9 for line in lines), lines
+
+
+def test_peer_rows_alone_are_a_verification(monkeypatch, capsys):
+    """Rows of the peer (torch) outside the bound are informational: a run of them alone exits
+    0 with its table, not 2 ("nothing was verified" is for a run where no case ran)."""
+    from transformer_fast.__main__ import main
+
+    original = verify.functional.masked_softmax
+    monkeypatch.setattr(verify.functional, "masked_softmax",
+                        lambda *args, **kwargs: original(*args, **kwargs) + 1e-3)
+    assert main(["verify", "--device", "cpu", "--op", "masked_softmax", "--backend", "torch",
+                 "--dtype", "float32"]) == 0
+    assert "PEER-OUTSIDE" in capsys.readouterr().out
+
+
 def test_parallel_rows_equal_serial_rows():
     """--jobs runs the cases in spawned processes; each case seeds its own draws, so the rows
     (errors included) are those of a serial run with the same seed."""

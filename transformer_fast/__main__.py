@@ -67,7 +67,7 @@ def cmd_verify(args) -> int:
     skipped = [r for r in rows if r.status == "SKIP"]
     print(f"\n{len(ran)} passed, {len(failed)} failed, {len(skipped)} skipped, "
           f"{len(peer)} peer rows outside the bound (informational)")
-    if not ran and not failed:
+    if not ran and not failed and not peer:
         print("nothing was verified", file=sys.stderr)
         return 2
     return 1 if failed else 0
@@ -109,25 +109,27 @@ def main(argv=None) -> int:
     demo.add_arguments(demo_parser)
     args = parser.parse_args(argv)
     if args.command == "verify":
-        _check_output_path(verify_parser, args.output)
+        _check_output_path(verify_parser, args.output, "--output")
+    if args.command == "train-demo":
+        _check_output_path(demo_parser, args.out, "--out")
     if args.command == "train-demo":
         return cmd_train_demo(args, demo_parser)
     commands = {"info": cmd_info, "verify": cmd_verify}
     return commands[args.command](args)
 
 
-def _check_output_path(parser, path) -> None:
-    """--output names a file to write: refused before any work if it is a directory or its
+def _check_output_path(parser, path, flag: str) -> None:
+    """``flag`` names a file to write: refused before any work if it is a directory or its
     folder cannot be made (a file is in the way)."""
     if not path:
         return
     if os.path.isdir(path):
-        parser.error(f"--output {path!r} is a directory; expected a file path")
+        parser.error(f"{flag} {path!r} is a directory; expected a file path")
     folder = os.path.dirname(os.path.abspath(path))
     while folder and not os.path.exists(folder):
         folder = os.path.dirname(folder)
     if folder and not os.path.isdir(folder):
-        parser.error(f"--output {path!r}: {folder!r} is a file, not a folder")
+        parser.error(f"{flag} {path!r}: {folder!r} is a file, not a folder")
 
 
 if __name__ == "__main__":

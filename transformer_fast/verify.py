@@ -388,7 +388,10 @@ def verify(device: str, ops=None, dtypes=DTYPES, backend_names=None, log=print, 
             (kind, value), seconds = outcomes[t]
             row.seconds += seconds
             if kind == "skip":
-                row.status, row.detail = "SKIP", value
+                if row.status == "FAIL":  # a later unsupported case must not hide a failure
+                    row.detail += f"[then skipped: {value}] "
+                else:
+                    row.status, row.detail = "SKIP", value
                 break
             if kind == "fail":
                 row.status, row.detail = "FAIL", value
@@ -442,6 +445,12 @@ def markdown_table(rows: list[Row]) -> str:
     for r in rows:
         lines.append(
             f"| {r.op} | {r.backend} | {r.dtype} | {r.status} | {r.cases} | {r.ratio:.3f} | "
-            f"{r.worst} | {r.detail.strip()} |"
+            f"{r.worst} | {_table_cell(r.detail)} |"
         )
     return "\n".join(lines)
+
+
+def _table_cell(text: str) -> str:
+    """One markdown table cell: an error message's line breaks (a Triton compile error spans
+    several) become spaces and its pipes are escaped, so the row keeps its columns."""
+    return " ".join(text.split()).replace("|", "\\|")

@@ -52,13 +52,16 @@ __all__ = [
 
 @contextlib.contextmanager
 def _inference(model: nn.Module, device: torch.device):
-    was_training = model.training
+    # Each module's own flag, not model.train(flag): a frozen encoder in eval inside a model in
+    # training (or a dropout left in train for MC dropout) keeps its mode.
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             yield
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
 
 
 # --------------------------------------------------------------------------------------------
