@@ -73,20 +73,34 @@ void keep_factors(const Drop& dr, uint64_t first, int64_t n, float* out) {
   dropout_factors(dr.seed, dr.offset, first, n, dr.threshold, dr.scale, out);
 }
 
-// The standard normal cdf Phi(x) = 1 - erfc(x / sqrt2) / 2 (x >= 0), erfc(-x / sqrt2) / 2 (x < 0):
-// no cancellation in 1 + erf(x / sqrt2) for negative x, and erfc within 1.5 ulp.  gelu = x Phi(x)
-// errs ~3x less than torch's fp32 0.5 x (1 + erf(x / sqrt2)) (rms 4e-8 against 1.2e-7 over
-// x ~ N(0, 4)), so the oracle's margin does not rest on matching torch's roundings: the median
-// ratio of our error to torch's fell from 0.95 to 0.79 on the output and from 1.0 to 0.86 on
-// grad x (100 draws, 100 rows, d_model 4, d_ff 34; fwd+bwd time within noise at 4096 x 512 x 2048).
-inline Vec normal_cdf_vec(Vec x) {
-  const Vec half_tail = Vec(0.5f) * (x.abs() * Vec(kSqrt1_2)).erfc();
-  return Vec::blendv(Vec(1.0f) - half_tail, half_tail, x < Vec(0.0f));
+// The standard normal cdf Phi(x) = (1 + erf(x / sqrt2)) / 2, torch's own gelu formula.  erf is
+// Sleef's erff u10 on AVX2 (within 1 ulp; what torch.erf computes on AVX-512), not at::vec's
+// polynomial .erf(), which errs up to 4.7e-7 (8 ulp near 1) and doubled the worst grad-w1 error
+// against the oracle's bound (0.48 -> 0.97 over 300 fp32 draws).  Until 2026-11-29 Phi was
+// 1 - erfc(|x| / sqrt2) / 2, free of cancellation for negative x, but Sleef's AVX2 erfc costs
+// 15-18 ms per 2M floats on one Xeon core against ~7 for erff: it made the gelu epilogue cost
+// more than the GEMM before it (benchmarks/NOTES.md "CPU gelu: erf, not erfc").
+inline Vec erf_within_1ulp(Vec x) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return Vec(Sleef_erff8_u10(x));
+#else
+  return x.erf();  // generic Vectorized: std::erf per lane
+#endif
 }
 
-inline float normal_cdf_scalar(float x) {
-  const float half_tail = 0.5f * std::erfc(std::fabs(x) * kSqrt1_2);
-  return x < 0.0f ? half_tail : 1.0f - half_tail;
+inline Vec normal_cdf_vec(Vec x) {
+  return Vec(0.5f) * (Vec(1.0f) + erf_within_1ulp(x * Vec(kSqrt1_2)));
+}
+
+inline float normal_cdf_scalar(float x) { return 0.5f * (1.0f + std::erf(x * kSqrt1_2)); }
+
+// tanh(u) from e = exp(-2|u|) (returned in e, which the gradient reuses): (1 - e) / (1 + e) with
+// u's sign.  Sleef's AVX2 tanh costs 6.1 ms per 2M floats against 1.4 ms for at::vec's exp.
+inline Vec tanh_via_exp(Vec u, Vec& e) {
+  e = (Vec(-2.0f) * u.abs()).exp();
+  const Vec one(1.0f);
+  const Vec t_abs = (one - e) / (one + e);
+  return Vec::blendv(t_abs, Vec(0.0f) - t_abs, u < Vec(0.0f));
 }
 
 inline Vec act_vec(Vec v, FfnAct act) {
@@ -95,7 +109,8 @@ inline Vec act_vec(Vec v, FfnAct act) {
     case FfnAct::kGelu: return v * normal_cdf_vec(v);
     case FfnAct::kGeluTanh: {
       const Vec u = Vec(kSqrt2OverPi) * (v + Vec(kGeluC) * v * v * v);
-      return Vec(0.5f) * v * (Vec(1.0f) + u.tanh());
+      Vec e;
+      return Vec(0.5f) * v * (Vec(1.0f) + tanh_via_exp(u, e));
     }
     default: return v;
   }
@@ -120,10 +135,9 @@ inline Vec act_grad_vec(Vec x, FfnAct act) {
   }
   const Vec x2 = x * x;
   const Vec u = Vec(kSqrt2OverPi) * (x + Vec(kGeluC) * x2 * x);
-  const Vec e = (Vec(-2.0f) * u.abs()).exp();
+  Vec e;
+  const Vec t = tanh_via_exp(u, e);
   const Vec one(1.0f);
-  const Vec t_abs = (one - e) / (one + e);
-  const Vec t = Vec::blendv(t_abs, Vec(0.0f) - t_abs, u < Vec(0.0f));
   const Vec sech2 = Vec(4.0f) * e / ((one + e) * (one + e));
   return Vec(0.5f) * (one + t) +
          Vec(0.5f) * x * sech2 * Vec(kSqrt2OverPi) * (one + Vec(3.0f * kGeluC) * x2);
