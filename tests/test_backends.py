@@ -295,3 +295,69 @@ def test_functional_ffn_passes_activation_and_dropout_to_the_selection(selection
     else:
         F.linear_bias_act(x, w, None, activation="relu", dropout_p=0.25, backend="torch")
     assert selection_inputs["activation"] == "relu" and selection_inputs["dropout_p"] == 0.25
+
+
+# ---- activation checkpointing: the recomputation runs the forward's selection
+
+
+def _layer_grads(checkpointing, backward_where, backend):
+    """Gradients of a dropout layer run under use_backend(backend), checkpointed or not, with
+    backward inside the block, after it, or on another thread (as CUDA's device thread is)."""
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = tf.TransformerEncoderLayer(16, 2, 32, dropout=0.3, batch_first=True).train()
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    torch.manual_seed(5)
+
+    def backward(y):
+        if backward_where == "thread":
+            t = threading.Thread(target=lambda: y.square().sum().backward())
+            t.start()
+            t.join()
+        else:
+            y.square().sum().backward()
+
+    with tf.use_backend(backend):
+        y = layer(x) if checkpointing == "none" else checkpoint(layer, x, use_reentrant=checkpointing == "reentrant")
+        if backward_where != "after":
+            backward(y)
+    if backward_where == "after":
+        backward(y)
+    return [x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("backward_where", ["inside", "after", "thread"])
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_checkpoint_recomputation_uses_the_forwards_backend(backend, checkpointing, backward_where):
+    """torch.utils.checkpoint carries grad mode, autocast and RNG state into the recomputation,
+    not use_backend: it used to resolve `auto` there, which drew other dropout masks (reentrant:
+    gradients off by ~10) or saved other tensors (non-reentrant: CheckpointError)."""
+    plain = _layer_grads("none", "inside", backend)
+    got = _layer_grads(checkpointing, backward_where, backend)
+    for a, b in zip(plain, got):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_use_backend_entered_inside_backward_wins():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(backends.requested_backend())
+            with tf.use_backend("cpu"):
+                seen.append(backends.requested_backend())
+            return g
+
+    x = torch.randn(3, requires_grad=True)
+    with tf.use_backend("reference"):
+        Probe.apply(x).sum().backward()
+    assert seen == ["reference", "cpu"]

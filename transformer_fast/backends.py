@@ -129,9 +129,18 @@ class _Selection(threading.local):
 
     def __init__(self) -> None:
         self.stack: list[str] = []
+        # The selection (innermost name, or None) of this thread's last forward with grad
+        # enabled, for activation checkpointing's recomputation (_ambient_backend).
+        self.forward: str | None | object = _UNSET
 
 
+_UNSET = object()
 _selection = _Selection()
+# Any thread's last forward selection (CUDA's backward, recomputation included, runs on the
+# autograd engine's device thread, which has no selection of its own), and whether use_backend
+# was ever entered: until then none of this is recorded or read.
+_last_forward: list = [_UNSET]
+_contexts_used = False
 
 
 class BackendError(ValueError, RuntimeError):
@@ -289,7 +298,10 @@ def implemented_backends(op: str) -> tuple[str, ...]:
 @contextlib.contextmanager
 def use_backend(name: str):
     """Run the enclosed functional ops on ``name`` (or "auto") unless a call names its own."""
+    global _contexts_used
     _validate_name(name, "use_backend")
+    if not _contexts_used:
+        _contexts_used = True
     _selection.stack.append(name)
     try:
         yield
@@ -329,9 +341,24 @@ def _env_backend() -> str | None:
 
 
 def _ambient_backend() -> str:
-    """The innermost use_backend(...), else TRANSFORMER_FAST_BACKEND, else "auto"."""
-    if _selection.stack:
-        return _selection.stack[-1]
+    """The innermost use_backend(...), else TRANSFORMER_FAST_BACKEND, else "auto".
+
+    Inside backward, a thread with no use_backend block of its own takes the selection of the
+    last forward run with grad: a forward there is activation checkpointing's recomputation,
+    which torch.utils.checkpoint runs with the forward's grad mode, autocast and RNG state but
+    not ours, after the block (backward called outside it) or on CUDA's autograd device thread;
+    another selection would draw other dropout masks or save other tensors than the forward."""
+    stack = _selection.stack
+    if _contexts_used and not torch.compiler.is_compiling():
+        if torch._C._current_graph_task_id() == -1:
+            if torch.is_grad_enabled():
+                _selection.forward = _last_forward[0] = stack[-1] if stack else None
+        elif not stack:
+            recorded = _selection.forward if _selection.forward is not _UNSET else _last_forward[0]
+            if recorded is not _UNSET and recorded is not None:
+                return recorded
+    if stack:
+        return stack[-1]
     env = _env_backend()
     if env:
         _validate_name(env, ENV_VAR)
