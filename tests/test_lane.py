@@ -356,8 +356,8 @@ def test_multihead_attention_replays(need_weights, kind, backend):
 def test_nested_and_non_tensor_inputs_get_the_checked_errors():
     layer = _encoder(False, True)
     nested = torch.nested.nested_tensor([torch.randn(3, D), torch.randn(5, D)])
-    with pytest.raises(ValueError, match="NestedTensor"):
-        layer(nested)
+    with pytest.raises(ValueError, match="NestedTensor"):  # alone it runs (test_modules_audit3.py)
+        layer(nested, src_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
     with pytest.raises(TypeError, match="src"):
         layer([[0.0] * D])
 

@@ -89,12 +89,16 @@ def _masks_ok(mask, padding, is_causal) -> bool:
             and (padding is None or (padding.dtype == torch.bool and padding.dim() == 2)))
 
 
-def _parametrized(layer, next_norm) -> bool:
-    """The native call reads the parameters from the modules' dicts: a parametrized weight
+def _weights_elsewhere(layer, next_norm) -> bool:
+    """The native call reads the parameters from the modules' ``_parameters`` dicts.  A weight
+    held otherwise stays on the Python replay, which reads the attributes: a parametrized one
     (torch.nn.utils.parametrize: weight_norm, spectral_norm, LoRA-style wrappers) is computed by
-    its module's attribute instead, so such a layer stays on the Python replay."""
-    return any(parametrize.is_parametrized(m) for m in layer.modules()) or (
-        next_norm is not None and parametrize.is_parametrized(next_norm))
+    its module's attribute, and a plain tensor attribute or a buffer (hand-tied weights:
+    ``del lin.weight; lin.weight = other.weight.t()``) is in no ``_parameters``.  The layers'
+    own modules hold neither."""
+    modules = [*layer.modules(), *(() if next_norm is None else (next_norm,))]
+    return any(parametrize.is_parametrized(m) or any(b is not None for b in m._buffers.values())
+               or any(isinstance(v, torch.Tensor) for v in m.__dict__.values()) for m in modules)
 
 
 def _codes(layer, upcoming, ops, dropouts, x, tensors, norms) -> list | None:
@@ -124,7 +128,7 @@ def encoder_plan(layer, upcoming, x, mask, padding, is_causal, normed, next_norm
     is_causal, normed, next_norm)`` at a lane position whose recorded ops are ``upcoming``, or
     None when this call must stay on the Python replay."""
     if (not _attention_ok(layer.self_attn) or not _masks_ok(mask, padding, is_causal)
-            or (next_norm is not None and not layer.norm_first) or _parametrized(layer, next_norm)):
+            or (next_norm is not None and not layer.norm_first) or _weights_elsewhere(layer, next_norm)):
         return None
     pre = layer.norm_first
     ops = _ENCODER_OPS[:3] if pre and next_norm is None else _ENCODER_OPS
@@ -146,7 +150,7 @@ def decoder_plan(layer, upcoming, x, memory, tgt_mask, memory_mask, tgt_padding,
             or not _masks_ok(tgt_mask, tgt_padding, tgt_is_causal)
             or not _masks_ok(memory_mask, memory_padding, memory_is_causal)
             or memory.dim() != 3 or memory.numel() == 0
-            or (next_norm is not None and not layer.norm_first) or _parametrized(layer, next_norm)):
+            or (next_norm is not None and not layer.norm_first) or _weights_elsewhere(layer, next_norm)):
         return None
     pre = layer.norm_first
     ops = _DECODER_OPS[:5] if pre and next_norm is None else _DECODER_OPS

@@ -180,9 +180,10 @@ def dropout_p(module) -> float | None:
 
 
 def has_hooks(root: torch.nn.Module) -> bool:
-    """Any forward or backward (pre-)hook on ``root`` or below, or a global module hook: the
-    fused path would skip them, so the layers then call their submodules one by one (torch's
-    fast path makes the same check for forward hooks)."""
+    """Any forward or backward (pre-)hook on ``root`` or below, a global module hook, or a
+    ``forward`` set on an instance below ``root`` (``module.forward = ...``: accelerate's hooks,
+    ad-hoc LoRA or logging patches): the fused path would skip them, so the layers then call
+    their submodules one by one (torch's fast path makes the same check for forward hooks)."""
     mod = torch.nn.modules.module
     if (mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks
             or mod._global_backward_pre_hooks):
@@ -195,6 +196,8 @@ def has_hooks(root: torch.nn.Module) -> bool:
             continue
         seen.add(id(m))
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+        if m is not root and "forward" in m.__dict__:
             return True
         stack.extend(c for c in m._modules.values() if c is not None)
     return False

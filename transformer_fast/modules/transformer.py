@@ -153,9 +153,10 @@ def _plain_parts(layer, base, blocks, attentions) -> bool:
     """The fused path computes ``base``'s blocks itself and, replayed, runs each attention's
     computation without its forward: a subclass that overrides a block, or an attention module
     that is not exactly ours (torch's, a subclass with its own forward), goes through the
-    blocks and the modules' forwards, as torch's layers do."""
-    cls = type(layer)
-    return (all(getattr(cls, name) is getattr(base, name) for name in blocks)
+    blocks and the modules' forwards, as torch's layers do.  So does a block set on the
+    instance (``layer._sa_block = ...``)."""
+    cls, own = type(layer), layer.__dict__
+    return (all(getattr(cls, name) is getattr(base, name) and name not in own for name in blocks)
             and all(type(a) is MultiheadAttention for a in attentions))
 
 
@@ -223,6 +224,8 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         """torch.nn.TransformerEncoderLayer.forward: src (S, N, E) / (N, S, E) batch_first /
         (S, E); src_mask (S, S) or (N * nhead, S, S) (bool True = not allowed, float added);
         src_key_padding_mask (N, S) (True = padding); is_causal: src_mask is causal (hint)."""
+        if isinstance(src, Tensor) and src.is_nested and src_mask is None and src_key_padding_mask is None:
+            return self._forward_nested(src)
         key = _lane.signature(self, (src, src_mask, src_key_padding_mask), is_causal)
         lane = _lane.plan(self, key)
         if lane is not None:  # this signature's checks passed before: replay (modules/_lane.py)
@@ -241,6 +244,22 @@ class TransformerEncoderLayer(_FusedFFN, Module):
                 src, src_mask, src_key_padding_mask, is_causal)
         out = self._forward(src, src_mask, src_key_padding_mask, is_causal, key)
         return out if out_dtype is None else out.to(out_dtype)
+
+    def _forward_nested(self, src):
+        """A NestedTensor of N (S_i, E) sequences, as torch's TransformerEncoder passes its
+        layers in inference when it kept its nested path (swap left it alone: a subclass of it,
+        or swap(encoder.layers)): run padded, with the padding as a key padding mask, and handed
+        back nested, as torch's layer does."""
+        lengths = [row.shape[0] for row in src.unbind()]
+        padded = src.to_padded_tensor(0.0)  # (N, S, E)
+        padding = (torch.arange(padded.shape[1], device=padded.device)
+                   >= torch.tensor(lengths, device=padded.device)[:, None])  # (N, S)
+        if not self.self_attn.batch_first:
+            padded = padded.transpose(0, 1)
+        out = self.forward(padded, src_key_padding_mask=padding)
+        if not self.self_attn.batch_first:
+            out = out.transpose(0, 1)
+        return torch.nested.nested_tensor([out[i, :n] for i, n in enumerate(lengths)])
 
     def _as_torch_fast_path(self, src, src_mask, src_key_padding_mask, is_causal):
         """The inputs as torch's inference fast path reads them (it runs in eval without grad,
