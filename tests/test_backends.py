@@ -361,3 +361,13 @@ def test_use_backend_entered_inside_backward_wins():
     with tf.use_backend("reference"):
         Probe.apply(x).sum().backward()
     assert seen == ["reference", "cpu"]
+
+
+@pytest.mark.parametrize("command", [["info"], ["train-demo", "--steps", "1", "--out", ""]])
+def test_cli_refuses_a_bad_environment_backend_up_front(command, monkeypatch, capsys):
+    from transformer_fast.__main__ import main
+
+    monkeypatch.setenv(backends.ENV_VAR, "nope")
+    with pytest.raises(SystemExit) as info:
+        main(command)
+    assert info.value.code == 2 and backends.ENV_VAR in capsys.readouterr().err

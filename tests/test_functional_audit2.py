@@ -96,3 +96,18 @@ def test_autocast_casts_as_torch_does(backend):
     # float64 is left alone, as torch's autocast leaves it
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert F.scaled_dot_product_attention(q.double(), k.double(), v.double(), backend="reference").dtype == torch.float64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_p_false_is_zero_as_in_torch(backend):
+    """torch takes a bool dropout_p (``dropout_p=self.training and p`` is False in eval); it
+    was refused as a TypeError.  True is p = 1, refused as any p = 1 is."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 5, 16)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, dropout_p=False, backend=backend),
+                               TF.scaled_dot_product_attention(q, q, q, dropout_p=False))
+    x, w = torch.randn(3, 16), torch.ones(16)
+    torch.testing.assert_close(F.add_layer_norm(x, x, w, None, dropout_p=False, backend=backend),
+                               TF.layer_norm(x + x, (16,), w))
+    with pytest.raises(ValueError, match="dropout_p"):
+        F.scaled_dot_product_attention(q, q, q, dropout_p=True, backend=backend)

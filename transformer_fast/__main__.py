@@ -108,11 +108,14 @@ def main(argv=None) -> int:
                                  "and report held-out exact-match accuracy", formatter_class=demo.HelpFormatter)
     demo.add_arguments(demo_parser)
     args = parser.parse_args(argv)
+    try:
+        backends.requested_backend()  # a bad TRANSFORMER_FAST_BACKEND: a usage error up front
+    except ValueError as e:
+        parser.error(str(e))
     if args.command == "verify":
         _check_output_path(verify_parser, args.output, "--output")
     if args.command == "train-demo":
         _check_output_path(demo_parser, args.out, "--out")
-    if args.command == "train-demo":
         return cmd_train_demo(args, demo_parser)
     commands = {"info": cmd_info, "verify": cmd_verify}
     return commands[args.command](args)

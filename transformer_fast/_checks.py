@@ -117,7 +117,8 @@ def shape(name: str, value: torch.Tensor, expected: Sequence[int], what: str = "
 
 
 def dropout_p(value: object, name: str = "dropout_p") -> float:
-    real = _real(value)
+    # torch takes a bool here (a bool is an int): ``dropout_p=self.training and p`` is False in eval.
+    real = float(value) if isinstance(value, bool) else _real(value)
     if real is None:
         raise ArgumentTypeError(f"{name} must be a float in [0, 1); got {type(value).__name__}")
     value = real
