@@ -211,3 +211,19 @@ def test_gradients_reach_new_keys_through_the_cache(backend):
         return F.attention_with_kv_cache(q, k_cache.clone(), v_cache.clone(), cache_seqlens, k_new, v_new, backend=backend)
 
     assert torch.autograd.gradcheck(fn, (q, k_new, v_new))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_out_of_range_lengths_raise_under_torch_compile(backend):
+    """Compiled, the host check cannot read the lengths: a CPU call skipped the check, so -1
+    wrote the new key into the cache's last slot (torch backend) or dropped it (cpu); now the
+    sync-free assert the GPU uses raises."""
+    require_backend(backend)
+    step = torch.compile(lambda *args: F.attention_with_kv_cache(*args, backend=backend), fullgraph=True)
+    k_cache, v_cache = torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16)
+    q, k_new, v_new = torch.randn(2, 2, 1, 16), torch.ones(2, 2, 1, 16), torch.ones(2, 2, 1, 16)
+    step(q, k_cache, v_cache, torch.tensor([3, 0], dtype=torch.int32), k_new, v_new)
+    for bad in ([-1, 0], [8, 0]):
+        with pytest.raises(RuntimeError, match="cache_seqlens"):
+            step(q, k_cache, v_cache, torch.tensor(bad, dtype=torch.int32), k_new, v_new)
+    assert k_cache[0, :, 3].eq(1).all() and k_cache[0, :, 7].eq(0).all()
