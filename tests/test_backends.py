@@ -371,3 +371,33 @@ def test_cli_refuses_a_bad_environment_backend_up_front(command, monkeypatch, ca
     with pytest.raises(SystemExit) as info:
         main(command)
     assert info.value.code == 2 and backends.ENV_VAR in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant"])
+def test_checkpoint_recomputation_on_cuda_autograd_thread(backend, checkpointing):
+    """On CUDA the recomputation runs on the autograd engine's device thread, which has no
+    use_backend block of its own, even with backward called inside the block."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from torch.utils.checkpoint import checkpoint
+
+    ok, why = backends.available(backend, "cuda")
+    if not ok:
+        pytest.skip(why)
+
+    def grads(use_checkpoint):
+        torch.manual_seed(0)
+        layer = tf.TransformerEncoderLayer(64, 4, 128, dropout=0.2, batch_first=True,
+                                           device="cuda", dtype=torch.bfloat16).train()
+        x = torch.randn(2, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.manual_seed(5)
+        with tf.use_backend(backend):
+            y = (checkpoint(layer, x, use_reentrant=checkpointing == "reentrant") if use_checkpoint
+                 else layer(x))
+            y.float().square().sum().backward()
+        return [x.grad] + [p.grad for p in layer.parameters()]
+
+    for a, b in zip(grads(False), grads(True)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
