@@ -37,6 +37,8 @@ class TransformerClassifier(nn.Module):
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout must be a float in [0, 1); got {dropout!r}")
         _validate.token_id("pad_id", pad_id, vocab_size)
+        if not callable(activation) and activation not in ("relu", "gelu"):
+            raise ValueError(f"activation must be 'relu', 'gelu' or a callable; got {activation!r}")
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}; got {pooling!r}")
         self.vocab_size, self.num_classes, self.pad_id, self.pooling = vocab_size, num_classes, pad_id, pooling

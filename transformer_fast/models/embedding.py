@@ -44,6 +44,8 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def positions(self, length: int, offset: int = 0, *, dtype=torch.float32, device=None) -> torch.Tensor:
         """(length, d_model) encodings of positions offset .. offset + length - 1."""
+        # A negative offset would slice the cached table from its end.
+        offset, length = _validate.integer("offset", offset, 0), _validate.integer("length", length, 0)
         device = torch.device(device if device is not None else "cpu")
         if torch.compiler.is_compiling():
             # A traced length would guard on the cached table's size (an exported encoder
@@ -58,7 +60,8 @@ class SinusoidalPositionalEncoding(nn.Module):
         return table[offset:end].to(dtype)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        # x: (B, L, d_model)
+        if x.dim() != 3 or x.shape[-1] != self.d_model:  # (a last dim of 1 would broadcast)
+            raise ValueError(f"x must be (B, L, d_model={self.d_model}); got shape {tuple(x.shape)}")
         return x + self.positions(x.shape[1], offset, dtype=x.dtype, device=x.device)
 
 
@@ -66,10 +69,15 @@ class ScaledEmbedding(nn.Embedding):
     """``Embedding(tokens) * sqrt(d_model)``; weights drawn from N(0, 1/d_model) so the scaled
     embeddings have unit variance (and a tied output projection starts with small logits)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(num_embeddings, embedding_dim)
+    def __init__(self, num_embeddings: int, embedding_dim: int, *args, _weight=None, **kwargs):
+        # nn.Embedding's other arguments pass through (from_pretrained gives _weight).
+        super().__init__(num_embeddings, embedding_dim, *args, _weight=_weight, **kwargs)
         self.scale = math.sqrt(embedding_dim)
-        nn.init.normal_(self.weight, mean=0.0, std=embedding_dim ** -0.5)
+        if _weight is None:
+            with torch.no_grad():
+                nn.init.normal_(self.weight, mean=0.0, std=embedding_dim ** -0.5)
+                if self.padding_idx is not None:
+                    self.weight[self.padding_idx].zero_()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return super().forward(tokens) * self.scale

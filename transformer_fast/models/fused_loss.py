@@ -64,8 +64,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                         f"{hidden.dtype if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
     if hidden.dim() < 1:
         raise ValueError("hidden must have a feature dimension (..., E); got a 0-d tensor")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be a (V, E) tensor with E = hidden.shape[-1] = {hidden.shape[-1]}; got "
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]
+            or weight.shape[0] == 0):
+        raise ValueError(f"weight must be a (V, E) tensor with V >= 1 and E = hidden.shape[-1] = {hidden.shape[-1]}; got "
                          f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
         raise ValueError(f"bias must be None or a ({weight.shape[0]},) tensor; got "
@@ -81,17 +82,21 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                                       ignore_index, reduction, "hidden's")
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
-        # As F.linear under autocast: the GEMMs in the autocast dtype (the loss stays float32).
+        # As F.linear under autocast: the GEMMs in the autocast dtype (the loss stays float32),
+        # float64 left as it is.
         low = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(low), weight.to(low)
-        bias = None if bias is None else bias.to(low)
-    elif weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        hidden, weight, bias = (t if t is None or t.dtype == torch.float64 else t.to(low)
+                                for t in (hidden, weight, bias))
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
         raise TypeError(f"weight and bias must have hidden's dtype {hidden.dtype}; got {weight.dtype}"
                         f"{'' if bias is None else f' and {bias.dtype}'}")
     explicit = backend is not None
     if backend is None:
         backend = _ambient(backends.requested_backend())
-    if backend == "reference" or reduction == "none" or torch.compiler.is_compiling():
+    # The composition where the fused autograd.Function cannot go: torch.compile's trace, and
+    # torch.func transforms (grad, vmap: the Function has no setup_context).
+    if (backend == "reference" or reduction == "none" or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()):
         with torch.autocast(device_type, enabled=False):
             return reference(hidden, weight, target, bias, smoothing, ignore_index, reduction)
     sixteen_bit = hidden.dtype in (torch.float16, torch.bfloat16)

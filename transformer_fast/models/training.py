@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numbers
+
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ def check_targets(target, shape: tuple, vocab: int, smoothing, ignore_index, red
     if tuple(target.shape) != shape:
         raise ValueError(f"target must have {against} shape without the class dimension {shape}; "
                          f"got {tuple(target.shape)}")
-    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing <= 1:
+    if isinstance(smoothing, bool) or not isinstance(smoothing, numbers.Real) or not 0 <= smoothing <= 1:
         raise ValueError(f"smoothing must be a float in [0, 1]; got {smoothing!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
@@ -31,7 +33,9 @@ def check_targets(target, shape: tuple, vocab: int, smoothing, ignore_index, red
         ignore_index = _validate.integer("ignore_index", ignore_index)
     keep = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
     safe_target = torch.where(keep, target, torch.zeros_like(target)).long()
-    if _checks.host_checks_enabled(target.device) and bool(keep.any()):
+    # (Under torch.func.vmap a batched target's values cannot be read: torch refuses the branch.)
+    if (_checks.host_checks_enabled(target.device) and not torch._C._functorch.is_functorch_wrapped_tensor(target)
+            and bool(keep.any())):
         low, high = int(safe_target[keep].min()), int(safe_target[keep].max())
         if low < 0 or high >= vocab:
             raise ValueError(f"target must hold class ids in [0, {vocab}); got [{low}, {high}]")
