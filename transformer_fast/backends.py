@@ -275,10 +275,36 @@ def not_supported_reasons(backend: str, op: str, inputs: Mapping[str, object]) -
                       and (t.is_nested or t.layout is not torch.strided)})
         if odd:
             return [f"{backend} takes strided tensors only; {', '.join(odd)} is nested or sparse"]
+        if _transformed():
+            return [f"{backend} has no rules for torch.func's differentiating transforms or forward-mode "
+                    "AD (grad, vjp, jvp, also under vmap, gave wrong or no results): torch and reference "
+                    "run them"]
     try:
         return list(checks[backend](inputs))
     except KeyError as exc:  # a partial mapping (the ops pass every input; a caller may not)
         return [f"{op} on {backend}: inputs has no {exc.args[0]!r}, which its checks need"]
+
+
+def forward_ad_active() -> bool:
+    """Inside ``torch.autograd.forward_ad.dual_level()``: the fused ops have no jvp formula."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
+def _transformed() -> bool:
+    """A torch.func transform that differentiates (grad, vjp, jvp, jacrev, ..., also inside a
+    vmap) or a forward-mode AD level is active.  The fused ops' autograd formulas do not hold
+    there (vjp's recorded backward and jacrev gave zeros, forward-mode dropped the tangent, vmap
+    of grad failed inside), so calls go to torch's ops.  vmap alone runs the ops (through the
+    custom op).  (Not while torch.compile traces: it handles the ops itself.)"""
+    if torch.compiler.is_compiling():
+        return False
+    if forward_ad_active():
+        return True
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() != torch._C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
 def available(backend: str, device_type: str = "cpu") -> tuple[bool, str]:

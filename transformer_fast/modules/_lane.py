@@ -104,7 +104,7 @@ def _plain_call() -> bool:
     """No tracer, mode or transform that must see the checked path."""
     return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
                 or torch._C._is_torch_function_mode_enabled() or torch._C._get_tracing_state()
-                or torch._C._are_functorch_transforms_active())
+                or torch._C._are_functorch_transforms_active() or backends.forward_ad_active())
 
 
 def _tensor_key(t):
