@@ -300,7 +300,7 @@ BAD_INPUTS = [
     ("weight rank", dict(weight=_x(1, 8)), ValueError, "weight must have 1 dimensions"),
     ("bias dtype", dict(bias=_x(8, dtype=torch.float16)), TypeError, "bias must have x's dtype"),
     ("device mix", dict(weight=_x(8, device="meta")), ValueError, "one device"),
-    ("eps zero", dict(eps=0.0), ValueError, "eps must be"),
+    ("eps zero on a fused backend", dict(eps=0.0, backend="cpu"), ValueError, "backend 'cpu' cannot run"),
     ("eps negative", dict(eps=-1e-5), ValueError, "eps must be"),
     ("p one", dict(dropout_p=1.0), ValueError, "dropout_p must be in"),
     ("p negative", dict(dropout_p=-0.1), ValueError, "dropout_p must be in"),
@@ -318,6 +318,14 @@ def test_bad_inputs(case):
     kwargs.update(override)
     with pytest.raises(exc, match=message):
         F.add_layer_norm(**kwargs)
+
+
+@pytest.mark.parametrize("backend", [None, "torch", "reference"])
+def test_eps_zero_as_torch(backend):
+    """torch's layer_norm takes eps = 0; the fused kernels do not, so auto goes to torch."""
+    x, r, w = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
+    torch.testing.assert_close(F.add_layer_norm(x, r, w, None, eps=0.0, backend=backend),
+                               torch.nn.functional.layer_norm(x + r, (8,), w, None, 0.0))
 
 
 def test_explicit_backend_that_cannot_run_lists_reasons():

@@ -137,6 +137,15 @@ def positive_float(name: str, value: object) -> float:
     return value
 
 
+def non_negative_float(name: str, value: object) -> float:
+    real = _real(value)
+    if real is None:
+        raise ArgumentTypeError(f"{name} must be a float >= 0; got {type(value).__name__}")
+    if not (real >= 0.0) or not _finite(real):
+        raise ArgumentValueError(f"{name} must be a finite float >= 0; got {real}")
+    return real
+
+
 def boolean(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ArgumentTypeError(f"{name} must be a bool; got {type(value).__name__}")

@@ -39,9 +39,12 @@ __all__ = [
 
 def _add_layer_norm_support(backend):
     def check(inputs):
-        return _checks.kernel_dtype_reasons(
+        reasons = _checks.kernel_dtype_reasons(
             backend, x=inputs["x"], weight=inputs.get("weight"), bias=inputs.get("bias")
         )
+        if inputs.get("eps", 1.0) == 0.0:  # torch takes it (a constant row then gives NaN)
+            reasons.append(f"the {backend} kernels take eps > 0; got 0")
+        return reasons
 
     return check
 
@@ -77,7 +80,7 @@ def add_layer_norm(
         x: (..., N) the sublayer output (dropout applies to it).
         residual: (..., N) the sublayer input, same shape, dtype and device as ``x``.
         weight, bias: (N,) LayerNorm affine parameters in ``x``'s dtype or float32, or None.
-        eps: added to the variance, > 0.
+        eps: added to the variance, >= 0 (0, as torch takes it, on reference / torch only).
         dropout_p: probability of dropping an element of ``x``, in [0, 1).
         prenorm: also return ``residual + dropout(x)`` (the running residual of a pre-LN stack).
         backend: "auto", "reference", "torch", "triton", "cuda" or "cpu" (None: the current
@@ -103,11 +106,11 @@ def add_layer_norm(
                     f"{name} must have x's dtype ({x.dtype}) or float32; got {param.dtype}"
                 )
     _checks.same_device(x=x, residual=residual, weight=weight, bias=bias)
-    eps = _checks.positive_float("eps", eps)
+    eps = _checks.non_negative_float("eps", eps)
     dropout_p = _checks.dropout_p(dropout_p)
     _checks.boolean("prenorm", prenorm)
 
-    inputs = {"x": x, "residual": residual, "weight": weight, "bias": bias}
+    inputs = {"x": x, "residual": residual, "weight": weight, "bias": bias, "eps": eps}
     name = backends.resolve("add_layer_norm", backend, inputs)
     return run_add_layer_norm(name, x, residual, weight, bias, eps, dropout_p, prenorm)
 
