@@ -334,3 +334,16 @@ def test_explicit_backend_that_cannot_run_lists_reasons():
         F.add_layer_norm(x, x, None, None, backend="triton" if tf.backends.triton_status()[0] else "cpu")
     with pytest.raises(tf.BackendError, match="cuda backend runs on CUDA tensors"):
         F.add_layer_norm(torch.randn(4, 8), torch.randn(4, 8), None, None, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", [None, "torch", "reference", "cpu"])
+def test_inference_tensors_with_a_weight_that_learns(backend):
+    """As torch's layer_norm(residual + x), which saves the (ordinary) sum: the fused op saved
+    the inference tensors and autograd refused them."""
+    require_backend(backend or "torch")
+    with torch.inference_mode():
+        x, r = torch.randn(4, 8), torch.randn(4, 8)
+    w = torch.randn(8, requires_grad=True)
+    F.add_layer_norm(x, r, w, None, backend=backend).square().sum().backward()
+    want = torch.autograd.grad(torch.nn.functional.layer_norm(x + r, (8,), w).square().sum(), w)[0]
+    torch.testing.assert_close(w.grad, want)

@@ -110,6 +110,11 @@ def add_layer_norm(
     dropout_p = _checks.dropout_p(dropout_p)
     _checks.boolean("prenorm", prenorm)
 
+    if (torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (weight, bias))
+            and (x.is_inference() or residual.is_inference())):
+        # torch's layer_norm(residual + x) saves the sum, an ordinary tensor; the fused op would
+        # save the inference tensors themselves, which autograd refuses.
+        x, residual = (t.clone() if t.is_inference() else t for t in (x, residual))
     inputs = {"x": x, "residual": residual, "weight": weight, "bias": bias, "eps": eps}
     name = backends.resolve("add_layer_norm", backend, inputs)
     return run_add_layer_norm(name, x, residual, weight, bias, eps, dropout_p, prenorm)
