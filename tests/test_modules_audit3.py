@@ -180,3 +180,22 @@ def test_a_nested_tensor_comes_back_nested():
     for row, got in zip(rows, out.unbind()):
         with torch.no_grad():
             torch.testing.assert_close(got, ref(row[None])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_unswap_warns_about_a_module_it_leaves():
+    """A module of ours parametrized after swap is a subclass torch's parametrize made: unswap
+    left it ours with no word outside the report."""
+    import torch.nn.utils.parametrize as parametrize
+
+    model = nn.Sequential(_encoder_layer())
+    transformer_fast.swap(model)
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return w * 1.0
+
+    parametrize.register_parametrization(model[0].linear1, "weight", Scale())
+    parametrize.register_parametrization(model[0].self_attn, "in_proj_weight", Scale())
+    with pytest.warns(UserWarning, match="unswap: 0.self_attn"):
+        report = transformer_fast.unswap(model)
+    assert [name for name, _, _ in report.skipped] == ["0.self_attn"]

@@ -63,7 +63,7 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _convert(model: torch.nn.Module, table: dict, warn_subclasses: bool) -> SwapReport:
+def _convert(model: torch.nn.Module, table: dict, who: str) -> SwapReport:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     report = SwapReport()
@@ -85,11 +85,10 @@ def _convert(model: torch.nn.Module, table: dict, warn_subclasses: bool) -> Swap
         if base is not None:
             why = f"subclass of {_qualname(base)}; it may override forward, so it is left alone"
             report.skipped.append((name, _qualname(cls), why))
-            if warn_subclasses:
-                warnings.warn(
-                    f"transformer_fast.swap: {name or 'the model'} ({_qualname(cls)}) is a {why}",
-                    stacklevel=3,
-                )
+            # (unswap meets one when a module of ours was parametrized after swap: torch's
+            # parametrize made a subclass of it.)
+            warnings.warn(f"transformer_fast.{who}: {name or 'the model'} ({_qualname(cls)}) is a {why}",
+                          stacklevel=3)
     return report
 
 
@@ -102,10 +101,11 @@ def swap(model: torch.nn.Module) -> SwapReport:
     kept (the module objects stay the same objects).  Subclasses of those torch classes are left
     alone with a warning.  Returns a SwapReport; ``unswap(model)`` goes back.
     """
-    return _convert(model, TORCH_TO_OURS, warn_subclasses=True)
+    return _convert(model, TORCH_TO_OURS, "swap")
 
 
 def unswap(model: torch.nn.Module) -> SwapReport:
     """Turn every transformer_fast module inside ``model`` back into torch's class (in place;
-    also modules built directly from transformer_fast.modules).  Returns a SwapReport."""
-    return _convert(model, OURS_TO_TORCH, warn_subclasses=False)
+    also modules built directly from transformer_fast.modules); a subclass of ours is left alone
+    with a warning.  Returns a SwapReport."""
+    return _convert(model, OURS_TO_TORCH, "unswap")
