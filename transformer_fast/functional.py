@@ -111,7 +111,7 @@ def add_layer_norm(
     _checks.boolean("prenorm", prenorm)
 
     if (torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (weight, bias))
-            and (x.is_inference() or residual.is_inference())):
+            and not torch.compiler.is_compiling() and (x.is_inference() or residual.is_inference())):
         # torch's layer_norm(residual + x) saves the sum, an ordinary tensor; the fused op would
         # save the inference tensors themselves, which autograd refuses.
         x, residual = (t.clone() if t.is_inference() else t for t in (x, residual))
