@@ -127,22 +127,14 @@ def dropout_p(value: object, name: str = "dropout_p") -> float:
     return value
 
 
-def positive_float(name: str, value: object) -> float:
+def positive_float(name: str, value: object, *, zero_ok: bool = False) -> float:
+    """A finite real > 0 (>= 0 with ``zero_ok``) as a float."""
+    bound = ">= 0" if zero_ok else "> 0"
     real = _real(value)
     if real is None:
-        raise ArgumentTypeError(f"{name} must be a positive float; got {type(value).__name__}")
-    value = real
-    if not (value > 0.0) or not _finite(value):
-        raise ArgumentValueError(f"{name} must be a finite float > 0; got {value}")
-    return value
-
-
-def non_negative_float(name: str, value: object) -> float:
-    real = _real(value)
-    if real is None:
-        raise ArgumentTypeError(f"{name} must be a float >= 0; got {type(value).__name__}")
-    if not (real >= 0.0) or not _finite(real):
-        raise ArgumentValueError(f"{name} must be a finite float >= 0; got {real}")
+        raise ArgumentTypeError(f"{name} must be a float {bound}; got {type(value).__name__}")
+    if not (real >= 0.0 if zero_ok else real > 0.0) or not _finite(real):
+        raise ArgumentValueError(f"{name} must be a finite float {bound}; got {real}")
     return real
 
 

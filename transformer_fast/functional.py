@@ -106,7 +106,7 @@ def add_layer_norm(
                     f"{name} must have x's dtype ({x.dtype}) or float32; got {param.dtype}"
                 )
     _checks.same_device(x=x, residual=residual, weight=weight, bias=bias)
-    eps = _checks.non_negative_float("eps", eps)
+    eps = _checks.positive_float("eps", eps, zero_ok=True)
     dropout_p = _checks.dropout_p(dropout_p)
     _checks.boolean("prenorm", prenorm)
 

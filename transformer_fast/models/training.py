@@ -3,7 +3,6 @@ the warm-up learning-rate schedule (paper section 5.3) and teacher forcing."""
 from __future__ import annotations
 
 import contextlib
-
 import numbers
 
 import torch
