@@ -559,7 +559,21 @@ Tensor2 ffn_act_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& aux,
   return {d, want_dbias ? col_sum(d) : empty0(dy)};
 }
 
+// The dropout factors (keep / (1 - p), or 0) of elements first_index .. first_index + n - 1 of
+// the stream rng = [seed, offset]: the CPU kernels' own generator, for the tests, which cannot
+// reach element indices past 2^34 (the counter's high word) through a real tensor.
+Tensor dropout_factors_cpu(const Tensor& rng, int64_t first_index, int64_t n, double dropout_p) {
+  TORCH_CHECK(rng.scalar_type() == at::kLong && rng.numel() == 2, "dropout_factors: rng must be an int64 [seed, offset] pair");
+  TORCH_CHECK(first_index >= 0 && n >= 0, "dropout_factors: first_index and n must be >= 0, got ", first_index, " and ", n);
+  TORCH_CHECK(dropout_p > 0.0 && dropout_p < 1.0, "dropout_factors: dropout_p must be in (0, 1), got ", dropout_p);
+  check_cpu_avx2();
+  Tensor out = at::empty({n}, rng.options().dtype(at::kFloat));
+  keep_factors(make_drop(dropout_p, rng), static_cast<uint64_t>(first_index), n, out.mutable_data_ptr<float>());
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(transformer_fast_C, CPU, m) {
+  m.impl("dropout_factors", &dropout_factors_cpu);
   m.impl("ffn_linear_fwd", &ffn_linear_fwd_cpu);
   m.impl("ffn_linear_dgrad", &ffn_linear_dgrad_cpu);
   m.impl("ffn_linear_wgrad", &ffn_linear_wgrad_cpu);

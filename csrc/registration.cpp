@@ -50,6 +50,8 @@ TORCH_LIBRARY(transformer_fast_C, m) {
       "Tensor? memory_key_padding_mask, Tensor?[] params, float[] eps, int[] backends, int num_heads, "
       "bool batch_first, bool norm_first, bool tgt_is_causal, bool memory_is_causal, bool next_norm, "
       "str activation, bool allow_tf32) -> Tensor[]");
+  // CPU only: the dropout stream's factors at any element index (csrc/ffn_cpu.cpp; for the tests).
+  m.def("dropout_factors(Tensor rng, int first_index, int n, float dropout_p) -> Tensor");
   m.def("ffn_linear_wgrad(Tensor dy, Tensor x, bool want_dbias, bool allow_tf32) -> (Tensor, Tensor)");
   m.def(
       "ffn_act_bwd(Tensor dy, Tensor? aux, str activation, float dropout_p, Tensor? rng, "
