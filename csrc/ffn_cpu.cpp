@@ -4,10 +4,11 @@
 //
 //   forward   relu / none (pre not kept): mm = x @ w^T (at::mm, the BLAS / oneDNN path torch
 //             itself uses), then ONE in-place pass over mm that adds the bias, applies the
-//             activation and the Philox dropout.  gelu / gelu_tanh (pre kept for backward):
-//             pre = at::addmm(b, x, w^T), then ONE pass pre -> dropout(act(pre)).  torch eager
-//             makes one more pass (dropout's mask and multiply) and keeps the mask tensor.
-//   dgrad     dh = dy @ w (at::mm), then one in-place pass d = dh * act'(aux) * keep * scale.
+//             activation and the Philox dropout.  gelu / gelu_tanh (state kept for backward):
+//             pre = at::addmm(b, x, w^T), then ONE pass pre -> dropout(act(pre)) that in fp32
+//             also replaces pre with act'(pre) (aux_holds_grad).  torch eager makes one more
+//             pass (dropout's mask and multiply) and keeps the mask tensor.
+//   dgrad     dh = dy @ w (at::mm), then one in-place pass d = dh * act'(pre) * keep * scale.
 //   wgrad     dw = dy^T @ x (at::mm), db = sum of dy's rows (own column-sum pass, double
 //             accumulators).
 //   act_bwd   the same elementwise pass as dgrad's, from dy.
@@ -126,41 +127,72 @@ inline float act_scalar(float v, FfnAct act) {
   }
 }
 
-// act'(pre) (gelu, gelu_tanh; relu is handled from y).  For gelu_tanh, 1 - tanh(u)^2 is taken
-// as sech^2(u) = 4e / (1 + e)^2 with e = exp(-2|u|): 1 - t*t cancels where t -> +-1 (an error
-// of ~1e-7 times x * du/dx ~ 30 at |x| ~ 8; measured 2e-6 in fp32, past the oracle's bound).
-inline Vec act_grad_vec(Vec x, FfnAct act) {
+// act(x) with act'(x) in grad (gelu, gelu_tanh; relu's gradient is taken from y), sharing erf /
+// exp between the two.  For gelu_tanh, 1 - tanh(u)^2 is taken as sech^2(u) = 4e / (1 + e)^2 with
+// e = exp(-2|u|): 1 - t*t cancels where t -> +-1 (an error of ~1e-7 times x * du/dx ~ 30 at
+// |x| ~ 8; measured 2e-6 in fp32, past the oracle's bound).
+inline Vec act_and_grad_vec(Vec x, FfnAct act, Vec& grad) {
+  const Vec one(1.0f);
   if (act == FfnAct::kGelu) {
-    return normal_cdf_vec(x) + x * (Vec(-0.5f) * x * x).exp() * Vec(kInvSqrt2Pi);
+    const Vec cdf = normal_cdf_vec(x);
+    grad = cdf + x * (Vec(-0.5f) * x * x).exp() * Vec(kInvSqrt2Pi);
+    return x * cdf;
   }
   const Vec x2 = x * x;
   const Vec u = Vec(kSqrt2OverPi) * (x + Vec(kGeluC) * x2 * x);
   Vec e;
   const Vec t = tanh_via_exp(u, e);
-  const Vec one(1.0f);
   const Vec sech2 = Vec(4.0f) * e / ((one + e) * (one + e));
-  return Vec(0.5f) * (one + t) +
-         Vec(0.5f) * x * sech2 * Vec(kSqrt2OverPi) * (one + Vec(3.0f * kGeluC) * x2);
+  grad = Vec(0.5f) * (one + t) + Vec(0.5f) * x * sech2 * Vec(kSqrt2OverPi) * (one + Vec(3.0f * kGeluC) * x2);
+  return Vec(0.5f) * x * (one + t);
 }
 
-inline float act_grad_scalar(float x, FfnAct act) {
+inline Vec act_grad_vec(Vec x, FfnAct act) {
+  Vec grad;
+  act_and_grad_vec(x, act, grad);
+  return grad;
+}
+
+inline float act_and_grad_scalar(float x, FfnAct act, float& grad) {
   if (act == FfnAct::kGelu) {
-    return normal_cdf_scalar(x) + x * std::exp(-0.5f * x * x) * kInvSqrt2Pi;
+    const float cdf = normal_cdf_scalar(x);
+    grad = cdf + x * std::exp(-0.5f * x * x) * kInvSqrt2Pi;
+    return x * cdf;
   }
   const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
   const float e = std::exp(-2.0f * std::fabs(u));
   const float t = std::copysign((1.0f - e) / (1.0f + e), u);
   const float sech2 = 4.0f * e / ((1.0f + e) * (1.0f + e));
-  return 0.5f * (1.0f + t) + 0.5f * x * sech2 * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
+  grad = 0.5f * (1.0f + t) + 0.5f * x * sech2 * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
+  return 0.5f * x * (1.0f + t);
 }
 
-// Forward epilogue over mm (M, N) contiguous: pre = mm + b (in place when pre is kept),
-// y = dropout(act(pre)) into y (which may be mm itself).
+inline float act_grad_scalar(float x, FfnAct act) {
+  float grad;
+  act_and_grad_scalar(x, act, grad);
+  return grad;
+}
+
+// What the saved activation state (linear_fwd's second output, dgrad's and act_bwd's aux) holds
+// for gelu / gelu_tanh: in fp32, act'(pre), computed by the forward beside act(pre) from the same
+// erf / exp, so backward only multiplies (the gelu' pass cost ~4 ms of a 60 ms fp32 FFN step on
+// 2 cores, benchmarks/NOTES.md); in fp16 / bf16, pre itself, as the other backends keep it,
+// because act' rounded to 16 bits would be a second rounding the reference does not make.
+template <typename T>
+constexpr bool aux_holds_grad(FfnAct act) {
+  return std::is_same_v<T, float> && (act == FfnAct::kGelu || act == FfnAct::kGeluTanh);
+}
+
+// Forward epilogue over mm (M, N) contiguous: pre = mm + b, y = dropout(act(pre)) into y (which
+// may be mm itself); when keep_pre, mm becomes the activation state in place (pre, or act'(pre):
+// aux_holds_grad; without a bias mm already is pre).
 template <typename T>
 void fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, bool keep_pre, Tensor& y) {
   const int64_t M = mm.size(0), N = mm.size(1);
   T* mp = mm.mutable_data_ptr<T>();
   T* yp = y.mutable_data_ptr<T>();
+  const bool keep_grad = keep_pre && aux_holds_grad<T>(act);
+  const bool write_pre = keep_pre && !keep_grad && bias != nullptr;
   at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(N) * 3);
     float* vbuf = buf.data();  // pre (fp32)
@@ -177,21 +209,33 @@ void fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, boo
       for (; j + kV <= N; j += kV) {
         Vec v = Vec::loadu(in + j);
         if (bias) v = v + Vec::loadu(bias + j);
-        if (keep_pre) v.store(pre_out + j);
-        Vec o = act_vec(v, act);
+        Vec o;
+        if (keep_grad) {
+          Vec grad;
+          o = act_and_grad_vec(v, act, grad);
+          grad.store(pre_out + j);
+        } else {
+          if (write_pre) v.store(pre_out + j);
+          o = act_vec(v, act);
+        }
         if (dr.on) o = o * Vec::loadu(fbuf + j);
         o.store(y_out + j);
       }
       for (; j < N; ++j) {
         float v = in[j];
         if (bias) v += bias[j];
-        if (keep_pre) pre_out[j] = v;
-        float o = act_scalar(v, act);
+        float o;
+        if (keep_grad) {
+          o = act_and_grad_scalar(v, act, pre_out[j]);
+        } else {
+          if (write_pre) pre_out[j] = v;
+          o = act_scalar(v, act);
+        }
         if (dr.on) o *= fbuf[j];
         y_out[j] = o;
       }
       if constexpr (!std::is_same_v<T, float>) {
-        if (keep_pre) at::vec::convert(vbuf, mrow, N);
+        if (write_pre) at::vec::convert(vbuf, mrow, N);
         at::vec::convert(obuf, yrow, N);
       }
     }
@@ -199,8 +243,8 @@ void fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, boo
 }
 
 // d = g * act'(aux) * keep * scale, row by row; g (M, N) any row stride, in d's dtype or fp32
-// (G), d (M, N) contiguous (d may be g itself).  aux: pre (gelu / gelu_tanh) or y (relu), unit
-// column stride.  d32, when given for a 16-bit d, receives the same rows before their rounding
+// (G), d (M, N) contiguous (d may be g itself).  aux: the forward's activation state (gelu /
+// gelu_tanh: act'(pre) or pre, see aux_holds_grad) or y (relu), unit column stride.  d32, when given for a 16-bit d, receives the same rows before their rounding
 // (for db, see dact_with_dbias); it may be g's own fp32 rows (each is read before it is written).
 template <typename T, typename G>
 void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, Tensor& d, float* d32) {
@@ -209,6 +253,7 @@ void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, T
   const G* gp = g.const_data_ptr<G>();
   const T* ap = aux ? aux->const_data_ptr<T>() : nullptr;
   T* dp = d.mutable_data_ptr<T>();
+  const bool aux_is_grad = aux_holds_grad<T>(act);
   at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(N) * 4);
     float* gbuf = buf.data();
@@ -231,7 +276,11 @@ void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, T
           const Vec y = Vec::loadu(ar + j);
           v = Vec::blendv(v * Vec(dr.scale), Vec(0.0f), y <= Vec(0.0f));
         } else {
-          if (act != FfnAct::kNone) v = v * act_grad_vec(Vec::loadu(ar + j), act);
+          if (aux_is_grad) {
+            v = v * Vec::loadu(ar + j);
+          } else if (act != FfnAct::kNone) {
+            v = v * act_grad_vec(Vec::loadu(ar + j), act);
+          }
           if (mask) v = v * Vec::loadu(fbuf + j);
         }
         v.store(orow + j);
@@ -241,7 +290,11 @@ void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, T
         if (act == FfnAct::kRelu) {
           v = ar[j] <= 0.0f ? 0.0f : v * dr.scale;
         } else {
-          if (act != FfnAct::kNone) v *= act_grad_scalar(ar[j], act);
+          if (aux_is_grad) {
+            v *= ar[j];
+          } else if (act != FfnAct::kNone) {
+            v *= act_grad_scalar(ar[j], act);
+          }
           if (mask) v *= fbuf[j];
         }
         orow[j] = v;
@@ -486,13 +539,13 @@ Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional
   const Drop dr = make_drop(dropout_p, rng);
   if (store_pre) {
     // pre is kept (gelu): the GEMM adds the bias (addmm writes pre once) and the one pass reads
-    // pre and writes y.  Adding the bias in the pass instead would write pre twice (measured
-    // ~5 ms slower than torch's linear + gelu at 4096 x 2048 fp32).
+    // pre and writes y (and, in fp32, act'(pre) over pre).  Adding the bias in the pass instead
+    // would write pre twice (measured ~5 ms slower than torch's linear + gelu at 4096 x 2048 fp32).
     Tensor pre = linear_onednn_fp32(x, w, b);  // (M, N)
     if (!pre.defined()) pre = cpu_gemm(x, w.t(), b);
     if (!pre.is_contiguous()) pre = pre.contiguous();
     Tensor y = at::empty({M, N}, x.options());
-    run_fwd_epilogue(pre, nullptr, act, dr, false, y);
+    run_fwd_epilogue(pre, nullptr, act, dr, true, y);
     return {y, pre};
   }
   // Nothing kept but y: one in-place pass over mm adds the bias, applies the activation and

@@ -7,6 +7,10 @@ stores it, any strides; outputs are contiguous, in x's dtype.
   linear_fwd(x, w, b, activation, dropout_p, rng, store_pre, allow_tf32) -> (y, pre)
       pre = x @ w^T + b                         (M, N), stored only when store_pre, else (0,)
       y   = dropout(act(pre))                   (M, N)
+      The stored tensor is the activation state that this backend's dgrad / act_bwd read back
+      as aux: pre itself here and in CUDA; the C++ CPU backend stores act'(pre) instead for
+      gelu / gelu_tanh in fp32 (csrc/ffn_cpu.cpp, aux_holds_grad).  Backward always runs on the
+      backend that ran the forward, so aux never crosses backends.
   linear_dgrad(dy, w, aux, activation, dropout_p, rng, want_dbias, allow_tf32) -> (d, dbias)
       d = (dy @ w) * act'(pre) * keep / (1 - p)  (M, N): the gradient of the pre-activation of
           the layer whose output feeds ``w``'s layer; aux is pre (gelu / gelu_tanh), y (relu:

@@ -7,7 +7,8 @@ Each provides the four 2-D primitives documented in kernels/ffn.py (same argumen
 results), and the autograd formulas below are written once on top of them:
 
   linear_bias_act:  y = dropout(act(x W^T + b))
-      forward   linear_fwd (pre stored for gelu / gelu_tanh only; relu's backward reads y)
+      forward   linear_fwd (pre stored for gelu / gelu_tanh only, as the backend's own activation
+                state: kernels/ffn.py; relu's backward reads y)
       backward  d = act_bwd(dy)  (elementwise: dy * act'(pre) * keep / (1 - p), + db)
                 dx = d @ W (linear_dgrad, no epilogue);  dW = d^T x (linear_wgrad)
   feed_forward:     out = dropout(act(x W1^T + b1)) W2^T + b2
