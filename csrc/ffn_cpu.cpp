@@ -138,12 +138,12 @@ inline Vec act_and_grad_vec(Vec x, FfnAct act, Vec& grad) {
     grad = cdf + x * (Vec(-0.5f) * x * x).exp() * Vec(kInvSqrt2Pi);
     return x * cdf;
   }
-  const Vec x2 = x * x;
-  const Vec u = Vec(kSqrt2OverPi) * (x + Vec(kGeluC) * x2 * x);
+  // u rounded as act_vec's, so that y is the same whichever of the two computes it
+  const Vec u = Vec(kSqrt2OverPi) * (x + Vec(kGeluC) * x * x * x);
   Vec e;
   const Vec t = tanh_via_exp(u, e);
   const Vec sech2 = Vec(4.0f) * e / ((one + e) * (one + e));
-  grad = Vec(0.5f) * (one + t) + Vec(0.5f) * x * sech2 * Vec(kSqrt2OverPi) * (one + Vec(3.0f * kGeluC) * x2);
+  grad = Vec(0.5f) * (one + t) + Vec(0.5f) * x * sech2 * Vec(kSqrt2OverPi) * (one + Vec(3.0f * kGeluC) * (x * x));
   return Vec(0.5f) * x * (one + t);
 }
 
@@ -153,24 +153,21 @@ inline Vec act_grad_vec(Vec x, FfnAct act) {
   return grad;
 }
 
-inline float act_and_grad_scalar(float x, FfnAct act, float& grad) {
+inline float act_grad_scalar(float x, FfnAct act) {
   if (act == FfnAct::kGelu) {
-    const float cdf = normal_cdf_scalar(x);
-    grad = cdf + x * std::exp(-0.5f * x * x) * kInvSqrt2Pi;
-    return x * cdf;
+    return normal_cdf_scalar(x) + x * std::exp(-0.5f * x * x) * kInvSqrt2Pi;
   }
   const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
   const float e = std::exp(-2.0f * std::fabs(u));
   const float t = std::copysign((1.0f - e) / (1.0f + e), u);
   const float sech2 = 4.0f * e / ((1.0f + e) * (1.0f + e));
-  grad = 0.5f * (1.0f + t) + 0.5f * x * sech2 * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
-  return 0.5f * x * (1.0f + t);
+  return 0.5f * (1.0f + t) + 0.5f * x * sech2 * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
 }
 
-inline float act_grad_scalar(float x, FfnAct act) {
-  float grad;
-  act_and_grad_scalar(x, act, grad);
-  return grad;
+// The row tails' scalar form of act_and_grad_vec (y exactly as act_scalar computes it).
+inline float act_and_grad_scalar(float x, FfnAct act, float& grad) {
+  grad = act_grad_scalar(x, act);
+  return act_scalar(x, act);
 }
 
 // What the saved activation state (linear_fwd's second output, dgrad's and act_bwd's aux) holds
