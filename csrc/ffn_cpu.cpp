@@ -239,10 +239,11 @@ void fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, boo
   });
 }
 
-// d = g * act'(aux) * keep * scale, row by row; g (M, N) any row stride, in d's dtype or fp32
+// d = g * act'(pre) * keep * scale, row by row; g (M, N) any row stride, in d's dtype or fp32
 // (G), d (M, N) contiguous (d may be g itself).  aux: the forward's activation state (gelu /
-// gelu_tanh: act'(pre) or pre, see aux_holds_grad) or y (relu), unit column stride.  d32, when given for a 16-bit d, receives the same rows before their rounding
-// (for db, see dact_with_dbias); it may be g's own fp32 rows (each is read before it is written).
+// gelu_tanh: act'(pre) or pre, see aux_holds_grad) or y (relu), unit column stride.  d32, when
+// given for a 16-bit d, receives the same rows before their rounding (for db, see
+// dact_with_dbias); it may be g's own fp32 rows (each is read before it is written).
 template <typename T, typename G>
 void dact_pass(const Tensor& g, const Tensor* aux, FfnAct act, const Drop& dr, Tensor& d, float* d32) {
   const int64_t M = g.size(0), N = g.size(1);
@@ -613,8 +614,10 @@ Tensor2 ffn_act_bwd_cpu(const Tensor& dy, const std::optional<Tensor>& aux,
 // the stream rng = [seed, offset]: the CPU kernels' own generator, for the tests, which cannot
 // reach element indices past 2^34 (the counter's high word) through a real tensor.
 Tensor dropout_factors_cpu(const Tensor& rng, int64_t first_index, int64_t n, double dropout_p) {
-  TORCH_CHECK(rng.scalar_type() == at::kLong && rng.numel() == 2, "dropout_factors: rng must be an int64 [seed, offset] pair");
-  TORCH_CHECK(first_index >= 0 && n >= 0, "dropout_factors: first_index and n must be >= 0, got ", first_index, " and ", n);
+  TORCH_CHECK(rng.scalar_type() == at::kLong && rng.numel() == 2,
+              "dropout_factors: rng must be an int64 [seed, offset] pair");
+  TORCH_CHECK(first_index >= 0 && n >= 0, "dropout_factors: first_index and n must be >= 0, got ", first_index,
+              " and ", n);
   TORCH_CHECK(dropout_p > 0.0 && dropout_p < 1.0, "dropout_factors: dropout_p must be in (0, 1), got ", dropout_p);
   check_cpu_avx2();
   Tensor out = at::empty({n}, rng.options().dtype(at::kFloat));
