@@ -179,14 +179,20 @@ def dropout_p(module) -> float | None:
     return float(module.p) if module.training else 0.0
 
 
-def has_hooks(root: torch.nn.Module) -> bool:
-    """Any forward or backward (pre-)hook on ``root`` or below, a global module hook, or a
-    ``forward`` set on an instance below ``root`` (``module.forward = ...``: accelerate's hooks,
-    ad-hoc LoRA or logging patches): the fused path would skip them, so the layers then call
-    their submodules one by one (torch's fast path makes the same check for forward hooks)."""
+def has_global_hooks() -> bool:
+    """A module hook registered for every module (torch.nn.modules.module.register_module_*)."""
     mod = torch.nn.modules.module
-    if (mod._global_forward_hooks or mod._global_forward_pre_hooks or mod._global_backward_hooks
-            or mod._global_backward_pre_hooks):
+    return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks
+                or mod._global_backward_hooks or mod._global_backward_pre_hooks)
+
+
+def has_hooks(root: torch.nn.Module, global_hooks: bool = True) -> bool:
+    """Any forward or backward (pre-)hook on ``root`` or below, a global module hook (unless
+    ``global_hooks`` is False), or a ``forward`` set on an instance below ``root``
+    (``module.forward = ...``: accelerate's hooks, ad-hoc LoRA or logging patches): the fused
+    path would skip them, so the layers then call their submodules one by one (torch's fast
+    path makes the same check for forward hooks)."""
+    if global_hooks and has_global_hooks():
         return True
     # A plain walk: root.modules() (a generator per level, names) cost ~5% of a small layer.
     stack, seen = [root], set()

@@ -71,13 +71,16 @@ def _get_clones(module, N):
 
 
 def _norm_fusable(norm, x) -> bool:
-    """A LayerNorm (ours or torch's) over x's last dimension with parameters the fused kernel
-    takes (x's dtype or float32) and an eps it takes (> 0; torch's layers also run eps = 0)."""
+    """A LayerNorm (ours or torch's) over x's last dimension with an eps the fused kernel takes
+    (> 0; torch's layers also run eps = 0) and parameters F.layer_norm takes: in x's dtype, or
+    all float32 for a 16-bit x (other mixes raise there, so the unfused blocks raise them)."""
     if type(norm) not in (LayerNorm, torch.nn.LayerNorm) or not norm.eps > 0:
         return False
     if tuple(norm.normalized_shape) != (x.shape[-1],):
         return False
-    return all(p is None or p.dtype in (x.dtype, torch.float32) for p in (norm.weight, norm.bias))
+    dtypes = {p.dtype for p in (norm.weight, norm.bias) if p is not None}
+    return dtypes <= {x.dtype} or (
+        dtypes == {torch.float32} and x.dtype in (torch.float16, torch.bfloat16))
 
 
 def _add_norm(sub, residual, norm, p, prenorm=False, lane=None):
@@ -92,11 +95,13 @@ def _add_norm(sub, residual, norm, p, prenorm=False, lane=None):
 
 
 def _attention(mha, x, memory, mask, padding, is_causal, lane):
-    """``mha(x, memory, memory)[0]`` without weights; a replayed call skips its checks."""
+    """``mha(x, memory, memory)[0]`` without weights; a replayed call skips its checks.  The
+    fused layers reach here only without hooks of the layer's own (_fusable), so its forward is
+    called directly: a global module hook sees the layer's call alone, as on torch's fast path."""
     if lane is not None:
         return mha._attend(x, memory, memory, padding, False, mask, True, is_causal, lane)[0]
-    return mha(x, memory, memory, attn_mask=mask, key_padding_mask=padding, need_weights=False,
-               is_causal=is_causal)[0]
+    return mha.forward(x, memory, memory, attn_mask=mask, key_padding_mask=padding,
+                       need_weights=False, is_causal=is_causal)[0]
 
 
 def _layer_norm(x, norm):
@@ -146,7 +151,16 @@ class _FusedFFN:
             return False
         if not all(_norm_fusable(n, x) for n in norms):
             return False
-        return not (check_hooks and sem.has_hooks(self))
+        if not check_hooks:
+            return True
+        # torch's encoder-layer fast path calls no submodule and looks only at the layer's own
+        # forward hooks, so a global module hook (FlopCounterMode, ModuleTracker, a logger)
+        # sees the layer's call alone there: ours then fuses too.
+        global_hooks = not (sem.has_global_hooks() and self._torch_fast_path(x))
+        return not sem.has_hooks(self, global_hooks=global_hooks)
+
+    def _torch_fast_path(self, x) -> bool:
+        return False
 
 
 def _plain_parts(layer, base, blocks, attentions) -> bool:
@@ -237,13 +251,29 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         if masks[0] is not src_mask or masks[1] is not src_key_padding_mask:
             key = None  # converted (and warned, mixed kinds): the replay would do neither
         src_mask, src_key_padding_mask = masks
-        out_dtype = None
         if _fast_path_may_differ(src, src_mask, src_key_padding_mask, is_causal) and _torch_layer_fast_path(self, src):
+            if _non_cuda_autocast(src):
+                return self._torch_fast_path_op(src, src_mask, src_key_padding_mask)
             key = None
-            src_mask, src_key_padding_mask, is_causal, out_dtype = self._as_torch_fast_path(
+            src_mask, src_key_padding_mask, is_causal = self._as_torch_fast_path(
                 src, src_mask, src_key_padding_mask, is_causal)
-        out = self._forward(src, src_mask, src_key_padding_mask, is_causal, key)
-        return out if out_dtype is None else out.to(out_dtype)
+        return self._forward(src, src_mask, src_key_padding_mask, is_causal, key)
+
+    def _torch_fast_path_op(self, src, src_mask, src_key_padding_mask):
+        """torch's inference fast path under a CPU autocast, which its check does not see: the
+        autocast casts every input of its op, parameters included, to the autocast dtype, so it
+        runs (and returns that dtype) whatever the parameters' and the input's dtypes, where its
+        other paths raise on such a mix.  Ours calls that op for torch's numbers there."""
+        src_mask = sem.to_additive(src_mask, src.dtype)
+        src_key_padding_mask = sem.to_additive(src_key_padding_mask, src.dtype)
+        attn = self.self_attn
+        merged, mask_type = attn.merge_masks(src_mask, src_key_padding_mask, src)
+        return torch._transformer_encoder_layer_fwd(
+            src, attn.embed_dim, attn.num_heads, attn.in_proj_weight, attn.in_proj_bias,
+            attn.out_proj.weight, attn.out_proj.bias, self.activation_relu_or_gelu == 2,
+            self.norm_first, self.norm1.eps, self.norm1.weight, self.norm1.bias,
+            self.norm2.weight, self.norm2.bias, self.linear1.weight, self.linear1.bias,
+            self.linear2.weight, self.linear2.bias, merged, mask_type)
 
     def _forward_nested(self, src):
         """A NestedTensor of N (S_i, E) sequences, as torch's TransformerEncoder passes its
@@ -265,9 +295,8 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         """The inputs as torch's inference fast path reads them (it runs in eval without grad,
         batch_first, ...: _torch_layer_fast_path): it merges the masks (merge_masks) and reads
         the float result by zero / nonzero (nonzero = not allowed) instead of adding it, so a
-        float mask of any dtype is accepted; it ignores the is_causal hint without a mask; under
-        a CPU autocast it returns the autocast dtype.  -> (src_mask, src_key_padding_mask,
-        is_causal, output dtype or None)."""
+        float mask of any dtype is accepted; it ignores the is_causal hint without a mask (under a
+        CPU autocast: _torch_fast_path_op).  -> (src_mask, src_key_padding_mask, is_causal)."""
         if any(m is not None and m.is_floating_point() for m in (src_mask, src_key_padding_mask)):
             # (canonical_pair made both float when their kinds differed.)
             if src_key_padding_mask is None:
@@ -280,10 +309,7 @@ class TransformerEncoderLayer(_FusedFFN, Module):
                 is_causal = False  # the merged mask carries the padding: read it
         if src_mask is None:
             is_causal = False
-        out_dtype = None
-        if _non_cuda_autocast(src) and src.dtype == torch.float32:
-            out_dtype = torch.get_autocast_dtype(src.device.type)
-        return src_mask, src_key_padding_mask, is_causal, out_dtype
+        return src_mask, src_key_padding_mask, is_causal
 
     def _forward(self, src, src_mask, src_key_padding_mask, is_causal, key=None):
         if self._can_fuse(src):
@@ -292,6 +318,10 @@ class TransformerEncoderLayer(_FusedFFN, Module):
             if key is not None:
                 _lane.remember(self, key, names)
             return out
+        # torch's layer hands its blocks float masks (_canonical_mask): so does ours where the
+        # blocks run, since self_attn, a block or a hook there may be the user's own.
+        src_mask = sem.to_additive(src_mask, src.dtype)
+        src_key_padding_mask = sem.to_additive(src_key_padding_mask, src.dtype)
         x = src
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
@@ -300,6 +330,9 @@ class TransformerEncoderLayer(_FusedFFN, Module):
             x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
             x = self.norm2(x + self._ff_block(x))
         return x
+
+    def _torch_fast_path(self, x) -> bool:
+        return _torch_layer_fast_path(self, x)
 
     def _can_fuse(self, x, check_hooks=True) -> bool:
         if not _plain_parts(self, TransformerEncoderLayer, ("_sa_block", "_ff_block"), (self.self_attn,)):
@@ -685,23 +718,32 @@ class TransformerEncoder(Module):
 
         output = None if quirks else _chained(
             self, TransformerEncoderLayer, (src, mask, src_key_padding_mask), is_causal, chain)
-        if output is None:
-            output = src
-            for mod in self.layers:
-                output = mod(output, src_mask=mask, is_causal=is_causal,
-                             src_key_padding_mask=src_key_padding_mask)
-            if self.norm is not None:
-                output = self.norm(output)
+        # torch pads the NestedTensor's output with zeros, then applies the final norm.
+        where = None
         if nested is not None:
-            # torch pads the NestedTensor's output with zeros, then applies the final norm.
             padded, aligned = nested
-            fill = output.new_zeros(1, 1, output.shape[-1])
-            if self.norm is not None:
-                fill = self.norm(fill)
-            where = padded if batch_first else padded.t()
+            where = (padded if batch_first else padded.t()).unsqueeze(-1)
             if aligned is not True:
                 where = where & aligned
-            output = torch.where(where.unsqueeze(-1), fill, output)
+        if output is not None:  # chained: the norm is a fused op here, not a module call
+            if where is not None:
+                fill = output.new_zeros(1, 1, output.shape[-1])
+                if self.norm is not None:
+                    fill = _layer_norm(fill, self.norm)
+                output = torch.where(where, fill, output)
+            return output
+        # The layers one by one, as torch's stack calls them: with float masks (_canonical_mask),
+        # since a layer, its blocks or a hook there may be the user's own.
+        mask = sem.to_additive(mask, src.dtype)
+        src_key_padding_mask = sem.to_additive(src_key_padding_mask, src.dtype)
+        output = src
+        for mod in self.layers:
+            output = mod(output, src_mask=mask, is_causal=is_causal,
+                         src_key_padding_mask=src_key_padding_mask)
+        if where is not None:
+            output = output.masked_fill(where, 0.0)
+        if self.norm is not None:
+            output = self.norm(output)
         return output
 
     def _nested_padding(self, src, mask, src_key_padding_mask):
