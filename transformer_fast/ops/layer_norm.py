@@ -153,6 +153,9 @@ def _setup_context(ctx, inputs, output):
     # mean / rstd never get a gradient, nor the (0,) placeholder of a post-LN call: no zero
     # tensors (a memset kernel each on a GPU) are made for them.
     ctx.set_materialize_grads(False)
+    if prenorm and not (x.requires_grad or residual.requires_grad):
+        # The sum depends on x and residual alone: it needs no grad, as torch's residual + x.
+        ctx.mark_non_differentiable(output[1])
 
 
 def _recorded_backward(ctx, dy, dh, x, residual, weight, bias, rng):

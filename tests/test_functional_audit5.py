@@ -1,0 +1,34 @@
+"""The fifth outside audit of the functional ops (2026-11-29, fourth session).  Each case failed
+on the code before the fix."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformer_fast import functional as F
+
+BACKENDS = ["reference", "torch", "cpu", "auto"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_prenorm_sum_needs_no_grad_when_only_the_norm_learns(backend, compiled):
+    """residual + dropout(x) does not depend on weight / bias: like torch's ``residual + x`` it
+    needs no grad (the fused op marked it, and a backward from it gave zeros)."""
+    torch.manual_seed(0)
+    x, r = torch.randn(3, 8), torch.randn(3, 8)
+    w, b = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+
+    def call(x_, r_):
+        return F.add_layer_norm(x_, r_, w, b, prenorm=True, backend=backend)
+
+    fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
+    normed, summed = fn(x, r)
+    assert normed.requires_grad and not summed.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.autograd.grad(summed.sum(), (w, b))
+    xg = x.clone().requires_grad_()
+    normed, summed = fn(xg, r)
+    assert summed.requires_grad
+    (gx,) = torch.autograd.grad(summed.sum(), xg)
+    torch.testing.assert_close(gx, torch.ones_like(x))
