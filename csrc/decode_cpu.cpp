@@ -179,9 +179,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #endif
 
 // s[r * kBlockN + c] = scale * q_r . k_c for keys c < cnt[r] of the block.  q: (bm, D) fp32
-// contiguous; k: bn rows of D fp32 with row pitch ldk.  The dot is an fp32 SIMD reduction (8 or 4
-// lanes of D / lanes sequential terms, then a tree): the blocked order of a BLAS GEMM, whose error
-// the oracle's bound is built on, not one sequential sum over D.
+// contiguous; k: bn rows of D fp32 with row pitch ldk.  The dot is a SIMD reduction in double,
+// rounded once: in fp32 (8 lanes of D / 8 sequential terms) its error passed the oracle's bound
+// (up to 3.7x, in 1 draw of 8) where the logits are large (a standard deviation of ~30: a peaked
+// softmax turns a score's absolute error into the output's relative error).  A decoding step
+// reads each key once, so the wider arithmetic is not what bounds it.
 TF_SIMD_CLONES void block_scores(const float* q, int64_t bm, int64_t D, const float* k,
                                  int64_t ldk, const int64_t* cnt, float scale, float* s) {
   for (int64_t r = 0; r < bm; ++r) {
@@ -194,26 +196,26 @@ TF_SIMD_CLONES void block_scores(const float* q, int64_t bm, int64_t D, const fl
       const float* k1 = k0 + ldk;
       const float* k2 = k1 + ldk;
       const float* k3 = k2 + ldk;
-      float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+      double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
       for (int64_t d = 0; d < D; ++d) {
-        const float qd = qr[d];
+        const double qd = qr[d];
         a0 += qd * k0[d];
         a1 += qd * k1[d];
         a2 += qd * k2[d];
         a3 += qd * k3[d];
       }
-      s[r * kBlockN + c] = scale * a0;
-      s[r * kBlockN + c + 1] = scale * a1;
-      s[r * kBlockN + c + 2] = scale * a2;
-      s[r * kBlockN + c + 3] = scale * a3;
+      s[r * kBlockN + c] = static_cast<float>(scale * a0);
+      s[r * kBlockN + c + 1] = static_cast<float>(scale * a1);
+      s[r * kBlockN + c + 2] = static_cast<float>(scale * a2);
+      s[r * kBlockN + c + 3] = static_cast<float>(scale * a3);
     }
     for (; c < cnt[r]; ++c) {
       const float* kc = k + c * ldk;
-      float acc = 0.0f;
+      double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < D; ++d) acc += qr[d] * kc[d];
-      s[r * kBlockN + c] = scale * acc;
+      for (int64_t d = 0; d < D; ++d) acc += static_cast<double>(qr[d]) * kc[d];
+      s[r * kBlockN + c] = static_cast<float>(scale * acc);
     }
   }
 }
@@ -315,7 +317,8 @@ TF_SIMD_CLONES void block_pv(double* acc, double alpha, const float* p, int64_t 
 }
 
 // max that propagates NaN (std::max(m, NaN) would drop it and turn a NaN row into a dead row).
-inline float nan_max(float m, float x) { return (x > m || std::isnan(x)) ? x : m; }
+template <typename F>
+inline F nan_max(F m, F x) { return (x > m || std::isnan(x)) ? x : m; }
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(c10::Half x) { return static_cast<float>(x); }
@@ -346,10 +349,11 @@ struct Problem {
 };
 
 // One task = (b, hk, query tile mt, split).  Writes out (nsplit == 1) or the split's partial
-// (op (nsplit, B, H, L_new, Dv) fp32, lse (nsplit, B, H, L_new) fp32, natural log).
+// (op (nsplit, B, H, L_new, Dv) fp32, lse (nsplit, B, H, L_new) double, natural log: with large
+// logits an fp32 lse carried |lse| * 2^-24 into the split's weight, past the oracle's bound).
 template <typename T>
 void decode_kernel(const Problem& p, const T* q, const T* k, const T* v, const int32_t* seqlens,
-                   T* out, float* op, float* lse) {
+                   T* out, float* op, double* lse) {
   const int64_t m_total = p.L_new * p.group;
   const int64_t tasks = p.B * p.Hkv * p.n_mt * p.nsplit;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -432,7 +436,7 @@ void decode_kernel(const Problem& p, const T* q, const T* k, const T* v, const i
           float* o = op + (split * p.B * p.H * p.L_new + row) * p.Dv;
           for (int64_t d = 0; d < p.Dv; ++d) o[d] = static_cast<float>(ar[d] * inv);
           lse[split * p.B * p.H * p.L_new + row] =
-              live ? m_i[r] + static_cast<float>(std::log(l_i[r])) : kNegInf;
+              live ? static_cast<double>(m_i[r]) + std::log(l_i[r]) : -HUGE_VAL;
         }
       }
     }
@@ -441,23 +445,23 @@ void decode_kernel(const Problem& p, const T* q, const T* k, const T* v, const i
 
 // Merges the splits of every (b, h, t) row in split order (log-sum-exp weights, double sums).
 template <typename T>
-void combine_kernel(const Problem& p, const float* op, const float* lse, T* out) {
+void combine_kernel(const Problem& p, const float* op, const double* lse, T* out) {
   const int64_t rows = p.B * p.H * p.L_new, S = p.nsplit;
   // Grain: one thread unless there are many rows (a decoding step has B * H of them).
   const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(1, S * p.Dv));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<double> acc(p.Dv), w(S);
     for (int64_t row = begin; row < end; ++row) {
-      float m = kNegInf;
+      double m = -HUGE_VAL;
       for (int64_t s = 0; s < S; ++s) m = nan_max(m, lse[s * rows + row]);
       T* o = out + row * p.Dv;
-      if (m == kNegInf) {  // no split saw a key: a dead row
+      if (m == -HUGE_VAL) {  // no split saw a key: a dead row
         for (int64_t d = 0; d < p.Dv; ++d) o[d] = static_cast<T>(0.0f);
         continue;
       }
       double tot = 0.0;
       for (int64_t s = 0; s < S; ++s) {
-        w[s] = std::exp(static_cast<double>(lse[s * rows + row]) - m);
+        w[s] = std::exp(lse[s * rows + row] - m);
         tot += w[s];
       }
       std::fill(acc.begin(), acc.end(), 0.0);
@@ -543,16 +547,16 @@ void run(const Problem& p, const Tensor& q, const Tensor& k, const Tensor& v,
   Tensor op, lse;
   if (p.nsplit > 1) {
     op = at::empty({p.nsplit, p.B, p.H, p.L_new, p.Dv}, q.options().dtype(at::kFloat));
-    lse = at::empty({p.nsplit, p.B, p.H, p.L_new}, q.options().dtype(at::kFloat));
+    lse = at::empty({p.nsplit, p.B, p.H, p.L_new}, q.options().dtype(at::kDouble));
   }
   decode_kernel<T>(p, static_cast<const T*>(q.const_data_ptr()),
                    static_cast<const T*>(k.const_data_ptr()),
                    static_cast<const T*>(v.const_data_ptr()), seqlens.const_data_ptr<int32_t>(),
                    static_cast<T*>(out.mutable_data_ptr()),
                    p.nsplit > 1 ? op.mutable_data_ptr<float>() : nullptr,
-                   p.nsplit > 1 ? lse.mutable_data_ptr<float>() : nullptr);
+                   p.nsplit > 1 ? lse.mutable_data_ptr<double>() : nullptr);
   if (p.nsplit > 1) {
-    combine_kernel<T>(p, op.const_data_ptr<float>(), lse.const_data_ptr<float>(),
+    combine_kernel<T>(p, op.const_data_ptr<float>(), lse.const_data_ptr<double>(),
                       static_cast<T*>(out.mutable_data_ptr()));
   }
   add_hidden_values<T>(p, static_cast<const T*>(v.const_data_ptr()), seqlens.const_data_ptr<int32_t>(),
