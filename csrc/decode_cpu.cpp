@@ -182,8 +182,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // contiguous; k: bn rows of D fp32 with row pitch ldk.  The dot is a SIMD reduction in double,
 // rounded once: in fp32 (8 lanes of D / 8 sequential terms) its error passed the oracle's bound
 // (up to 3.7x, in 1 draw of 8) where the logits are large (a standard deviation of ~30: a peaked
-// softmax turns a score's absolute error into the output's relative error).  A decoding step
-// reads each key once, so the wider arithmetic is not what bounds it.
+// softmax turns a score's absolute error into the output's relative error).  It costs a step
+// 5-62% on one thread (benchmarks/NOTES.md, "CPU decoding step: q.k in double").
 TF_SIMD_CLONES void block_scores(const float* q, int64_t bm, int64_t D, const float* k,
                                  int64_t ldk, const int64_t* cnt, float scale, float* s) {
   for (int64_t r = 0; r < bm; ++r) {
