@@ -27,7 +27,6 @@ SDPA_BAD = {
     "value heads": (dict(value=torch.randn(2, 2, 7, 16)), ValueError, "value"),
     "head dim mismatch": (dict(key=torch.randn(2, 4, 7, 8)), ValueError, "key"),
     "value length": (dict(value=torch.randn(2, 4, 6, 16)), ValueError, "value"),
-    "zero head dim": (dict(query=torch.randn(2, 4, 5, 0), key=torch.randn(2, 4, 7, 0)), ValueError, "head dimension"),
     "3-D gqa": (dict(query=torch.randn(4, 5, 16), key=torch.randn(3, 7, 16), value=torch.randn(3, 7, 16), enable_gqa=True), ValueError, "key"),
     "mask shape": (dict(attn_mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, "attn_mask"),
     "mask rank too big": (dict(attn_mask=torch.ones(1, 2, 4, 5, 7, dtype=torch.bool)), ValueError, "attn_mask"),

@@ -256,8 +256,6 @@ def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
             raise ArgumentValueError(
                 f"with enable_gqa, key's number of heads ({hk}) must divide query's ({hq})"
             )
-    if query.shape[-1] < 1:
-        raise ArgumentValueError(f"query must have a head dimension >= 1; got shape {tuple(query.shape)}")
     if key.shape[-1] != query.shape[-1]:
         raise ArgumentValueError(
             f"key must have query's head dimension ({query.shape[-1]}, dim -1); got "

@@ -178,7 +178,8 @@ def scaled_dot_product_attention(
     """
     head_dim = query.shape[-1]
     if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
+        # D == 0: the scores are empty sums, 0 for any scale (torch: softmax of zeros, mean of v).
+        scale = 1.0 / math.sqrt(head_dim) if head_dim else 1.0
     if enable_gqa and query.shape[-3] != key.shape[-3]:
         group = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(group, dim=-3)

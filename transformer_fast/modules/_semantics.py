@@ -69,11 +69,25 @@ def check_mask_kind(mask, name: str, other=None, other_name: str = "") -> None:
     if mask.dtype != torch.bool and not torch.is_floating_point(mask):
         raise MaskTypeError(f"only bool and floating types of {name} are supported; got {mask.dtype}")
     if other is not None and isinstance(other, torch.Tensor) and other.dtype != mask.dtype:
-        warnings.warn(
-            f"Support for mismatched {name} and {other_name} is deprecated. Use same type for "
-            "both instead.",
-            stacklevel=3,
-        )
+        _warn_mismatched(name, other_name)
+
+
+def _warn_mismatched(name: str, other_name: str) -> None:
+    warnings.warn(
+        f"Support for mismatched {name} and {other_name} is deprecated. Use same type for both "
+        "instead.",
+        stacklevel=4,
+    )
+
+
+def check_float_kinds(mask, name: str, other, other_name: str, dtype) -> None:
+    """torch's second mask check, in F.multi_head_attention_forward after
+    MultiheadAttention.forward made bool masks ``dtype`` float masks: float masks of two dtypes
+    warn a second time."""
+    if not (isinstance(mask, torch.Tensor) and isinstance(other, torch.Tensor)):
+        return
+    if (dtype if mask.dtype == torch.bool else mask.dtype) != (dtype if other.dtype == torch.bool else other.dtype):
+        _warn_mismatched(name, other_name)
 
 
 def to_additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -43,6 +43,7 @@ from ._semantics import (
     InputRuntimeError,
     autocast_enabled,
     backend_for,
+    check_float_kinds,
     check_mask_kind,
     mixed_kinds,
 )
@@ -215,6 +216,8 @@ class MultiheadAttention(Module):
                          average_attn_weights, is_causal):
         check_mask_kind(key_padding_mask, "key_padding_mask", attn_mask, "attn_mask")
         check_mask_kind(attn_mask, "attn_mask")
+        if isinstance(query, Tensor):
+            check_float_kinds(key_padding_mask, "key_padding_mask", attn_mask, "attn_mask", query.dtype)
         if query.is_nested or key.is_nested or value.is_nested:
             raise InputError(
                 "MultiheadAttention (transformer_fast) does not take NestedTensor inputs; pass a "

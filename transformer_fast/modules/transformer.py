@@ -713,8 +713,12 @@ class TransformerEncoder(Module):
                 out = _native.packed_encoder(self, lane, src, src_key_padding_mask)
                 if out is not None:
                     return out if self.norm is None else _layer_norm(out, self.norm)
-            return _chain_layers(self, src, lambda mod, x, normed, next_norm: mod._fused(
-                x, mask, src_key_padding_mask, is_causal, normed, next_norm, lane=lane))
+            def step(mod, x, normed, next_norm):
+                # torch's layer checks the masks as the stack handed them (bool made float):
+                # float masks of two dtypes warn there again, once a layer
+                sem.check_mask_kind(src_key_padding_mask, "src_key_padding_mask", mask, "src_mask")
+                return mod._fused(x, mask, src_key_padding_mask, is_causal, normed, next_norm, lane=lane)
+            return _chain_layers(self, src, step)
 
         output = None if quirks else _chained(
             self, TransformerEncoderLayer, (src, mask, src_key_padding_mask), is_causal, chain)

@@ -1,0 +1,156 @@
+"""Parity items left by the fifth audit, fixed in the session after it (2026-11-29, fifth):
+torch's mask-mismatch deprecation warnings, each as many times as torch gives it (the encoder
+layer's own check inside a stack, the second check of MultiheadAttention), and a head dim of 0
+in scaled_dot_product_attention (torch: a softmax of zero scores, the mean of the values).
+Each case failed before the fix, compared with torch itself."""
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import transformer_fast
+import transformer_fast.functional as tf
+
+E, H, FF, L = 16, 2, 32, 5
+MASK_DTYPES = [None, torch.bool, torch.float32, torch.float64]
+
+
+def _causal(dtype):
+    if dtype is None:
+        return None
+    upper = torch.ones(L, L, dtype=torch.bool).triu(1)
+    return upper if dtype == torch.bool else torch.zeros(L, L, dtype=dtype).masked_fill(upper, float("-inf"))
+
+
+def _padding(dtype, batch=2):
+    if dtype is None:
+        return None
+    pad = torch.zeros(batch, L, dtype=torch.bool)
+    pad[-1, 3:] = True
+    return pad if dtype == torch.bool else torch.zeros(batch, L, dtype=dtype).masked_fill(pad, float("-inf"))
+
+
+def _warnings_and_output(call):
+    """(the warnings' messages in order, the output or the exception's type name)"""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = call()
+        except Exception as exc:  # noqa: BLE001 - compared with torch's
+            out = type(exc).__name__
+    messages = [str(w.message) for w in caught if "mismatched" in str(w.message)]
+    return messages, out
+
+
+def _compare(theirs, ours, call):
+    want, out_t = _warnings_and_output(lambda: call(theirs))
+    got, out_o = _warnings_and_output(lambda: call(ours))
+    assert got == want
+    if isinstance(out_t, str) or isinstance(out_o, str):
+        assert (out_o if isinstance(out_o, str) else "ran") in (out_t, "Input" + out_t)
+        return
+    out_t = out_t[0] if isinstance(out_t, tuple) else out_t
+    out_o = out_o[0] if isinstance(out_o, tuple) else out_o
+    torch.testing.assert_close(out_o, out_t, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask_dtype,pad_dtype", list(itertools.product(MASK_DTYPES, MASK_DTYPES)))
+@pytest.mark.parametrize("training", [True, False])
+def test_encoder_stack_warns_as_torch(mask_dtype, pad_dtype, training):
+    """torch's stack checks the masks, then each layer checks them again as the stack made them
+    (bool -> float), then each layer's attention twice: ours gives the same list, also on a
+    second call (the stack's replay)."""
+    torch.manual_seed(0)
+    theirs = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, batch_first=True),
+                                   2, enable_nested_tensor=False).train(training)
+    ours = copy.deepcopy(theirs)
+    transformer_fast.swap(ours)
+    x = torch.randn(2, L, E)
+    for _ in range(2):
+        _compare(theirs, ours, lambda m: m(x, mask=_causal(mask_dtype),
+                                           src_key_padding_mask=_padding(pad_dtype)))
+
+
+@pytest.mark.parametrize("mask_dtype,pad_dtype", list(itertools.product(MASK_DTYPES, MASK_DTYPES)))
+def test_transformer_warns_as_torch(mask_dtype, pad_dtype):
+    torch.manual_seed(0)
+    theirs = nn.Transformer(E, H, 1, 1, FF, dropout=0.0, batch_first=True)
+    ours = copy.deepcopy(theirs)
+    transformer_fast.swap(ours)
+    src, tgt = torch.randn(2, L, E), torch.randn(2, L, E)
+    _compare(theirs, ours, lambda m: m(
+        src, tgt, src_mask=_causal(mask_dtype), tgt_mask=_causal(mask_dtype),
+        src_key_padding_mask=_padding(pad_dtype), tgt_key_padding_mask=_padding(pad_dtype),
+        memory_key_padding_mask=_padding(pad_dtype)))
+
+
+@pytest.mark.parametrize("mask_dtype,pad_dtype", list(itertools.product(MASK_DTYPES, MASK_DTYPES)))
+@pytest.mark.parametrize("training,need_weights", [(True, True), (False, False), (False, True)])
+def test_multihead_attention_warns_as_torch(mask_dtype, pad_dtype, training, need_weights):
+    """torch checks the masks in MultiheadAttention.forward and again, bool masks made float,
+    in F.multi_head_attention_forward: two float dtypes warn twice."""
+    torch.manual_seed(0)
+    theirs = nn.MultiheadAttention(E, H, batch_first=True).train(training)
+    ours = transformer_fast.MultiheadAttention(E, H, batch_first=True).train(training)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, L, E)
+    with torch.no_grad():
+        _compare(theirs, ours, lambda m: m(x, x, x, attn_mask=_causal(mask_dtype),
+                                           key_padding_mask=_padding(pad_dtype),
+                                           need_weights=need_weights))
+
+
+# ---- head dim 0
+
+
+def _zero_dim_masks():
+    pad = torch.zeros(2, 4, dtype=torch.bool)
+    pad[1, 2:] = True
+    bool_mask = torch.rand(3, 4) > 0.3
+    bool_mask[0] = False  # a row with no key: zeros
+    return [
+        dict(),
+        dict(is_causal=True),
+        dict(attn_mask=bool_mask),
+        dict(attn_mask=torch.randn(2, 3, 3, 4, dtype=torch.float64)),
+        dict(key_padding_mask=pad),
+        dict(scale=0.5),
+    ]
+
+
+def _torch_zero_dim(q, k, v, key_padding_mask=None, **kw):
+    """torch's SDPA, with the padding mask and dead rows written the way ours defines them."""
+    mask = kw.pop("attn_mask", None)
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]
+        mask = keep if mask is None else mask & keep
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    if mask is not None and mask.dtype == torch.bool:
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", None])
+@pytest.mark.parametrize("case", range(6))
+def test_sdpa_head_dim_zero_is_the_softmax_of_zero_scores(backend, case):
+    torch.manual_seed(case)
+    kw = _zero_dim_masks()[case]
+    q = torch.randn(2, 3, 3, 0, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 4, 0, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True)
+    out = tf.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+    want = _torch_zero_dim(q, k, v, **kw)
+    torch.testing.assert_close(out, want)
+    assert not out.isnan().any()
+    grad = torch.randn_like(out)
+    (gv,) = torch.autograd.grad(out, v, grad)
+    (gv_want,) = torch.autograd.grad(want, v, grad)
+    torch.testing.assert_close(gv, gv_want)
+    if kw == {}:
+        torch.testing.assert_close(out, v.mean(-2, keepdim=True).expand_as(out))
