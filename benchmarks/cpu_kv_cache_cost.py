@@ -1,5 +1,5 @@
 """Time one CPU decoding step of attention_with_kv_cache (backend "cpu", fp32, one thread):
-20th percentile of 60 calls per shape, for comparing two builds interleaved
+20th percentile (and minimum) of 60 calls per shape, for comparing two builds interleaved
 (PYTHONPATH=<tree> python benchmarks/cpu_kv_cache_cost.py [cpu|torch]).  One thread, since on a
 shared 2-core machine two threads measured scheduler quanta, not the kernel."""
 import sys
@@ -9,18 +9,21 @@ import torch
 
 from transformer_fast import functional as F
 
-SHAPES = ((4, 8, 8, 2048, 64), (4, 8, 8, 512, 64), (1, 32, 8, 4096, 128))  # B, H, Hkv, L, D
+# B, H, Hkv, L, D, Lq: decoding steps (Lq 1) whose packed rows (Lq * H / Hkv) take the
+# per-key dot (< 16 rows) or the GEMM-like loop (>= 16: a GQA group of 16, a prefill chunk)
+SHAPES = ((4, 8, 8, 2048, 64, 1), (4, 8, 8, 512, 64, 1), (1, 32, 8, 4096, 128, 1),
+          (1, 32, 2, 4096, 128, 1), (1, 8, 8, 1024, 64, 32))
 
 
 def main(backend: str = "cpu") -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     res = []
-    for b, h, hkv, length, d in SHAPES:
-        q = torch.randn(b, h, 1, d)
+    for b, h, hkv, length, d, lq in SHAPES:
+        q = torch.randn(b, h, lq, d)
         kc, vc = torch.randn(b, hkv, length, d), torch.randn(b, hkv, length, d)
-        lens = torch.full((b,), length - 1, dtype=torch.int32)
-        kn, vn = torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
+        lens = torch.full((b,), length - lq, dtype=torch.int32)
+        kn, vn = torch.randn(b, hkv, lq, d), torch.randn(b, hkv, lq, d)
 
         def step():
             return F.attention_with_kv_cache(q, kc, vc, lens, kn, vn, backend=backend)
@@ -33,7 +36,8 @@ def main(backend: str = "cpu") -> None:
             step()
             times.append(time.perf_counter() - t)
         times.sort()
-        res.append(f"{(b, h, hkv, length, d)} {times[len(times) // 5] * 1e3:.3f}")
+        res.append(f"{(b, h, hkv, length, d, lq)} {times[len(times) // 5] * 1e3:.3f} "
+                   f"({times[0] * 1e3:.3f})")
     print(f"{backend}: " + " | ".join(res), flush=True)
 
 

@@ -167,15 +167,21 @@ constexpr int64_t kBlockM = 128;    // packed query rows per task tile
 constexpr int64_t kBlockN = 64;     // keys per block (also the split granularity)
 constexpr int64_t kMaxSplits = 128;
 constexpr int64_t kGemmRows = 16;  // tiles of at least this many rows take block_scores_t
+constexpr int64_t kPanel = 16;     // keys per panel of block_scores_t's K^T
 // "Slots" the split rule assumes on the CPU: fixed (not the thread count) so that the split
 // count, and with it the rounding of the result, does not depend on the number of threads.
 constexpr int64_t kCpuSlots = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define TF_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define TF_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// The q.k loops multiply fp32 values in double, where the product is exact: a fused
+// multiply-add rounds exactly as the separate add, so contracting them changes no result (the
+// build's -ffp-contract=off is for the rest).
+#define TF_EXACT_PRODUCTS __attribute__((optimize("fp-contract=fast")))
 #else
 #define TF_SIMD_CLONES
+#define TF_EXACT_PRODUCTS
 #endif
 
 // s[r * kBlockN + c] = scale * q_r . k_c for keys c < cnt[r] of the block.  q: (bm, D) fp32
@@ -184,7 +190,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // (up to 3.7x, in 1 draw of 8) where the logits are large (a standard deviation of ~30: a peaked
 // softmax turns a score's absolute error into the output's relative error).  It costs a step
 // 5-62% on one thread (benchmarks/NOTES.md, "CPU decoding step: q.k in double").
-TF_SIMD_CLONES void block_scores(const float* q, int64_t bm, int64_t D, const float* k,
+TF_SIMD_CLONES TF_EXACT_PRODUCTS void block_scores(const float* q, int64_t bm, int64_t D, const float* k,
                                  int64_t ldk, const int64_t* cnt, float scale, float* s) {
   for (int64_t r = 0; r < bm; ++r) {
     const float* qr = q + r * D;
@@ -221,36 +227,58 @@ TF_SIMD_CLONES void block_scores(const float* q, int64_t bm, int64_t D, const fl
 }
 
 // The same scores for many rows (prefill chunks, large GQA groups) as a GEMM-like loop: K^T of
-// the block (kT, D x kBlockN) is broadcast against each q element, so the inner loop is an axpy
-// over keys with no horizontal reductions.  Scores of keys c >= cnt[r] are computed but never
-// used.
-TF_SIMD_CLONES void block_scores_t(const float* q, int64_t bm, int64_t D, const float* kT,
-                                   float scale, float* s) {
-  for (int64_t r = 0; r < bm; ++r) {
-    const float* qr = q + r * D;
-    // Blocked over D: sequential sums of kChunk terms added into the total, so the rounding error
-    // grows like kChunk + D / kChunk instead of D (an fp32 sum over D = 256 in one chain came
-    // within 1.5x of the oracle's bound).
-    constexpr int64_t kChunk = 16;
-    float acc[kBlockN], part[kBlockN];  // fixed-size tiles: kept in vector registers
+// the block (kT, D x kBlockN, widened to double once per block) is broadcast against each q
+// element, so the inner loop is an axpy over keys with no horizontal reductions.  In double
+// like block_scores: fp32 sums of 16 terms (error ~ 16 + D / 16 roundings) went up to 10x past
+// the oracle's bound with large logits (GQA group 16, D 64).  Scores of keys c >= cnt[r] are
+// computed but never used.
+TF_SIMD_CLONES TF_EXACT_PRODUCTS void block_scores_t(const float* q, int64_t bm, int64_t D,
+                                                     const double* kT, float scale, float* s) {
+  // Two rows x kPanel keys of double accumulators at a time (8 AVX2 registers): each k element
+  // loaded serves two rows, and nothing spills.  Every score is the same ordered sum over d.
+  int64_t r = 0;
+  for (; r + 2 <= bm; r += 2) {
+    const float* q0 = q + r * D;
+    const float* q1 = q0 + D;
+    for (int64_t c0 = 0; c0 < kBlockN; c0 += kPanel) {
+      const double* kp = kT + c0 * D;  // this panel's (D, kPanel)
+      double a0[kPanel], a1[kPanel];
 #pragma omp simd
-    for (int64_t c = 0; c < kBlockN; ++c) acc[c] = 0.0f;
-    for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+      for (int64_t c = 0; c < kPanel; ++c) a0[c] = a1[c] = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        const double x0 = q0[d], x1 = q1[d];
+        const double* kd = kp + d * kPanel;
 #pragma omp simd
-      for (int64_t c = 0; c < kBlockN; ++c) part[c] = 0.0f;
-      const int64_t d1 = std::min(D, d0 + kChunk);
-      for (int64_t d = d0; d < d1; ++d) {
-        const float qd = qr[d];
-        const float* kd = kT + d * kBlockN;
-#pragma omp simd
-        for (int64_t c = 0; c < kBlockN; ++c) part[c] += qd * kd[c];
+        for (int64_t c = 0; c < kPanel; ++c) {
+          a0[c] += x0 * kd[c];
+          a1[c] += x1 * kd[c];
+        }
       }
+      float* s0 = s + r * kBlockN + c0;
+      float* s1 = s0 + kBlockN;
 #pragma omp simd
-      for (int64_t c = 0; c < kBlockN; ++c) acc[c] += part[c];
+      for (int64_t c = 0; c < kPanel; ++c) {
+        s0[c] = static_cast<float>(scale * a0[c]);
+        s1[c] = static_cast<float>(scale * a1[c]);
+      }
     }
-    float* sr = s + r * kBlockN;
+  }
+  for (; r < bm; ++r) {
+    const float* q0 = q + r * D;
+    for (int64_t c0 = 0; c0 < kBlockN; c0 += kPanel) {
+      const double* kp = kT + c0 * D;
+      double a0[kPanel];
 #pragma omp simd
-    for (int64_t c = 0; c < kBlockN; ++c) sr[c] = acc[c] * scale;
+      for (int64_t c = 0; c < kPanel; ++c) a0[c] = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        const double x0 = q0[d];
+#pragma omp simd
+        for (int64_t c = 0; c < kPanel; ++c) a0[c] += x0 * kp[d * kPanel + c];
+      }
+      float* s0 = s + r * kBlockN + c0;
+#pragma omp simd
+      for (int64_t c = 0; c < kPanel; ++c) s0[c] = static_cast<float>(scale * a0[c]);
+    }
   }
 }
 
@@ -358,9 +386,8 @@ void decode_kernel(const Problem& p, const T* q, const T* k, const T* v, const i
   const int64_t tasks = p.B * p.Hkv * p.n_mt * p.nsplit;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf(kBlockM * p.D), s(kBlockM * kBlockN), kbuf(kBlockN * p.D),
-        vbuf(kBlockN * p.Dv), pbuf(kBlockN),
-        kT(p.D * kBlockN, 0.0f);
-    std::vector<double> acc(kBlockM * p.Dv), l_i(kBlockM);
+        vbuf(kBlockN * p.Dv), pbuf(kBlockN);
+    std::vector<double> acc(kBlockM * p.Dv), l_i(kBlockM), kT(p.D * kBlockN, 0.0);
     std::vector<float> m_i(kBlockM);
     std::vector<int64_t> last_vis(kBlockM), cnt(kBlockM);
     for (int64_t task = begin; task < end; ++task) {
@@ -400,8 +427,9 @@ void decode_kernel(const Problem& p, const T* q, const T* k, const T* v, const i
         const float* kb = rows_f32(kh + n0 * p.k_sm, p.k_sm, bn, p.D, kbuf.data(), ldk);
         const float* vb = rows_f32(vh + n0 * p.v_sm, p.v_sm, bn, p.Dv, vbuf.data(), ldv);
         if (bm >= kGemmRows) {
-          for (int64_t c = 0; c < bn; ++c)
-            for (int64_t d = 0; d < p.D; ++d) kT[d * kBlockN + c] = kb[c * ldk + d];
+          for (int64_t c = 0; c < bn; ++c)  // panels of kPanel keys, each (D, kPanel)
+            for (int64_t d = 0; d < p.D; ++d)
+              kT[(c - c % kPanel) * p.D + d * kPanel + c % kPanel] = kb[c * ldk + d];
           block_scores_t(qbuf.data(), bm, p.D, kT.data(), p.scale, s.data());
         } else {
           block_scores(qbuf.data(), bm, p.D, kb, ldk, cnt.data(), p.scale, s.data());

@@ -1,8 +1,9 @@
 // Attention over a KV cache (incremental decoding) on CUDA: the `cuda` backend of
-// attention_with_kv_cache.  Written without a GPU: it has NEVER RUN ON ONE.  Its kernels are
-// tested in CPU emulation (TF_CUDA_EMULATE; tests/test_decode_cxx.py) against the oracle; races,
-// the memory model and speed are unverified until a GPU run (tests/test_gpu_decode_cuda.py,
-// benchmarks/sanitize_kernels.py).
+// attention_with_kv_cache.  Written without a GPU; its tests and verify passed on one in GPU
+// runs 1-2 (README's Status).  Its kernels are also tested in CPU emulation (TF_CUDA_EMULATE;
+// tests/test_decode_cxx.py) against the oracle; races, the memory model and speed need a GPU
+// (tests/test_gpu_decode_cuda.py, benchmarks/sanitize_kernels.py).  The fp32 inputs' double
+// dot products and the double log-sum-exp of the splits came after those runs: unverified there.
 //
 // Contract: the docstring of kernels/decode.py, as csrc/decode_cpu.cpp (which holds the shared
 // argument checks and split rule, decode.h):
@@ -14,22 +15,23 @@
 //   others so).  out (B, H, L_new, Dv) contiguous.  Positions outside [0, L_max) are never read or
 //   written.
 //
-// Kernels (SIMT fp32 math, so fp32 inputs are computed in exact fp32 and allow_tf32 is unused):
+// Kernels (SIMT math, so allow_tf32 is unused; fp32 with fp32 inputs' q.k in double, DotT below):
 //   kv_append_kernel   one CTA per (b, kv head, k-or-v, chunk of new positions): copies the rows.
 //   kv_decode_kernel   one CTA of 4 warps per (b, kv head, tile of ROWS packed query rows, split).
 //                      Packed row r = t * GROUP + g is query head hk * GROUP + g at position t, so
 //                      the GROUP query heads of a kv head (and the positions of a short chunk)
 //                      share every K/V row the CTA reads: K/V is streamed once per kv head for
-//                      decoding.  q (pre-scaled by scale * log2 e) sits in shared memory; warp w
-//                      takes keys lo + w, lo + w + 4, ...; lane l holds head-dim elements l,
-//                      l + 32, ...; a dot product is the lane partial sums reduced by an
-//                      xor-shuffle tree (every lane gets the total); each warp keeps its own online
-//                      softmax (base 2) per row, and the 4 warps' states are merged through shared
-//                      memory in warp order.  ROWS is 1, 4 or 8 (the smallest that holds
-//                      L_new * GROUP, capped at 8), D and Dv are padded to 64 / 128 / 256.
+//                      decoding.  q (16-bit: pre-scaled by scale * log2 e) sits in shared
+//                      memory; warp w takes keys lo + w, lo + w + 4, ...; lane l holds head-dim
+//                      elements l, l + 32, ...; a dot product is the lane partial sums reduced
+//                      by an xor-shuffle tree (every lane gets the total); each warp keeps its
+//                      own online softmax (base 2) per row, and the 4 warps' states are merged
+//                      through shared memory in warp order.  ROWS is 1, 4 or 8 (the smallest
+//                      that holds L_new * GROUP, capped at 8), D and Dv are padded to 64 / 128 /
+//                      256.
 //   kv_combine_kernel  split-K (flash-decoding): with nsplit > 1 every CTA writes its normalised
-//                      fp32 partial and log2-sum-exp; one warp per (b, h, t) merges them in split
-//                      order.  Deterministic (fixed orders, no atomics).
+//                      fp32 partial and (double) log2-sum-exp; one warp per (b, h, t) merges
+//                      them in split order.  Deterministic (fixed orders, no atomics).
 //   kv_hidden_kernel   L_new > 1 only, after the above: one CTA per (b, kv head) checks the values
 //                      of the keys hidden from some query of the chunk (the reference's dense
 //                      0 * v) and, only if one is non-finite, writes NaN where the reference has it.
@@ -59,6 +61,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "decode.h"
 #include "ops.h"
@@ -149,12 +152,21 @@ struct Params {
   const void* v;
   void* out;        // (B, H, L_new, Dv) contiguous, written when nsplit == 1
   float* op;        // (nsplit, B, H, L_new, Dv) fp32 partials, nsplit > 1
-  float* lse;       // (nsplit, B, H, L_new) fp32 log2-sum-exp, nsplit > 1
+  double* lse;      // (nsplit, B, H, L_new) log2-sum-exp, nsplit > 1: in fp32 its rounding
+                    // (|lse| * 2^-24) weighed on every split's weight where logits are large
   const int32_t* seqlens;
   int64_t q_sb, q_sh, q_sm, k_sb, k_sh, k_sm, v_sb, v_sh, v_sm;
   int B, H, Hkv, group, L_new, L_max, D, Dv, n_extra, nsplit, n_mt;
-  float scale_log2;  // scale * log2(e): scores in base 2
+  float scale_log2;     // scale * log2(e): scores in base 2
+  double scale_log2_d;  // the same in double (fp32 inputs)
 };
+
+// The type of a q.k dot product.  fp32 inputs: double, so the score is rounded once (lane
+// partials, the shuffle tree and the scaling in fp32 went up to 1.3x past the oracle's bound
+// where the logits are large: a peaked softmax turns a score's absolute error into the output's
+// relative error).  16-bit inputs, whose own rounding is far larger: fp32.
+template <typename T>
+using DotT = std::conditional_t<std::is_same_v<T, float>, double, float>;
 
 template <int DP, int ROWS>
 constexpr size_t decode_smem_bytes() {
@@ -163,7 +175,9 @@ constexpr size_t decode_smem_bytes() {
 }
 
 // max that keeps a NaN (fmaxf drops it).
-__device__ __forceinline__ float nan_max_f(float m, float x) { return (x > m || x != x) ? x : m; }
+__device__ __forceinline__ double nan_max_d(double m, double x) {
+  return (x > m || x != x) ? x : m;
+}
 
 // One CTA: ROWS packed query rows of kv head hk of batch row b, key split blockIdx.y.  DP: the
 // head dims D and Dv padded to 64 / 128 / 256 (E = DP / 32 elements per lane).
@@ -171,7 +185,7 @@ template <typename T, int DP, int ROWS>
 __global__ void __launch_bounds__(kThreads) kv_decode_kernel(const Params p) {
   constexpr int E = DP / 32;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* q_s = reinterpret_cast<float*>(smem_raw);  // [ROWS][DP], scaled, zero padded
+  float* q_s = reinterpret_cast<float*>(smem_raw);  // [ROWS][DP], zero padded (16-bit: scaled)
   float* m_s = q_s + ROWS * DP;                      // [kWarps][ROWS]
   float* l_s = m_s + kWarps * ROWS;                  // [kWarps][ROWS]
   float* acc_s = l_s + kWarps * ROWS;                // [kWarps][ROWS][DP]
@@ -190,7 +204,8 @@ __global__ void __launch_bounds__(kThreads) kv_decode_kernel(const Params p) {
     float x = 0.0f;
     if (r < bm && d < p.D) {
       const int pr = m0 + r, t = pr / p.group, h = hk * p.group + pr % p.group;
-      x = Elem<T>::load(qg + b * p.q_sb + h * p.q_sh + t * p.q_sm + d) * p.scale_log2;
+      x = Elem<T>::load(qg + b * p.q_sb + h * p.q_sh + t * p.q_sm + d);
+      if constexpr (!std::is_same_v<DotT<T>, double>) x *= p.scale_log2;  // else on the total
     }
     q_s[i] = x;
   }
@@ -230,11 +245,18 @@ __global__ void __launch_bounds__(kThreads) kv_decode_kernel(const Params p) {
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      float s = 0.0f;
+      using Dot = DotT<T>;
+      Dot dot = 0;
 #pragma unroll
-      for (int e = 0; e < E; ++e) s += q_s[r * DP + lane + 32 * e] * kr[e];
+      for (int e = 0; e < E; ++e) dot += static_cast<Dot>(q_s[r * DP + lane + 32 * e]) * kr[e];
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+      float s;
+      if constexpr (std::is_same_v<Dot, double>) {
+        s = static_cast<float>(dot * p.scale_log2_d);
+      } else {
+        s = dot;
+      }
       if (j <= last_vis[r]) {
         // A NaN score leaves m alone (fmaxf) but makes p, l and acc NaN: the row stays NaN.
         const float m_new = fmaxf(m[r], s);
@@ -283,7 +305,10 @@ __global__ void __launch_bounds__(kThreads) kv_decode_kernel(const Params p) {
       Elem<T>::store(static_cast<T*>(p.out) + row * p.Dv + d, out);
     } else {
       p.op[(split * rows_all + row) * p.Dv + d] = out;
-      if (d == 0) p.lse[split * rows_all + row] = live ? m_use + log2f(lsum) : -INFINITY;
+      if (d == 0) {
+        p.lse[split * rows_all + row] =
+            live ? static_cast<double>(m_use) + log2(static_cast<double>(lsum)) : -INFINITY;
+      }
     }
   }
 }
@@ -296,23 +321,23 @@ __global__ void __launch_bounds__(kThreads) kv_combine_kernel(const Params p) {
   const int64_t rows_all = static_cast<int64_t>(p.B) * p.H * p.L_new;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (row >= rows_all) return;  // warp-uniform; no barrier follows
-  float mx = -INFINITY;
-  for (int s = 0; s < p.nsplit; ++s) mx = nan_max_f(mx, p.lse[s * rows_all + row]);
+  double mx = -INFINITY;
+  for (int s = 0; s < p.nsplit; ++s) mx = nan_max_d(mx, p.lse[s * rows_all + row]);
   T* o = static_cast<T*>(p.out) + row * p.Dv;
   if (mx == -INFINITY) {
     for (int d = lane; d < p.Dv; d += 32) Elem<T>::store(o + d, 0.0f);
     return;
   }
-  float tot = 0.0f;
-  for (int s = 0; s < p.nsplit; ++s) tot += exp2f(p.lse[s * rows_all + row] - mx);
-  const float inv = 1.0f / tot;
+  double tot = 0.0;
+  for (int s = 0; s < p.nsplit; ++s) tot += exp2(p.lse[s * rows_all + row] - mx);
+  const double inv = 1.0 / tot;
   for (int d = lane; d < p.Dv; d += 32) {
-    float acc = 0.0f;
+    double acc = 0.0;
     for (int s = 0; s < p.nsplit; ++s) {
-      const float w = exp2f(p.lse[s * rows_all + row] - mx) * inv;
-      if (w != 0.0f) acc += w * p.op[(s * rows_all + row) * p.Dv + d];  // skips empty splits
+      const double w = exp2(p.lse[s * rows_all + row] - mx) * inv;
+      if (w != 0.0) acc += w * p.op[(s * rows_all + row) * p.Dv + d];  // skips empty splits
     }
-    Elem<T>::store(o + d, acc);
+    Elem<T>::store(o + d, static_cast<float>(acc));
   }
 }
 
@@ -501,6 +526,7 @@ Tensor attention_with_kv_cache_fwd_cuda(TF_KV_CACHE_ARGS) {
   p.L_max = static_cast<int>(L_max), p.D = static_cast<int>(D), p.Dv = static_cast<int>(Dv);
   p.n_extra = has_new ? p.L_new : 0;
   p.scale_log2 = static_cast<float>(scale) * kLog2e;
+  p.scale_log2_d = scale * 1.4426950408889634;
   const int64_t m_total = L_new * p.group;
   const int rows = rows_bucket(m_total);
   p.n_mt = static_cast<int>((m_total + rows - 1) / rows);
@@ -515,9 +541,9 @@ Tensor attention_with_kv_cache_fwd_cuda(TF_KV_CACHE_ARGS) {
   Tensor op, lse;
   if (p.nsplit > 1) {
     op = at::empty({p.nsplit, B, H, L_new, Dv}, q.options().dtype(at::kFloat));
-    lse = at::empty({p.nsplit, B, H, L_new}, q.options().dtype(at::kFloat));
+    lse = at::empty({p.nsplit, B, H, L_new}, q.options().dtype(at::kDouble));
     p.op = op.mutable_data_ptr<float>();
-    p.lse = lse.mutable_data_ptr<float>();
+    p.lse = lse.mutable_data_ptr<double>();
   }
   const int dp = bucket(std::max(D, Dv));
   switch (q.scalar_type()) {

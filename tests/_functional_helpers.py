@@ -134,3 +134,29 @@ def oracle_atol(backend, dtype):
     if backend == "torch":
         return (50 if dtype == torch.float32 else 10) * reference.ATOL[dtype]
     return None
+
+
+def large_logit_kv_cases(heads, kv_heads, lq, dim, draws, seed):
+    """Decoding steps whose logits have a standard deviation of ~34 (a peaked softmax, which turns
+    a score's absolute error into the output's relative error): (q, k_cache, v_cache,
+    cache_seqlens, k_new, v_new) fp32, caches of 300 and 1000 slots (several splits)."""
+    for t in range(draws):
+        g = torch.Generator().manual_seed(seed + t)
+        lmax = (300, 1000)[t % 2]
+        n_cached = 100 + (37 * t) % (lmax - 100 - lq)
+        q = torch.randn(1, heads, lq, dim, generator=g) * 34.0 * (128 / dim) ** 0.5
+        kc, vc = (torch.randn(1, kv_heads, lmax, dim, generator=g) for _ in range(2))
+        kn, vn = (torch.randn(1, kv_heads, lq, dim, generator=g) for _ in range(2))
+        yield q, kc, vc, torch.tensor([n_cached], dtype=torch.int32), kn, vn
+
+
+def assert_kv_cache_on_oracle(run, case, what=""):
+    """``run(q, k_cache, v_cache, cache_seqlens, k_new, v_new)`` (on copies of the caches) within
+    the oracle's bound of the float64 reference."""
+    q, kc, vc, lens, kn, vn = case
+    r64 = reference.attention_with_kv_cache(
+        q.double(), kc.double(), vc.double(), lens, kn.double(), vn.double())
+    rlp = reference.attention_with_kv_cache(q, kc.clone(), vc.clone(), lens, kn, vn)
+    out = run(q, kc.clone(), vc.clone(), lens, kn, vn)
+    bound = 2 * reference.max_abs_error(rlp, r64) + reference.ATOL[q.dtype]
+    assert reference.max_abs_error(out, r64) <= bound, what

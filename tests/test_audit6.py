@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import transformer_fast
 import transformer_fast.functional as tf
+from _functional_helpers import assert_kv_cache_on_oracle, large_logit_kv_cases
 
 E, H, FF, L = 16, 2, 32, 5
 MASK_DTYPES = [None, torch.bool, torch.float32, torch.float64]
@@ -154,3 +155,18 @@ def test_sdpa_head_dim_zero_is_the_softmax_of_zero_scores(backend, case):
     torch.testing.assert_close(gv, gv_want)
     if kw == {}:
         torch.testing.assert_close(out, v.mean(-2, keepdim=True).expand_as(out))
+
+
+# ---- the cpu decode kernel's GEMM-like score loop (16 or more packed rows) with large logits
+
+
+@pytest.mark.parametrize("heads,kv_heads,lq,dim", [
+    (16, 1, 1, 64), (16, 1, 1, 128), (32, 2, 1, 256), (4, 4, 32, 64), (2, 1, 16, 128),
+])
+def test_kv_cache_cpu_many_rows_with_large_logits_meets_the_oracle(heads, kv_heads, lq, dim):
+    """A GQA group of 16 or a prefill chunk packs 16 or more query rows per key head, which
+    the cpu kernel scores with its GEMM-like loop: in fp32 sums of 16 terms that loop went up
+    to 10x past the oracle's bound where the logits are large."""
+    for t, case in enumerate(large_logit_kv_cases(heads, kv_heads, lq, dim, draws=12, seed=3000)):
+        assert_kv_cache_on_oracle(
+            lambda *a: tf.attention_with_kv_cache(*a, backend="cpu"), case, f"draw {t}")

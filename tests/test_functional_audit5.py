@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _functional_helpers import assert_kv_cache_on_oracle, large_logit_kv_cases
 from transformer_fast import functional as F
 
 BACKENDS = ["reference", "torch", "cpu", "auto"]
@@ -38,19 +39,6 @@ def test_kv_cache_cpu_fp32_with_large_logits_meets_the_oracle():
     """A peaked softmax (logits with a standard deviation of ~34) turns a score's absolute error
     into the output's relative error: the cpu kernel's fp32 dot products (and its fp32 lse of
     each split) went past the bound in 5 of these 40 draws, up to 3.7x."""
-    from transformer_fast import reference
-
-    D, H = 128, 2
-    for t in range(40):
-        g = torch.Generator().manual_seed(1000 + t)
-        lmax = (300, 1000)[t % 2]  # 1000: several splits
-        n_cached = 100 + (37 * t) % (lmax - 101)
-        q = torch.randn(1, H, 1, D, generator=g) * 34.0
-        kc, vc = torch.randn(1, H, lmax, D, generator=g), torch.randn(1, H, lmax, D, generator=g)
-        kn, vn = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
-        lens = torch.tensor([n_cached], dtype=torch.int32)
-        r64 = reference.attention_with_kv_cache(q.double(), kc.double(), vc.double(), lens, kn.double(), vn.double())
-        rlp = reference.attention_with_kv_cache(q, kc.clone(), vc.clone(), lens, kn, vn)
-        out = F.attention_with_kv_cache(q, kc.clone(), vc.clone(), lens, kn, vn, backend="cpu")
-        bound = 2 * reference.max_abs_error(rlp, r64) + reference.ATOL[torch.float32]
-        assert reference.max_abs_error(out, r64) <= bound, f"draw {t}"
+    for t, case in enumerate(large_logit_kv_cases(2, 2, 1, 128, draws=40, seed=1000)):
+        assert_kv_cache_on_oracle(
+            lambda *a: F.attention_with_kv_cache(*a, backend="cpu"), case, f"draw {t}")
