@@ -170,3 +170,23 @@ def test_kv_cache_cpu_many_rows_with_large_logits_meets_the_oracle(heads, kv_hea
     for t, case in enumerate(large_logit_kv_cases(heads, kv_heads, lq, dim, draws=12, seed=3000)):
         assert_kv_cache_on_oracle(
             lambda *a: tf.attention_with_kv_cache(*a, backend="cpu"), case, f"draw {t}")
+
+
+@pytest.mark.parametrize("heads,kv_heads,lq,want", [
+    (8, 8, 1, "cpu"), (8, 8, 63, "cpu"), (8, 8, 64, "torch"), (32, 8, 16, "torch"), (32, 8, 15, "cpu"),
+    (16, 1, 4, "torch"), (16, 1, 3, "cpu"),
+])
+def test_auto_sends_cpu_prefill_chunks_to_torch(heads, kv_heads, lq, want):
+    """From 64 query rows per key head the cpu decode kernel measured slower than torch's GEMMs
+    (benchmarks/cpu_kv_cache_prefill.py): auto takes torch there, the kernel below."""
+    from transformer_fast import backends
+
+    q = torch.randn(1, heads, lq, 16)
+    kc, vc = torch.zeros(1, kv_heads, 80, 16), torch.zeros(1, kv_heads, 80, 16)
+    kn, vn = torch.randn(1, kv_heads, lq, 16), torch.randn(1, kv_heads, lq, 16)
+    lens = torch.tensor([3], dtype=torch.int32)
+    with backends.recording_resolutions() as names:
+        out = tf.attention_with_kv_cache(q, kc, vc, lens, kn, vn)
+    assert names == [("attention_with_kv_cache", want)]
+    ref = tf.attention_with_kv_cache(q, kc.clone(), vc.clone(), lens, kn, vn, backend="reference")
+    torch.testing.assert_close(out, ref)

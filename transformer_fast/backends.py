@@ -34,7 +34,7 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
         # torch's SDPA 603 TFLOP/s forward, triton 394 (0.65x; 0.47x forward+backward), cuda
         # 67 (NOTES.md): torch first until the fused kernels measure faster.
         "scaled_dot_product_attention": ("torch", "triton", "cuda"),
-        "attention_with_kv_cache": ("triton", "cuda", "torch"),  # cuda: never run on a GPU yet
+        "attention_with_kv_cache": ("triton", "cuda", "torch"),  # cuda: tested on GPUs, never timed
         "masked_softmax": ("triton", "cuda", "torch"),  # cuda: never run on a GPU yet (NOTES.md)
         # Measured on an H100 (results/NVIDIA_H100_80GB_HBM3/2026-11-26-2ce2d4a, bf16): forward
         # +backward torch 1.0, cuda 0.80-0.97x, triton 0.25-0.65x (cuda's forward alone is
@@ -47,7 +47,7 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
         "add_layer_norm": ("cpu", "torch"),
         # C++ cpu attention measured 2-10x slower than torch's SDPA (benchmarks/NOTES.md).
         "scaled_dot_product_attention": ("torch", "cpu"),
-        "attention_with_kv_cache": ("cpu", "torch"),  # decode steps 0.9-1.9x torch (NOTES.md)
+        "attention_with_kv_cache": ("cpu", "torch"),  # decode steps 1.8-13x torch, 1 thread (NOTES.md)
         "masked_softmax": ("cpu", "torch"),  # cpu measured 2-10x faster than torch (NOTES.md)
         # C++ cpu, with its fp32 forward GEMMs on oneDNN on an AMD EPYC (MKL runs AVX2 code
         # there): 1.07-1.62x torch eager forward and 0.99-1.17x forward+backward without dropout,
@@ -95,6 +95,14 @@ def _relu_inference(inputs: Mapping[str, object]) -> bool:
             and not inputs_need_grad(inputs))
 
 
+def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
+    """A KV-cache call with 64 or more query rows per key head (Lq * H / Hkv: a prefill
+    chunk), where torch's GEMMs beat the CPU decode kernel."""
+    q, k = inputs.get("q"), inputs.get("k_cache")
+    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4
+            and k.dim() == 4 and k.shape[1] > 0 and q.shape[2] * (q.shape[1] // k.shape[1]) >= 64)
+
+
 # Orders for particular inputs, checked before AUTO_ORDER: (device type, op) -> [(applies, order)].
 # A bool attn_mask takes SDPA off its flash kernel: the triton kernels measured faster there in
 # both GPU runs that timed it (bf16, head dim 128, no dropout; results/NVIDIA_H200/2026-11-26-f9d721d
@@ -108,7 +116,10 @@ def _relu_inference(inputs: Mapping[str, object]) -> bool:
 # forward is two cuBLASLt GEMMs with bias (+ relu) epilogues, against torch's addmm, relu,
 # addmm, and measured 1.22x / 1.28x torch's forward (H100 run 3, NVIDIA_H100_80GB_HBM3/
 # 2026-11-26-2ce2d4a, bf16 512 / 2048 at M 4096 / 16384); training keeps torch first, where
-# cuda's backward was slower.  Everything else keeps AUTO_ORDER (torch first).
+# cuda's backward was slower.  On the CPU a KV-cache call with 64 or more query rows per key head
+# (a prefill chunk) goes to torch: from there the cpu kernel measured 0.54-0.99x torch in 6 of 8
+# cases (benchmarks/cpu_kv_cache_prefill.py; results/cpu-Intel_Xeon_Processor/2026-11-29-34cdb84),
+# while decoding steps run 1.8-13x torch.  Everything else keeps AUTO_ORDER (torch first).
 AUTO_RULES: dict[tuple[str, str], list] = {
     ("cuda", "scaled_dot_product_attention"): [
         (_sdpa_bool_mask_16bit, ("triton", "torch", "cuda")),
@@ -116,6 +127,7 @@ AUTO_RULES: dict[tuple[str, str], list] = {
     ],
     ("cuda", "feed_forward"): [(_relu_inference, ("cuda", "torch", "triton"))],
     ("cuda", "linear_bias_act"): [(_relu_inference, ("cuda", "torch", "triton"))],
+    ("cpu", "attention_with_kv_cache"): [(_kv_cache_many_rows, ("torch", "cpu"))],
 }
 
 
