@@ -12,7 +12,8 @@ Contract (the ``triton`` backend of attention_with_kv_cache builds on it):
   stride(-1) == 1: everything is read through its strides and the caches are written through
   theirs (a cache whose last stride is not 1 takes a slow torch path; q / k_new / v_new are then
   made contiguous).  D, Dv <= 256 (padded to a power of two inside the kernels with masked
-  loads).  fp16 / bf16 / fp32; fp32 dots run in tf32 when ``allow_tf32`` else in exact fp32.
+  loads).  fp16 / bf16 / fp32; fp32 dots run in tf32 when ``allow_tf32``, else q.k in fp64
+  (rounded once to fp32) and p @ v in exact fp32.
 * Semantics (transformer_fast.reference.attention_with_kv_cache): with k_new / v_new, first write
   them into the caches in place at positions cache_seqlens[b] + t, t < L_new (a small Triton
   kernel that reads cache_seqlens on the device: no host sync); the caller advances
@@ -43,7 +44,7 @@ Kernel plan (bandwidth bound: the floor is the bytes of each row's valid K/V pre
     device each tile divides ITS OWN valid block range evenly among the splits (so a short row
     in a long cache still spreads its work); a split that starts beyond the range runs no
     iteration and writes a neutral partial (out 0, lse -inf).  Partials (out normalised, lse in
-    base 2, fp32) are merged by a small combine kernel with the log-sum-exp rule.  Without
+    base 2; fp32, fp64 for exact-fp32 inputs) are merged by a small combine kernel with the log-sum-exp rule.  Without
     splitting, the main kernel writes the output directly.
 
 Configuration: fixed per shape class (no autotuning; see ``_config``): BLOCK_M = 16/32/64 from
@@ -119,10 +120,11 @@ def _kv_append_kernel(SK, DK, SV, DV, SEQLENS, sk_b, sk_h, sk_n, dk_b, dk_h, dk_
 
 @triton.jit
 def _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, hi, hi_keys, qk_scale,
+                  qk_scale_lo,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASKED: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
-                  OFF64: tl.constexpr):
+                  OFF64: tl.constexpr, F64_SCORES: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_nb = tl.arange(0, BLOCK_N)
@@ -144,8 +146,18 @@ def _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, hi, hi_keys,
             kT = tl.load(kt_ptrs)
         else:
             kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-        s = dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
-        s = s * qk_scale
+        if F64_SCORES:
+            # Exact fp32 inputs: q.k and its scaling (qk_scale + qk_scale_lo: the scale to ~48
+            # bits) in fp64, rounded once.  With large logits (a peaked softmax turns a score's
+            # absolute error into the output's relative error) the fp32 dot's sequential sums
+            # went up to 4.5x past the oracle's bound, an fp64 dot rounded before the fp32
+            # scaling to 1.6x (interpreter).
+            s = tl.dot(q.to(tl.float64), kT.to(tl.float64),
+                       tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64), out_dtype=tl.float64)
+            s = (s * qk_scale + s * qk_scale_lo).to(tl.float32)  # fp64 products (promoted)
+        else:
+            s = dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
+            s = s * qk_scale
         if MASKED:
             s = tl.where(offs_n[None, :] <= last_vis[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -173,10 +185,11 @@ def _decode_fwd_kernel(
     Q, K, V, O, OP, LSEP, SEQLENS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
     sps, spb, sph, spm, sls, slb, slh,
-    Hkv, GROUP, L_new, L_max, N_EXTRA, NUM_SPLITS, qk_scale,
+    Hkv, GROUP, L_new, L_max, N_EXTRA, NUM_SPLITS, qk_scale, qk_scale_lo,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    F64_SCORES: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -229,18 +242,23 @@ def _decode_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, mid, hi_keys,
-                                  qk_scale, HEAD_DIM, BLOCK_D, HEAD_DV, BLOCK_DV, BLOCK_M, BLOCK_N,
-                                  False, DOT_FP32, IEEE, OFF64)
+                                  qk_scale, qk_scale_lo, HEAD_DIM, BLOCK_D, HEAD_DV, BLOCK_DV,
+                                  BLOCK_M, BLOCK_N,
+                                  False, DOT_FP32, IEEE, OFF64, F64_SCORES)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, mid2, hi, hi_keys,
-                                  qk_scale, HEAD_DIM, BLOCK_D, HEAD_DV, BLOCK_DV, BLOCK_M, BLOCK_N,
-                                  True, DOT_FP32, IEEE, OFF64)
+                                  qk_scale, qk_scale_lo, HEAD_DIM, BLOCK_D, HEAD_DV, BLOCK_DV,
+                                  BLOCK_M, BLOCK_N,
+                                  True, DOT_FP32, IEEE, OFF64, F64_SCORES)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (1.0 / l_safe)[:, None]
     o_mask = r_ok[:, None] & (offs_dv < HEAD_DV)[None, :]
     if SPLIT:
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        # In LSEP's dtype (fp64 for exact-fp32 inputs): an fp32 sum would carry |m| * 2^-24
+        # into the split's weight, past the oracle's bound where the logits are large.
+        lse_ty = LSEP.dtype.element_ty
+        lse = tl.where(empty, float("-inf"), m_i.to(lse_ty) + tl.log2(l_safe).to(lse_ty))
         split64 = split.to(tl.int64)
         op_ptrs = (OP + split64 * sps + b64 * spb + h64[:, None] * sph + t64[:, None] * spm
                    + offs_dv[None, :])
@@ -274,7 +292,8 @@ def _decode_combine_kernel(
                    mask=t_ok[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"))
     m = tl.max(lses, 1)
     m_use = tl.where(m == float("-inf"), 0.0, m)
-    tot = tl.sum(tl.exp2(lses - m_use[:, None]), 1)
+    # lses may be fp64 (exact-fp32 inputs): the differences are taken there, exp2 in fp32.
+    tot = tl.sum(tl.exp2((lses - m_use[:, None]).to(tl.float32)), 1)
     inv_tot = 1.0 / tl.where(tot == 0.0, 1.0, tot)
     acc = tl.zeros([BLOCK_T, BLOCK_DV], dtype=tl.float32)
     dv_ok = offs_dv < HEAD_DV
@@ -282,7 +301,7 @@ def _decode_combine_kernel(
     p_ptrs = OP + b64 * spb + h64 * sph + t64[:, None] * spm + offs_dv[None, :]
     for _ in range(0, NUM_SPLITS):  # pointers advance by one split per step (64-bit math)
         ls = tl.load(l_ptrs, mask=t_ok, other=float("-inf"))
-        w = tl.exp2(ls - m_use) * inv_tot  # exactly 0 for an empty split
+        w = tl.exp2((ls - m_use).to(tl.float32)) * inv_tot  # exactly 0 for an empty split
         part = tl.load(p_ptrs, mask=(w > 0.0)[:, None] & dv_ok[None, :], other=0.0)
         acc += w[:, None] * part
         l_ptrs += sls
@@ -473,10 +492,13 @@ def attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new
         else:
             nsplit = max(1, min(int(num_splits), MAX_SPLITS))
         split = nsplit > 1
+        qk_scale = float(scale) * LOG2E
+        qk_hi = float(torch.tensor(qk_scale, dtype=torch.float32))  # the kernel's fp32 qk_scale
         off64 = FORCE_OFF64 or max(_span(k_cache, 2), _span(v_cache, 2)) >= 2**31 - 1
         if split:
             op = torch.empty((nsplit, B, H, L_new, Dv), dtype=torch.float32, device=q.device)
-            lsep = torch.empty((nsplit, B, H, L_new), dtype=torch.float32, device=q.device)
+            lsep = torch.empty((nsplit, B, H, L_new), dtype=torch.float64 if ieee else torch.float32,
+                               device=q.device)
             op_strides = op.stride()[:4]
             lse_strides = lsep.stride()[:3]
         else:
@@ -486,10 +508,10 @@ def attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new
             q, k_cache, v_cache, out, op, lsep, seqlens,
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
             *op_strides, *lse_strides,
-            Hkv, group, L_new, L_max, L_new if has_new else 0, nsplit, float(scale) * LOG2E,
+            Hkv, group, L_new, L_max, L_new if has_new else 0, nsplit, qk_scale, qk_scale - qk_hi,
             HEAD_DIM=D, BLOCK_D=block_d, HEAD_DV=Dv, BLOCK_DV=block_dv, SPLIT=split,
             DOT_FP32=_INTERPRET and q.dtype == torch.bfloat16,
-            IEEE=ieee, OFF64=off64, INTERPRET=_INTERPRET,
+            IEEE=ieee, OFF64=off64, F64_SCORES=ieee, INTERPRET=_INTERPRET,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
         )
         if split:
