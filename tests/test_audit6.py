@@ -1,8 +1,10 @@
-"""Parity items left by the fifth audit, fixed in the session after it (2026-11-29, fifth):
-torch's mask-mismatch deprecation warnings, each as many times as torch gives it (the encoder
-layer's own check inside a stack, the second check of MultiheadAttention), and a head dim of 0
-in scaled_dot_product_attention (torch: a softmax of zero scores, the mean of the values).
-Each case failed before the fix, compared with torch itself."""
+"""Parity and numerics items left by the fifth audit or found after it (2026-11-29, fifth
+session): torch's mask-mismatch deprecation warnings, each as many times as torch gives it (the
+encoder layer's own check inside a stack, the second check of MultiheadAttention); a head dim of
+0 in scaled_dot_product_attention (torch: a softmax of zero scores, the mean of the values); the
+cpu decode kernel's GEMM-like score loop with large logits; auto's CPU rule for prefill chunks.
+The cases failed before their fix, compared with torch itself or the float64 oracle, except the
+last test, which guards the cpu attention kernel where torch's own SDPA misses the oracle."""
 from __future__ import annotations
 
 import copy
@@ -190,3 +192,34 @@ def test_auto_sends_cpu_prefill_chunks_to_torch(heads, kv_heads, lq, want):
     assert names == [("attention_with_kv_cache", want)]
     ref = tf.attention_with_kv_cache(q, kc.clone(), vc.clone(), lens, kn, vn, backend="reference")
     torch.testing.assert_close(out, ref)
+
+
+# ---- fp32 SDPA with very large logits, backward
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_sdpa_cpu_backend_gradients_meet_the_oracle_with_large_logits(dim):
+    """The cpu attention kernel's gradients stay within the oracle's bound with logits of a
+    standard deviation of ~34 (torch's own SDPA, the `torch` backend, does not there: README's
+    Limits)."""
+    from transformer_fast import reference
+
+    for t in range(4):
+        g = torch.Generator().manual_seed(7000 + t)
+        length = (100, 300)[t % 2]
+        q0 = torch.randn(1, 2, 8, dim, generator=g) * 34.0 * (128 / dim) ** 0.5
+        k0, v0 = (torch.randn(1, 2, length, dim, generator=g) for _ in range(2))
+        grad_out = torch.randn(1, 2, 8, dim, generator=g)
+
+        def grads(fn, dtype):
+            q, k, v = (x.to(dtype).requires_grad_() for x in (q0, k0, v0))
+            out = fn(q, k, v)
+            return (out,) + torch.autograd.grad(out, (q, k, v), grad_out.to(dtype))
+
+        want = grads(reference.scaled_dot_product_attention, torch.float64)
+        naive = grads(reference.scaled_dot_product_attention, torch.float32)
+        got = grads(lambda q, k, v: tf.scaled_dot_product_attention(q, k, v, backend="cpu"),
+                    torch.float32)
+        for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, naive, want):
+            bound = 2 * reference.max_abs_error(b, c) + reference.ATOL[torch.float32]
+            assert reference.max_abs_error(a, c) <= bound, f"draw {t} {name}"
