@@ -102,3 +102,18 @@ def test_nonfinite_hidden_values_propagate_like_reference(device, dtype, splits)
     from test_decode_cuda_emulated import check_hidden_nonfinite
 
     check_hidden_nonfinite(base.cxx_op, dtype, splits, device="cuda")
+
+
+@pytest.mark.parametrize("heads,kv_heads,splits", [(2, 2, 3), (16, 1, 1), (16, 1, None)])
+def test_fp32_large_logits_meet_the_oracle(device, heads, kv_heads, splits):
+    """The fp32 inputs' double q.k and the splits' double lse on the GPU (the CPU emulation's
+    case, tests/test_decode_cuda_emulated.py)."""
+    from _functional_helpers import assert_kv_cache_on_oracle, large_logit_kv_cases
+
+    def run(q, kc, vc, lens, kn, vn):
+        args = [t.cuda() for t in (q, kc, vc, lens, kn, vn)]
+        with base.forced_splits(splits):
+            return base.cxx_op(*args, q.shape[-1] ** -0.5).cpu()
+
+    for t, case in enumerate(large_logit_kv_cases(heads, kv_heads, 1, 128, draws=12, seed=3000)):
+        assert_kv_cache_on_oracle(run, case, f"draw {t}")
