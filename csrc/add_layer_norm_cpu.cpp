@@ -37,7 +37,7 @@ constexpr int64_t kV = Vec::size();
 
 // h = r + x (* m) into hbuf; returns sum(h).
 double residual_add(const float* x, const float* r, const float* m, float* h, int64_t n) {
-  RowSum s;
+  RowSumD s;
   int64_t j = 0;
   for (; j + kV <= n; j += kV) {
     Vec a = Vec::loadu(x + j);
@@ -57,12 +57,9 @@ double residual_add(const float* x, const float* r, const float* m, float* h, in
 // sum((h - mean)^2), exact two-pass on the cached row.
 double centered_sq_sum(const float* h, float mean, int64_t n) {
   const Vec vm(mean);
-  RowSum s;
+  RowSumD s;
   int64_t j = 0;
-  for (; j + kV <= n; j += kV) {
-    const Vec a = Vec::loadu(h + j) - vm;
-    s.add_product(a, a);
-  }
+  for (; j + kV <= n; j += kV) s.add_square(Vec::loadu(h + j) - vm);
   double tail = 0.0;
   for (; j < n; ++j) {
     const double d = h[j] - mean;

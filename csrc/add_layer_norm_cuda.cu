@@ -13,16 +13,18 @@
 //                      VEC = 16 bytes / sizeof(T) when every row pointer, row stride, N and the
 //                      weight/bias pointers allow 16-byte accesses; otherwise VEC = 1 (scalar).
 //   fwd_loop/bwd_loop  rows too long for registers: one block per row, several passes over the
-//                      row (the re-reads mostly hit L2).  Forward statistics: per-thread Welford
-//                      merged with Chan's formula; backward: two passes.
+//                      row (the re-reads mostly hit L2).  Forward statistics: the mean, then the
+//                      mean of (h - mean)^2 (exact two-pass); backward: two passes.
 //   bwd_dwdb_cols      the long-row path's dweight/dbias partials (column-parallel).
 //   reduce_cols        stage 2 of dweight/dbias: sum of the (P, N) fp32 partials over P in a
 //                      fixed order (no atomics anywhere: the backward is deterministic).
 //
-// UNVERIFIED on a GPU (never run on one yet).  TF_CUDA_EMULATE: tests/test_add_layer_norm_cuda_emulated.py
-// compiles this file as host C++ (tests/cuda_emulation.py: CTAs of std::threads, warp shuffles,
-// static shared arrays) and runs the kernels through the real host-side dispatch against the
-// float64 oracle; races, the memory model and speed wait for a GPU (compute-sanitizer, gpu tests).
+// GPU runs 1-5 ran its gpu tests (README's Status; the forward's up-to-16-warps rows and the
+// long-row forward's two-pass statistics came after run 5: unverified there).  TF_CUDA_EMULATE:
+// tests/test_add_layer_norm_cuda_emulated.py compiles this file as host C++
+// (tests/cuda_emulation.py: CTAs of std::threads, warp shuffles, static shared arrays) and runs
+// the kernels through the real host-side dispatch against the float64 oracle; races, the memory
+// model and speed need a GPU (compute-sanitizer, gpu tests).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -326,45 +328,43 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Forward, long rows: one block per row; pass 1 Welford statistics, pass 2 normalise.
+// Forward, long rows: one block per row; pass 1 the mean, pass 2 the variance as the mean of
+// (h - mean)^2, both summed in double, pass 3 normalise.  With a large common offset in a row
+// (mean 1e3-1e4, std 1) fp32 Welford merges of the running means lost the variance (up to 4.7x
+// past the oracle's bound in CPU emulation) and an fp32 block sum the mean (1.25x): the
+// reference's fp32 sums are cascaded, far more accurate than a thread's sequential ones.  A row
+// is read once more per pass (from L2, mostly); the double adds are ~N / blockDim per thread.
 
-struct Welford {
-  float n, mean, m2;
-};
-
-__device__ __forceinline__ Welford welford_merge(Welford a, Welford b) {
-  const float n = a.n + b.n;
-  if (n == 0.0f) return a;
-  const float d = b.mean - a.mean;
-  const float fb = b.n / n;
-  return Welford{n, a.mean + d * fb, a.m2 + b.m2 + d * d * a.n * fb};
+// Sum over the block, in double, every thread getting the result (fixed order: deterministic).
+// Must be called by all threads of the block.  red: >= blockDim.x / 32 doubles of shared memory.
+__device__ __forceinline__ double block_sum_d(double v, double* red) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warps = blockDim.x >> 5;
+  if (warps == 1) return v;
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = 0.0;
+  for (int w = 0; w < warps; ++w) s += red[w];
+  __syncthreads();  // red may be reused right after
+  return s;
 }
 
-// Block-wide Welford merge (tree to thread 0, then broadcast).  All threads must call it.
-__device__ Welford block_welford(Welford w, Welford* red) {
+// h = residual + dropout(x) for VEC elements of row `row` from column `col`.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_h(const T* xr, const T* rr, int64_t row, int N, int col,
+                                       const Dropout& drop, float (&hv)[VEC]) {
+  float xv[VEC], rv[VEC], fac[VEC];
+  load_f<T, VEC>(xr + col, xv);
+  load_f<T, VEC>(rr + col, rv);
+  if (drop.on) drop.factors<VEC>(static_cast<uint64_t>(row) * N + col, fac);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    Welford o{__shfl_down_sync(0xffffffffu, w.n, off), __shfl_down_sync(0xffffffffu, w.mean, off),
-              __shfl_down_sync(0xffffffffu, w.m2, off)};
-    if ((threadIdx.x & 31) + off < 32) w = welford_merge(w, o);
-  }
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) red[warp] = w;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    Welford s = red[0];
-    for (int i = 1; i < static_cast<int>(blockDim.x >> 5); ++i) s = welford_merge(s, red[i]);
-    red[kMaxThreads / 32] = s;
-  }
-  __syncthreads();
-  const Welford s = red[kMaxThreads / 32];
-  __syncthreads();
-  return s;
+  for (int e = 0; e < VEC; ++e) hv[e] = rv[e] + (drop.on ? xv[e] * fac[e] : xv[e]);
 }
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
-  TF_STATIC_SHARED Welford red[kMaxThreads / 32 + 1];
+  TF_STATIC_SHARED double red[kMaxThreads / 32];
   const int N = a.N;
   const int nvec = N / VEC;  // VEC > 1 only when N % VEC == 0
   const Dropout drop = make_dropout(a.rng, a.threshold, a.scale, a.drop);
@@ -373,45 +373,37 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
   for (int64_t row = blockIdx.x; row < a.M; row += gridDim.x) {  // block-uniform
     const T* xr = xp + row * a.sx;
     const T* rr = rp + row * a.sr;
-    Welford w{0.0f, 0.0f, 0.0f};
+    double sum = 0.0;
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
-      float xv[VEC], rv[VEC];
-      load_f<T, VEC>(xr + v * VEC, xv);
-      load_f<T, VEC>(rr + v * VEC, rv);
-      float fac[VEC];
-      if (drop.on) drop.factors<VEC>(static_cast<uint64_t>(row) * N + v * VEC, fac);
+      float hv[VEC];
+      load_h<T, VEC>(xr, rr, row, N, v * VEC, drop, hv);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) sum += hv[e];
+    }
+    const float mu = static_cast<float>(block_sum_d(sum, red) / N);
+    double sq = 0.0;
+    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+      float hv[VEC];
+      load_h<T, VEC>(xr, rr, row, N, v * VEC, drop, hv);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        float xe = xv[e];
-        if (drop.on) xe *= fac[e];
-        const float hv = rv[e] + xe;
-        w.n += 1.0f;
-        const float d = hv - w.mean;
-        w.mean += d / w.n;
-        w.m2 += d * (hv - w.mean);
+        const float d = hv[e] - mu;  // as the normalisation below computes it
+        sq += static_cast<double>(d) * d;
       }
     }
-    const Welford s = block_welford(w, red);
-    const float mu = s.mean;
-    const float rs = rstd_rn(fmaxf(s.m2, 0.0f) / static_cast<float>(N) + a.eps);
+    const float rs = rstd_rn(static_cast<float>(block_sum_d(sq, red) / N) + a.eps);
     if (threadIdx.x == 0) {
       a.mean[row] = mu;
       a.rstd[row] = rs;
     }
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       const int col = v * VEC;
-      float xv[VEC], rv[VEC], wv[VEC], bv[VEC], hv[VEC], yv[VEC];
-      load_f<T, VEC>(xr + col, xv);
-      load_f<T, VEC>(rr + col, rv);
+      float wv[VEC], bv[VEC], hv[VEC], yv[VEC];
+      load_h<T, VEC>(xr, rr, row, N, col, drop, hv);
       if (a.w) load_param<T, VEC>(a.w, a.w_f32, col, wv);
       if (a.b) load_param<T, VEC>(a.b, a.b_f32, col, bv);
-      float fac[VEC];
-      if (drop.on) drop.factors<VEC>(static_cast<uint64_t>(row) * N + col, fac);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        float xe = xv[e];
-        if (drop.on) xe *= fac[e];
-        hv[e] = rv[e] + xe;
         float y = (hv[e] - mu) * rs;
         if (a.w) y *= wv[e];
         if (a.b) y += bv[e];

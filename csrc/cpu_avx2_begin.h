@@ -73,6 +73,56 @@ struct RowSum {
   }
 };
 
+// A row sum in double lanes, for add_layer_norm's mean and variance, where one ulp matters: with
+// a large common offset in a row (mean / std ~1e4) RowSum's fp32 lanes put the mean an ulp off,
+// shifting every xhat of the row (up to 3.7x past the oracle's bound), where the reference's
+// cascaded fp32 sum does not.  Two conversions and two adds per vector (AVX2); these passes are
+// bound by memory.
+struct RowSumD {
+  using Vec = at::vec::Vectorized<float>;
+#ifdef CPU_CAPABILITY_AVX2
+  __m256d lo, hi;
+  // (a written constructor: an implicit one would be compiled without the AVX2 target)
+  RowSumD() : lo(_mm256_setzero_pd()), hi(_mm256_setzero_pd()) {}
+  void add(const Vec& v) {
+    const __m256 f = v;
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
+  }
+  // sum of v * v, the squares exact in double.
+  void add_square(const Vec& v) {
+    const __m256 f = v;
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+    const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+    lo = _mm256_fmadd_pd(a, a, lo);
+    hi = _mm256_fmadd_pd(b, b, hi);
+  }
+  double value() const {
+    alignas(32) double t[4];
+    _mm256_store_pd(t, _mm256_add_pd(lo, hi));
+    return (t[0] + t[1]) + (t[2] + t[3]);
+  }
+#else
+  static constexpr int kN = Vec::size();
+  double acc[kN] = {};
+  void add(const Vec& v) {
+    alignas(64) float t[kN];
+    v.store(t);
+    for (int i = 0; i < kN; ++i) acc[i] += t[i];
+  }
+  void add_square(const Vec& v) {
+    alignas(64) float t[kN];
+    v.store(t);
+    for (int i = 0; i < kN; ++i) acc[i] += static_cast<double>(t[i]) * t[i];
+  }
+  double value() const {
+    double total = 0.0;
+    for (int i = 0; i < kN; ++i) total += acc[i];
+    return total;
+  }
+#endif
+};
+
 // The fp32 / fp16 / bf16 dispatch of the CPU kernels (inputs checked before): a light
 // AT_DISPATCH without double; `op` names the op in the error.
 template <typename F>

@@ -145,7 +145,7 @@ def _fwd_kernel(
     X, R, W, B, Y, H, MEAN, RSTD, RNG,
     M, N, stride_xm, stride_rm, eps, drop_thr, drop_scale,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    STORE_H: tl.constexpr, COMPUTE_STATS: tl.constexpr,
+    STORE_H: tl.constexpr, COMPUTE_STATS: tl.constexpr, F64_STATS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Tile (BLOCK_M rows x BLOCK_N columns): row block program_id(0), column block
@@ -165,9 +165,17 @@ def _fwd_kernel(
     h = _load_h(X, R, rows64, cols, mask, N, stride_xm, stride_rm,
                 seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, HAS_DROPOUT)
     if COMPUTE_STATS:
-        mean = _div(tl.sum(h, axis=1), N)
-        d = tl.where(mask, h - mean[:, None], 0.0)
-        var = _div(tl.sum(d * d, axis=1), N)
+        if F64_STATS:
+            # fp32 inputs: the row sums in fp64, each statistic rounded once.  With a large
+            # common offset (mean / std ~1e4) an fp32 sum put the mean an ulp off, which
+            # shifts every xhat of the row (up to 2.3x past the oracle's bound, interpreter).
+            mean = (tl.sum(h.to(tl.float64), axis=1) / N).to(tl.float32)
+            d = tl.where(mask, h - mean[:, None], 0.0).to(tl.float64)
+            var = (tl.sum(d * d, axis=1) / N).to(tl.float32)
+        else:
+            mean = _div(tl.sum(h, axis=1), N)
+            d = tl.where(mask, h - mean[:, None], 0.0)
+            var = _div(tl.sum(d * d, axis=1), N)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
         tl.store(MEAN + rows, mean, mask=row_ok)
         tl.store(RSTD + rows, rstd, mask=row_ok)
@@ -420,7 +428,7 @@ def add_layer_norm_fwd(x, residual, weight, bias, eps: float, dropout_p: float, 
             y, h if prenorm else y, mean, rstd, rng_t,
             m, n, x.stride(0), residual.stride(0), float(eps), thr, scale,
             HAS_W=weight is not None, HAS_B=bias is not None, HAS_DROPOUT=has_dropout,
-            STORE_H=bool(prenorm), COMPUTE_STATS=fused,
+            STORE_H=bool(prenorm), COMPUTE_STATS=fused, F64_STATS=x.dtype == torch.float32,
             BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=is_interpreting(), num_warps=num_warps,
             **_FP_OPTIONS,
         )
