@@ -193,6 +193,20 @@ __device__ __forceinline__ float2 team_sum2(float a, float b, float2* red, int w
   return s;
 }
 
+// team_sum2 for one double (the row statistics' sums: see fwd_reg_kernel).  red: >= blockDim.x
+// / 32 doubles of shared memory.
+__device__ __forceinline__ double team_sum_d(double v, double* red, int wpt, int first_warp) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if (wpt == 1) return v;
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = 0.0;
+  for (int w = 0; w < wpt; ++w) s += red[first_warp + w];  // fixed order: deterministic
+  __syncthreads();  // red may be reused right after
+  return s;
+}
+
 // ------------------------------------------------------------------------------------------
 // Kernel arguments
 
@@ -250,7 +264,6 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
   const int t = threadIdx.x - team * tpr;
   const int wpt = tpr >> 5;
   const int N = a.N;
-  const float inv_n = 1.0f / static_cast<float>(N);
   const Dropout drop = make_dropout(a.rng, a.threshold, a.scale, a.drop);
   const T* __restrict__ xp = static_cast<const T*>(a.x);
   const T* __restrict__ rp = static_cast<const T*>(a.r);
@@ -261,7 +274,10 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
     const int64_t row = base + team;
     const bool valid = row < a.M;
     float h[NV][VEC];
-    float sum = 0.0f;
+    // The statistics' sums in double, each rounded once: with an fp32 sum times fp32(1 / N) a
+    // constant row's mean came out an ulp off its value, so the row normalised to +-ulp * rstd
+    // (0.5 off at 1e4) instead of 0, and rows with a large offset lost their mean.
+    double sum = 0.0;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int col = (t + k * tpr) * VEC;
@@ -284,9 +300,10 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
         for (int e = 0; e < VEC; ++e) h[k][e] = 0.0f;
       }
     }
-    const float mu = team_sum2(sum, 0.0f, red, wpt, team * wpt).x * inv_n;
+    double* red_d = reinterpret_cast<double*>(red);  // a float2 per warp: a double's room
+    const float mu = static_cast<float>(team_sum_d(sum, red_d, wpt, team * wpt) / N);
     // Exact two-pass variance on the registers.
-    float sq = 0.0f;
+    double sq = 0.0;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int col = (t + k * tpr) * VEC;
@@ -294,11 +311,11 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const float d = h[k][e] - mu;
-          sq += d * d;
+          sq += static_cast<double>(d) * d;
         }
       }
     }
-    const float var = team_sum2(sq, 0.0f, red, wpt, team * wpt).x * inv_n;
+    const float var = static_cast<float>(team_sum_d(sq, red_d, wpt, team * wpt) / N);
     const float rs = rstd_rn(var + a.eps);
     if (valid) {
       if (t == 0) {
@@ -335,21 +352,6 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
 // reference's fp32 sums are cascaded, far more accurate than a thread's sequential ones.  A row
 // is read once more per pass (from L2, mostly); the double adds are ~N / blockDim per thread.
 
-// Sum over the block, in double, every thread getting the result (fixed order: deterministic).
-// Must be called by all threads of the block.  red: >= blockDim.x / 32 doubles of shared memory.
-__device__ __forceinline__ double block_sum_d(double v, double* red) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  const int warps = blockDim.x >> 5;
-  if (warps == 1) return v;
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  double s = 0.0;
-  for (int w = 0; w < warps; ++w) s += red[w];
-  __syncthreads();  // red may be reused right after
-  return s;
-}
-
 // h = residual + dropout(x) for VEC elements of row `row` from column `col`.
 template <typename T, int VEC>
 __device__ __forceinline__ void load_h(const T* xr, const T* rr, int64_t row, int N, int col,
@@ -367,6 +369,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
   TF_STATIC_SHARED double red[kMaxThreads / 32];
   const int N = a.N;
   const int nvec = N / VEC;  // VEC > 1 only when N % VEC == 0
+  const int wpt = blockDim.x >> 5;
   const Dropout drop = make_dropout(a.rng, a.threshold, a.scale, a.drop);
   const T* __restrict__ xp = static_cast<const T*>(a.x);
   const T* __restrict__ rp = static_cast<const T*>(a.r);
@@ -380,7 +383,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) sum += hv[e];
     }
-    const float mu = static_cast<float>(block_sum_d(sum, red) / N);
+    const float mu = static_cast<float>(team_sum_d(sum, red, wpt, 0) / N);
     double sq = 0.0;
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       float hv[VEC];
@@ -391,7 +394,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
         sq += static_cast<double>(d) * d;
       }
     }
-    const float rs = rstd_rn(static_cast<float>(block_sum_d(sq, red) / N) + a.eps);
+    const float rs = rstd_rn(static_cast<float>(team_sum_d(sq, red, wpt, 0) / N) + a.eps);
     if (threadIdx.x == 0) {
       a.mean[row] = mu;
       a.rstd[row] = rs;

@@ -246,3 +246,20 @@ def test_long_rows_with_a_large_offset(as_cuda_backend, n):
             lambda x, residual, weight, bias: reference.add_layer_norm(x, residual, weight, bias, 1e-5),
             {"x": x, "residual": res, "weight": w, "bias": b}, ["x", "residual", "weight", "bias"], seed=s)
         reference.assert_oracle(results, f"draw {s}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,c", [(7, 100.0), (15, 1e4), (768, 1e3)])
+def test_constant_rows_normalise_to_the_bias(as_cuda_backend, dtype, n, c):
+    """fwd_reg_kernel: a row whose every h is c.  An fp32 row sum times fp32(1 / N) put the mean
+    an ulp off c (100.000008, 10000.001), so the row normalised to +-ulp * rstd, 0.51 off the
+    bias at c = 1e4 (F.layer_norm gives exactly 0 in fp32).  Sums in double: the mean is c."""
+    x = torch.full((3, n), c / 2).to(dtype)
+    res = (torch.full((3, n), c) - x.float()).to(dtype)
+    h = (res.float() + x.float()).to(dtype)
+    assert (h == h[0, 0]).all()
+    w = (1 + 0.5 * torch.randn(n)).to(dtype)
+    b = (0.5 * torch.randn(n)).to(dtype)
+    y, _, mean, _ = as_cuda_backend.fwd(x, res, w, b, 1e-5, 0.0, None, False)
+    torch.testing.assert_close(mean, torch.full_like(mean, float(h[0, 0])), rtol=0, atol=0)
+    torch.testing.assert_close(y, b.expand_as(y), rtol=0, atol=0)
