@@ -19,8 +19,8 @@
 //   reduce_cols        stage 2 of dweight/dbias: sum of the (P, N) fp32 partials over P in a
 //                      fixed order (no atomics anywhere: the backward is deterministic).
 //
-// GPU runs 1-5 ran its gpu tests (README's Status; the forward's up-to-16-warps rows and the
-// long-row forward's two-pass statistics came after run 5: unverified there).  TF_CUDA_EMULATE:
+// GPU runs 1-5 ran its gpu tests (README's Status; the forward's up-to-16-warps rows and its
+// statistics summed in double, two-pass on long rows, came after run 5: unverified there).  TF_CUDA_EMULATE:
 // tests/test_add_layer_norm_cuda_emulated.py compiles this file as host C++
 // (tests/cuda_emulation.py: CTAs of std::threads, warp shuffles, static shared arrays) and runs
 // the kernels through the real host-side dispatch against the float64 oracle; races, the memory
