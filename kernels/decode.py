@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import struct
 
 import torch
 import triton
@@ -493,7 +494,7 @@ def attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new
             nsplit = max(1, min(int(num_splits), MAX_SPLITS))
         split = nsplit > 1
         qk_scale = float(scale) * LOG2E
-        qk_hi = float(torch.tensor(qk_scale, dtype=torch.float32))  # the kernel's fp32 qk_scale
+        qk_hi = struct.unpack("f", struct.pack("f", qk_scale))[0]  # the kernel's fp32 qk_scale
         off64 = FORCE_OFF64 or max(_span(k_cache, 2), _span(v_cache, 2)) >= 2**31 - 1
         if split:
             op = torch.empty((nsplit, B, H, L_new, Dv), dtype=torch.float32, device=q.device)
