@@ -171,7 +171,6 @@ constexpr int64_t kPanel = 16;     // keys per panel of block_scores_t's K^T
 // "Slots" the split rule assumes on the CPU: fixed (not the thread count) so that the split
 // count, and with it the rounding of the result, does not depend on the number of threads.
 constexpr int64_t kCpuSlots = 16;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define TF_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -186,12 +185,15 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // s[r * kBlockN + c] = scale * q_r . k_c for keys c < cnt[r] of the block.  q: (bm, D) fp32
 // contiguous; k: bn rows of D fp32 with row pitch ldk.  The dot is a SIMD reduction in double,
-// rounded once: in fp32 (8 lanes of D / 8 sequential terms) its error passed the oracle's bound
-// (up to 3.7x, in 1 draw of 8) where the logits are large (a standard deviation of ~30: a peaked
-// softmax turns a score's absolute error into the output's relative error).  It costs a step
-// 5-62% on one thread (benchmarks/NOTES.md, "CPU decoding step: q.k in double").
+// and the score stays double (so does the running max): only s - m, small wherever the
+// probability matters, goes to fp32 for the exponential.  In fp32 (8 lanes of D / 8 sequential
+// terms) the dot's error passed the oracle's bound (up to 3.7x, in 1 draw of 8) where the logits
+// are large (a standard deviation of ~30: a peaked softmax turns a score's absolute error into
+// the output's relative error), and a score rounded to fp32 (up to ulp(s) / 2) 3.9x at logit std
+// 100.  The double dot costs a step 5-62% on one thread (benchmarks/NOTES.md, "CPU decoding
+// step: q.k in double").
 TF_SIMD_CLONES TF_EXACT_PRODUCTS void block_scores(const float* q, int64_t bm, int64_t D, const float* k,
-                                 int64_t ldk, const int64_t* cnt, float scale, float* s) {
+                                 int64_t ldk, const int64_t* cnt, double scale, double* s) {
   for (int64_t r = 0; r < bm; ++r) {
     const float* qr = q + r * D;
     int64_t c = 0;
@@ -211,17 +213,17 @@ TF_SIMD_CLONES TF_EXACT_PRODUCTS void block_scores(const float* q, int64_t bm, i
         a2 += qd * k2[d];
         a3 += qd * k3[d];
       }
-      s[r * kBlockN + c] = static_cast<float>(scale * a0);
-      s[r * kBlockN + c + 1] = static_cast<float>(scale * a1);
-      s[r * kBlockN + c + 2] = static_cast<float>(scale * a2);
-      s[r * kBlockN + c + 3] = static_cast<float>(scale * a3);
+      s[r * kBlockN + c] = (scale * a0);
+      s[r * kBlockN + c + 1] = (scale * a1);
+      s[r * kBlockN + c + 2] = (scale * a2);
+      s[r * kBlockN + c + 3] = (scale * a3);
     }
     for (; c < cnt[r]; ++c) {
       const float* kc = k + c * ldk;
       double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
       for (int64_t d = 0; d < D; ++d) acc += static_cast<double>(qr[d]) * kc[d];
-      s[r * kBlockN + c] = static_cast<float>(scale * acc);
+      s[r * kBlockN + c] = (scale * acc);
     }
   }
 }
@@ -233,7 +235,7 @@ TF_SIMD_CLONES TF_EXACT_PRODUCTS void block_scores(const float* q, int64_t bm, i
 // the oracle's bound with large logits (GQA group 16, D 64).  Scores of keys c >= cnt[r] are
 // computed but never used.
 TF_SIMD_CLONES TF_EXACT_PRODUCTS void block_scores_t(const float* q, int64_t bm, int64_t D,
-                                                     const double* kT, float scale, float* s) {
+                                                     const double* kT, double scale, double* s) {
   // Two rows x kPanel keys of double accumulators at a time (8 AVX2 registers): each k element
   // loaded serves two rows, and nothing spills.  Every score is the same ordered sum over d.
   int64_t r = 0;
@@ -254,12 +256,12 @@ TF_SIMD_CLONES TF_EXACT_PRODUCTS void block_scores_t(const float* q, int64_t bm,
           a1[c] += x1 * kd[c];
         }
       }
-      float* s0 = s + r * kBlockN + c0;
-      float* s1 = s0 + kBlockN;
+      double* s0 = s + r * kBlockN + c0;
+      double* s1 = s0 + kBlockN;
 #pragma omp simd
       for (int64_t c = 0; c < kPanel; ++c) {
-        s0[c] = static_cast<float>(scale * a0[c]);
-        s1[c] = static_cast<float>(scale * a1[c]);
+        s0[c] = scale * a0[c];
+        s1[c] = scale * a1[c];
       }
     }
   }
@@ -275,15 +277,15 @@ TF_SIMD_CLONES TF_EXACT_PRODUCTS void block_scores_t(const float* q, int64_t bm,
 #pragma omp simd
         for (int64_t c = 0; c < kPanel; ++c) a0[c] += x0 * kp[d * kPanel + c];
       }
-      float* s0 = s + r * kBlockN + c0;
+      double* s0 = s + r * kBlockN + c0;
 #pragma omp simd
-      for (int64_t c = 0; c < kPanel; ++c) s0[c] = static_cast<float>(scale * a0[c]);
+      for (int64_t c = 0; c < kPanel; ++c) s0[c] = scale * a0[c];
     }
   }
 }
 
 // max(m, s[0:n]) ignoring NaN (vectorised); the caller handles all-NaN rows.
-TF_SIMD_CLONES float block_max(const float* s, int64_t n, float m) {
+TF_SIMD_CLONES double block_max(const double* s, int64_t n, double m) {
 #pragma omp simd reduction(max : m)
   for (int64_t c = 0; c < n; ++c) m = s[c] > m ? s[c] : m;
   return m;
@@ -291,11 +293,11 @@ TF_SIMD_CLONES float block_max(const float* s, int64_t n, float m) {
 
 // p[c] = exp(s[c] - m) for c < n (s[c] <= m or NaN), returns sum p in double.  Cephes' expf
 // polynomial (~1 ulp) so that the loop vectorises; NaN propagates, x < -87.3 gives 0.
-TF_SIMD_CLONES double block_exp(const float* s, float m, int64_t n, float* p) {
+TF_SIMD_CLONES double block_exp(const double* s, double m, int64_t n, float* p) {
   double sum = 0.0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t c = 0; c < n; ++c) {
-    const float x0 = s[c] - m;
+    const float x0 = static_cast<float>(s[c] - m);
     const float x1 = x0 < -87.3f ? -87.3f : x0;  // keeps NaN (the comparison is false)
     const float fn = std::floor(x1 * 1.44269504088896341f + 0.5f);
     const float r = (x1 - fn * 0.693359375f) + fn * 2.12194440e-4f;
@@ -371,7 +373,7 @@ const float* rows_f32(const T* base, int64_t ld, int64_t n, int64_t width, float
 
 struct Problem {
   int64_t B, H, Hkv, group, L_new, L_max, D, Dv, n_extra, nsplit, n_mt;
-  float scale;
+  double scale;  // double like the scores (an fp32 1 / sqrt(D) would move a score by ~2^-25 |s|)
   // element strides (unit stride along the head dim)
   int64_t q_sb, q_sh, q_sm, k_sb, k_sh, k_sm, v_sb, v_sh, v_sm;
 };
@@ -385,10 +387,10 @@ void decode_kernel(const Problem& p, const T* q, const T* k, const T* v, const i
   const int64_t m_total = p.L_new * p.group;
   const int64_t tasks = p.B * p.Hkv * p.n_mt * p.nsplit;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf(kBlockM * p.D), s(kBlockM * kBlockN), kbuf(kBlockN * p.D),
-        vbuf(kBlockN * p.Dv), pbuf(kBlockN);
-    std::vector<double> acc(kBlockM * p.Dv), l_i(kBlockM), kT(p.D * kBlockN, 0.0);
-    std::vector<float> m_i(kBlockM);
+    std::vector<float> qbuf(kBlockM * p.D), kbuf(kBlockN * p.D), vbuf(kBlockN * p.Dv),
+        pbuf(kBlockN);
+    std::vector<double> s(kBlockM * kBlockN), acc(kBlockM * p.Dv), l_i(kBlockM),
+        kT(p.D * kBlockN, 0.0), m_i(kBlockM);
     std::vector<int64_t> last_vis(kBlockM), cnt(kBlockM);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % p.nsplit;
@@ -416,7 +418,7 @@ void decode_kernel(const Problem& p, const T* q, const T* k, const T* v, const i
 
       std::fill(acc.begin(), acc.begin() + bm * p.Dv, 0.0);
       std::fill(l_i.begin(), l_i.begin() + bm, 0.0);
-      std::fill(m_i.begin(), m_i.begin() + bm, kNegInf);
+      std::fill(m_i.begin(), m_i.begin() + bm, -HUGE_VAL);
       const T* kh = k + b * p.k_sb + hk * p.k_sh;
       const T* vh = v + b * p.v_sb + hk * p.v_sh;
       for (int64_t nb = blk_lo; nb < blk_hi; ++nb) {
@@ -436,15 +438,15 @@ void decode_kernel(const Problem& p, const T* q, const T* k, const T* v, const i
         }
         for (int64_t r = 0; r < bm; ++r) {
           if (cnt[r] == 0) continue;
-          const float* sr = s.data() + r * kBlockN;
-          float m_new = block_max(sr, cnt[r], m_i[r]);
-          if (m_new == kNegInf) {
+          const double* sr = s.data() + r * kBlockN;
+          double m_new = block_max(sr, cnt[r], m_i[r]);
+          if (m_new == -HUGE_VAL) {
             // Nothing but -inf / NaN scores so far: a NaN must still poison the row (it does
             // through p = exp(NaN - m) when m is finite); a row of -inf has nothing to add yet.
             for (int64_t c = 0; c < cnt[r]; ++c) m_new = nan_max(m_new, sr[c]);
-            if (m_new == kNegInf) continue;
+            if (m_new == -HUGE_VAL) continue;
           }
-          const float alpha = std::exp(m_i[r] - m_new);  // exp(-inf) = 0 on the first block
+          const double alpha = std::exp(m_i[r] - m_new);  // exp(-inf) = 0 on the first block
           l_i[r] = l_i[r] * alpha + block_exp(sr, m_new, cnt[r], pbuf.data());
           m_i[r] = m_new;
           block_pv(acc.data() + r * p.Dv, alpha, pbuf.data(), cnt[r], vb, ldv, p.Dv);
@@ -464,7 +466,7 @@ void decode_kernel(const Problem& p, const T* q, const T* k, const T* v, const i
           float* o = op + (split * p.B * p.H * p.L_new + row) * p.Dv;
           for (int64_t d = 0; d < p.Dv; ++d) o[d] = static_cast<float>(ar[d] * inv);
           lse[split * p.B * p.H * p.L_new + row] =
-              live ? static_cast<double>(m_i[r]) + std::log(l_i[r]) : -HUGE_VAL;
+              live ? m_i[r] + std::log(l_i[r]) : -HUGE_VAL;
         }
       }
     }
@@ -615,7 +617,7 @@ Tensor attention_with_kv_cache_fwd_cpu(TF_KV_CACHE_ARGS) {
   Problem p{};
   p.B = B, p.H = H, p.Hkv = Hkv, p.group = H / Hkv, p.L_new = L_new, p.L_max = L_max;
   p.D = q.size(3), p.Dv = Dv, p.n_extra = has_new ? L_new : 0;
-  p.scale = static_cast<float>(scale);
+  p.scale = scale;
   p.q_sb = q_.stride(0), p.q_sh = q_.stride(1), p.q_sm = q_.stride(2);
   p.k_sb = k_.stride(0), p.k_sh = k_.stride(1), p.k_sm = k_.stride(2);
   p.v_sb = v_.stride(0), p.v_sh = v_.stride(1), p.v_sm = v_.stride(2);

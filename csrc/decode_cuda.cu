@@ -161,17 +161,21 @@ struct Params {
   double scale_log2_d;  // the same in double (fp32 inputs)
 };
 
-// The type of a q.k dot product.  fp32 inputs: double, so the score is rounded once (lane
-// partials, the shuffle tree and the scaling in fp32 went up to 1.3x past the oracle's bound
-// where the logits are large: a peaked softmax turns a score's absolute error into the output's
-// relative error).  16-bit inputs, whose own rounding is far larger: fp32.
+// The type of a q.k dot product, of the base-2 score and of the running max.  fp32 inputs:
+// double, so the score is never rounded and only the differences s - m (small wherever the
+// probability matters) go to fp32 for exp2f.  A peaked softmax turns a score's absolute error
+// into the output's relative error: fp32 lane partials, shuffle tree and scaling went up to 1.3x
+// past the oracle's bound at logit std 34, and the double dot rounded to an fp32 score (error up
+// to ulp(s) / 2, |s| in the hundreds) 8.2x at logit std 100.  16-bit inputs, whose own rounding is
+// far larger: fp32.
 template <typename T>
 using DotT = std::conditional_t<std::is_same_v<T, float>, double, float>;
 
-template <int DP, int ROWS>
+template <typename T, int DP, int ROWS>
 constexpr size_t decode_smem_bytes() {
-  // q [ROWS][DP]; per warp: m [ROWS], l [ROWS], acc [ROWS][DP]
-  return sizeof(float) * (ROWS * DP + kWarps * ROWS * 2 + kWarps * ROWS * DP);
+  // q [ROWS][DP] fp32; per warp: m [ROWS] (DotT), l [ROWS], acc [ROWS][DP] fp32
+  return sizeof(float) * (ROWS * DP + kWarps * ROWS + kWarps * ROWS * DP) +
+         sizeof(DotT<T>) * kWarps * ROWS;
 }
 
 // max that keeps a NaN (fmaxf drops it).
@@ -185,10 +189,11 @@ template <typename T, int DP, int ROWS>
 __global__ void __launch_bounds__(kThreads) kv_decode_kernel(const Params p) {
   constexpr int E = DP / 32;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  using S = DotT<T>;  // the dot, the score and the running max
   float* q_s = reinterpret_cast<float*>(smem_raw);  // [ROWS][DP], zero padded (16-bit: scaled)
-  float* m_s = q_s + ROWS * DP;                      // [kWarps][ROWS]
-  float* l_s = m_s + kWarps * ROWS;                  // [kWarps][ROWS]
-  float* acc_s = l_s + kWarps * ROWS;                // [kWarps][ROWS][DP]
+  S* m_s = reinterpret_cast<S*>(q_s + ROWS * DP);   // [kWarps][ROWS] (ROWS * DP * 4: 8-aligned)
+  float* l_s = reinterpret_cast<float*>(m_s + kWarps * ROWS);  // [kWarps][ROWS]
+  float* acc_s = l_s + kWarps * ROWS;                          // [kWarps][ROWS][DP]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int split = blockIdx.y;
@@ -205,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) kv_decode_kernel(const Params p) {
     if (r < bm && d < p.D) {
       const int pr = m0 + r, t = pr / p.group, h = hk * p.group + pr % p.group;
       x = Elem<T>::load(qg + b * p.q_sb + h * p.q_sh + t * p.q_sm + d);
-      if constexpr (!std::is_same_v<DotT<T>, double>) x *= p.scale_log2;  // else on the total
+      if constexpr (!std::is_same_v<S, double>) x *= p.scale_log2;  // else on the total
     }
     q_s[i] = x;
   }
@@ -225,7 +230,8 @@ __global__ void __launch_bounds__(kThreads) kv_decode_kernel(const Params p) {
   for (int r = 0; r < ROWS; ++r) last_vis[r] = r < bm ? base + (m0 + r) / p.group : -1;
   __syncthreads();  // q_s is complete
 
-  float m[ROWS], l[ROWS], acc[ROWS][E];
+  S m[ROWS];
+  float l[ROWS], acc[ROWS][E];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     m[r] = -INFINITY;
@@ -245,24 +251,18 @@ __global__ void __launch_bounds__(kThreads) kv_decode_kernel(const Params p) {
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      using Dot = DotT<T>;
-      Dot dot = 0;
+      S s = 0;
 #pragma unroll
-      for (int e = 0; e < E; ++e) dot += static_cast<Dot>(q_s[r * DP + lane + 32 * e]) * kr[e];
+      for (int e = 0; e < E; ++e) s += static_cast<S>(q_s[r * DP + lane + 32 * e]) * kr[e];
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      float s;
-      if constexpr (std::is_same_v<Dot, double>) {
-        s = static_cast<float>(dot * p.scale_log2_d);
-      } else {
-        s = dot;
-      }
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if constexpr (std::is_same_v<S, double>) s *= p.scale_log2_d;
       if (j <= last_vis[r]) {
-        // A NaN score leaves m alone (fmaxf) but makes p, l and acc NaN: the row stays NaN.
-        const float m_new = fmaxf(m[r], s);
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        const float alpha = exp2f(m[r] - m_use);
-        const float pj = exp2f(s - m_use);
+        // A NaN score leaves m alone (fmax) but makes p, l and acc NaN: the row stays NaN.
+        const S m_new = fmax(m[r], s);
+        const S m_use = m_new == -INFINITY ? S(0) : m_new;
+        const float alpha = exp2f(static_cast<float>(m[r] - m_use));
+        const float pj = exp2f(static_cast<float>(s - m_use));
         l[r] = l[r] * alpha + pj;
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * alpha + pj * vr[e];
@@ -286,14 +286,15 @@ __global__ void __launch_bounds__(kThreads) kv_decode_kernel(const Params p) {
   for (int i = threadIdx.x; i < ROWS * DP; i += kThreads) {
     const int r = i / DP, d = i % DP;
     if (r >= bm || d >= p.Dv) continue;
-    float mx = -INFINITY;
+    S mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w * ROWS + r]);
-    const float m_use = mx == -INFINITY ? 0.0f : mx;
+    for (int w = 0; w < kWarps; ++w) mx = fmax(mx, m_s[w * ROWS + r]);
+    const S m_use = mx == -INFINITY ? S(0) : mx;
     float lsum = 0.0f, o = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float c = exp2f(m_s[w * ROWS + r] - m_use);  // 0 for a warp that saw no key
+      // 0 for a warp that saw no key
+      const float c = exp2f(static_cast<float>(m_s[w * ROWS + r] - m_use));
       lsum += l_s[w * ROWS + r] * c;  // NaN * 0 = NaN: a NaN row stays NaN
       o += acc_s[(w * ROWS + r) * DP + d] * c;
     }
@@ -469,9 +470,9 @@ template <typename T, int DP>
 void run_decode_dp(const Params& p, int rows) {
   const Grid grid{int64_t{p.B} * p.Hkv * p.n_mt, p.nsplit, 1};
   switch (rows) {
-    case 1: launch(kv_decode_kernel<T, DP, 1>, grid, decode_smem_bytes<DP, 1>(), p); break;
-    case 4: launch(kv_decode_kernel<T, DP, 4>, grid, decode_smem_bytes<DP, 4>(), p); break;
-    default: launch(kv_decode_kernel<T, DP, 8>, grid, decode_smem_bytes<DP, 8>(), p); break;
+    case 1: launch(kv_decode_kernel<T, DP, 1>, grid, decode_smem_bytes<T, DP, 1>(), p); break;
+    case 4: launch(kv_decode_kernel<T, DP, 4>, grid, decode_smem_bytes<T, DP, 4>(), p); break;
+    default: launch(kv_decode_kernel<T, DP, 8>, grid, decode_smem_bytes<T, DP, 8>(), p); break;
   }
 }
 

@@ -149,13 +149,15 @@ def _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, hi, hi_keys,
             kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
         if F64_SCORES:
             # Exact fp32 inputs: q.k and its scaling (qk_scale + qk_scale_lo: the scale to ~48
-            # bits) in fp64, rounded once.  With large logits (a peaked softmax turns a score's
-            # absolute error into the output's relative error) the fp32 dot's sequential sums
-            # went up to 4.5x past the oracle's bound, an fp64 dot rounded before the fp32
-            # scaling to 1.6x (interpreter).
+            # bits) in fp64, and the score and running max stay fp64: only s - m (small where
+            # the probability matters) goes to fp32.  With large logits (a peaked softmax turns
+            # a score's absolute error into the output's relative error) the fp32 dot's
+            # sequential sums went up to 4.5x past the oracle's bound, an fp64 dot rounded
+            # before the fp32 scaling to 1.6x, the score rounded to fp32 (error up to ulp(s) / 2,
+            # |s| in the hundreds at logit std 100) to 8x (interpreter).
             s = tl.dot(q.to(tl.float64), kT.to(tl.float64),
                        tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64), out_dtype=tl.float64)
-            s = (s * qk_scale + s * qk_scale_lo).to(tl.float32)  # fp64 products (promoted)
+            s = s * qk_scale + s * qk_scale_lo  # fp64 products (promoted)
         else:
             s = dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32, IEEE)
             s = s * qk_scale
@@ -166,8 +168,8 @@ def _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, hi, hi_keys,
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2((s - m_use[:, None]).to(tl.float32))
+        alpha = tl.exp2((m_i - m_use).to(tl.float32))
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:
@@ -241,7 +243,10 @@ def _decode_fwd_kernel(
     Vh = V + b64 * svb + hk64 * svh
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
+    if F64_SCORES:  # the running max in the scores' dtype
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float64)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, last_vis, lo, mid, hi_keys,
                                   qk_scale, qk_scale_lo, HEAD_DIM, BLOCK_D, HEAD_DV, BLOCK_DV,
                                   BLOCK_M, BLOCK_N,

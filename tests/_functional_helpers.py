@@ -150,6 +150,17 @@ def large_logit_kv_cases(heads, kv_heads, lq, dim, draws, seed):
         yield q, kc, vc, torch.tensor([n_cached], dtype=torch.int32), kn, vn
 
 
+def very_large_logit_kv_cases(seeds, heads=4, kv_heads=1, dim=64, lmax=129, logit_std=100.0):
+    """One fp32 decoding step per seed whose logits have a standard deviation of ~logit_std:
+    base-2 scores of several hundred, where rounding a score to fp32 moves its probability by up
+    to ~2^-24 |s| relative.  Caches of lmax slots, nearly full."""
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, heads, 1, dim, generator=g) * logit_std
+        kc, vc, kn, vn = (torch.randn(1, kv_heads, n, dim, generator=g) for n in (lmax, lmax, 1, 1))
+        yield q, kc, vc, torch.tensor([lmax - 1 - seed % 4], dtype=torch.int32), kn, vn
+
+
 def assert_kv_cache_on_oracle(run, case, what=""):
     """``run(q, k_cache, v_cache, cache_seqlens, k_new, v_new)`` (on copies of the caches) within
     the oracle's bound of the float64 reference."""

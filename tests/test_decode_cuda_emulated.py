@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from test_decode_cxx import cuda_emulation, forced_splits  # noqa: F401  (the module fixture)
-from _functional_helpers import assert_kv_cache_on_oracle, large_logit_kv_cases
+from _functional_helpers import assert_kv_cache_on_oracle, large_logit_kv_cases, very_large_logit_kv_cases
 from transformer_fast import reference
 
 
@@ -97,3 +97,18 @@ def test_fp32_large_logits_meet_the_oracle(cuda_emulation, heads, kv_heads, spli
 
     for t, case in enumerate(large_logit_kv_cases(heads, kv_heads, 1, 128, draws=12, seed=3000)):
         assert_kv_cache_on_oracle(run, case, f"draw {t}")
+
+
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp32_very_large_logits_meet_the_oracle(cuda_emulation, splits):
+    """Logits with a standard deviation of ~100: with the double dot rounded to an fp32 base-2
+    score and an fp32 running max, the kernel went up to 8.2x past the oracle's bound (seed 4002
+    and one more of these 8).  The score and running max of fp32 inputs now stay in double."""
+    def run(q, kc, vc, lens, kn, vn):
+        with forced_splits(splits):
+            return cuda_emulation.kv_fwd(q, kc, vc, lens, kn, vn, q.shape[-1] ** -0.5)
+
+    for seed, case in zip(range(4000, 4008), very_large_logit_kv_cases(range(4000, 4008))):
+        assert_kv_cache_on_oracle(run, case, f"seed {seed}")

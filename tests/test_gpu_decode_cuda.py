@@ -117,3 +117,18 @@ def test_fp32_large_logits_meet_the_oracle(device, heads, kv_heads, splits):
 
     for t, case in enumerate(large_logit_kv_cases(heads, kv_heads, 1, 128, draws=12, seed=3000)):
         assert_kv_cache_on_oracle(run, case, f"draw {t}")
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp32_very_large_logits_meet_the_oracle(device, splits):
+    """The fp32 inputs' double score and running max on the GPU (logit std ~100; the CPU
+    emulation's case, tests/test_decode_cuda_emulated.py)."""
+    from _functional_helpers import assert_kv_cache_on_oracle, very_large_logit_kv_cases
+
+    def run(q, kc, vc, lens, kn, vn):
+        args = [t.cuda() for t in (q, kc, vc, lens, kn, vn)]
+        with base.forced_splits(splits):
+            return base.cxx_op(*args, q.shape[-1] ** -0.5).cpu()
+
+    for seed, case in zip(range(4000, 4008), very_large_logit_kv_cases(range(4000, 4008))):
+        assert_kv_cache_on_oracle(run, case, f"seed {seed}")

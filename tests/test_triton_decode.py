@@ -310,3 +310,19 @@ def test_fp32_large_logits_meet_the_oracle(heads, kv_heads):
 
     for t, case in enumerate(large_logit_kv_cases(heads, kv_heads, 1, 128, draws=12, seed=3000)):
         assert_kv_cache_on_oracle(run, case, f"draw {t}")
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp32_very_large_logits_meet_the_oracle(splits):
+    """Logits with a standard deviation of ~100: with the fp64 score rounded to fp32 and an fp32
+    running max the exact-fp32 path went past the oracle's bound (interpreter); the score and
+    running max now stay fp64 and only s - m goes to fp32."""
+    from _functional_helpers import assert_kv_cache_on_oracle, very_large_logit_kv_cases
+
+    def run(q, kc, vc, lens, kn, vn):
+        args = [t.to(DEVICE) for t in (q, kc, vc, lens, kn, vn)]
+        return decode.attention_with_kv_cache_fwd(*args, q.shape[-1] ** -0.5, False,
+                                                  num_splits=splits).cpu()
+
+    for seed, case in zip(range(4000, 4008), very_large_logit_kv_cases(range(4000, 4008))):
+        assert_kv_cache_on_oracle(run, case, f"seed {seed}")
