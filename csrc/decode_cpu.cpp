@@ -213,17 +213,17 @@ TF_SIMD_CLONES TF_EXACT_PRODUCTS void block_scores(const float* q, int64_t bm, i
         a2 += qd * k2[d];
         a3 += qd * k3[d];
       }
-      s[r * kBlockN + c] = (scale * a0);
-      s[r * kBlockN + c + 1] = (scale * a1);
-      s[r * kBlockN + c + 2] = (scale * a2);
-      s[r * kBlockN + c + 3] = (scale * a3);
+      s[r * kBlockN + c] = scale * a0;
+      s[r * kBlockN + c + 1] = scale * a1;
+      s[r * kBlockN + c + 2] = scale * a2;
+      s[r * kBlockN + c + 3] = scale * a3;
     }
     for (; c < cnt[r]; ++c) {
       const float* kc = k + c * ldk;
       double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
       for (int64_t d = 0; d < D; ++d) acc += static_cast<double>(qr[d]) * kc[d];
-      s[r * kBlockN + c] = (scale * acc);
+      s[r * kBlockN + c] = scale * acc;
     }
   }
 }

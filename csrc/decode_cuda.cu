@@ -3,7 +3,8 @@
 // runs 1-2 (README's Status).  Its kernels are also tested in CPU emulation (TF_CUDA_EMULATE;
 // tests/test_decode_cxx.py) against the oracle; races, the memory model and speed need a GPU
 // (tests/test_gpu_decode_cuda.py, benchmarks/sanitize_kernels.py).  The fp32 inputs' double
-// dot products and the double log-sum-exp of the splits came after those runs: unverified there.
+// dot products, scores and running max and the double log-sum-exp of the splits came after those
+// runs: unverified there.
 //
 // Contract: the docstring of kernels/decode.py, as csrc/decode_cpu.cpp (which holds the shared
 // argument checks and split rule, decode.h):
@@ -15,7 +16,8 @@
 //   others so).  out (B, H, L_new, Dv) contiguous.  Positions outside [0, L_max) are never read or
 //   written.
 //
-// Kernels (SIMT math, so allow_tf32 is unused; fp32 with fp32 inputs' q.k in double, DotT below):
+// Kernels (SIMT math, so allow_tf32 is unused; fp32 with fp32 inputs' q.k, score and running max
+// in double, DotT below):
 //   kv_append_kernel   one CTA per (b, kv head, k-or-v, chunk of new positions): copies the rows.
 //   kv_decode_kernel   one CTA of 4 warps per (b, kv head, tile of ROWS packed query rows, split).
 //                      Packed row r = t * GROUP + g is query head hk * GROUP + g at position t, so

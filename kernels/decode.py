@@ -12,8 +12,8 @@ Contract (the ``triton`` backend of attention_with_kv_cache builds on it):
   stride(-1) == 1: everything is read through its strides and the caches are written through
   theirs (a cache whose last stride is not 1 takes a slow torch path; q / k_new / v_new are then
   made contiguous).  D, Dv <= 256 (padded to a power of two inside the kernels with masked
-  loads).  fp16 / bf16 / fp32; fp32 dots run in tf32 when ``allow_tf32``, else q.k in fp64
-  (rounded once to fp32) and p @ v in exact fp32.
+  loads).  fp16 / bf16 / fp32; fp32 dots run in tf32 when ``allow_tf32``, else q.k, the
+  scores and the running max in fp64 (s - max rounded to fp32 for exp2) and p @ v in exact fp32.
 * Semantics (transformer_fast.reference.attention_with_kv_cache): with k_new / v_new, first write
   them into the caches in place at positions cache_seqlens[b] + t, t < L_new (a small Triton
   kernel that reads cache_seqlens on the device: no host sync); the caller advances
