@@ -180,6 +180,14 @@ def _extensions():
     from torch.utils import cpp_extension
 
     want_cuda = _env_flag("TRANSFORMER_FAST_CUDA")
+    # TRANSFORMER_FAST_SANITIZE=1: the C++ CPU kernels under AddressSanitizer + UBSan, for
+    # scripts/sanitize_cpu.sh (a CPU-only build; python must preload libasan / libubsan).
+    sanitize = bool(_env_flag("TRANSFORMER_FAST_SANITIZE"))
+    if sanitize and want_cuda:
+        raise RuntimeError("TRANSFORMER_FAST_SANITIZE builds the CPU kernels only: "
+                           "TRANSFORMER_FAST_CUDA must be unset or 0")
+    if sanitize:
+        want_cuda = False
     cuda_home = _find_cuda_home() if want_cuda is not False else None
     use_cuda = bool(torch.version.cuda) and cuda_home is not None and want_cuda is not False
     if want_cuda and not use_cuda:
@@ -195,6 +203,11 @@ def _extensions():
     # dy * w in two passes; fused in one and not the other, a width-1 row's gradient came out
     # 3e-5 instead of 0).  The kernels ask for FMAs explicitly (at::vec::fmadd) where they want them.
     cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off"]
+    link_flags = ["-fopenmp"]
+    if sanitize:
+        cxx_flags = ["-O1", "-g", *cxx_flags[1:], "-fsanitize=address,undefined",
+                     "-fno-omit-frame-pointer"]
+        link_flags.append("-fsanitize=address,undefined")
     include_dirs = [os.path.join(ROOT, "csrc")]
     define_macros = []
 
@@ -223,7 +236,7 @@ def _extensions():
             include_dirs=include_dirs,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=["-fopenmp"] + SHARED_LIBSTDCXX,
+            extra_link_args=link_flags + SHARED_LIBSTDCXX,
         )
     print(f"transformer_fast: building _C with CUDA={'yes (' + cuda_home + ')' if use_cuda else 'no'}")
     cmdclass = {"build_ext": _build_ext_class(cpp_extension)}
