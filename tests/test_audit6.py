@@ -203,7 +203,6 @@ def test_sdpa_cpu_backend_gradients_meet_the_oracle_with_large_logits(dim):
     """The cpu attention kernel's gradients stay within the oracle's bound with logits of a
     standard deviation of ~34 (torch's own SDPA, the `torch` backend, does not there: README's
     Limits)."""
-
     for t in range(4):
         g = torch.Generator().manual_seed(7000 + t)
         length = (100, 300)[t % 2]
