@@ -334,6 +334,183 @@ void col_sum_kernel(const Tensor& t, Tensor& out) {
   });
 }
 
+// out (M, N) = a (M, K) @ b (K, N) (+ bias) for fp32 GEMMs of few rows, every sum in double and
+// rounded once (cpu_gemm's exact small GEMMs), without widening b: b is usually a weight of
+// K x N >> M x K, and its widened copy (8 bytes an element, written then read) made the call
+// 5-10x torch's fp32 linear at M = 2 (a decoding step).  a64 is a's double copy (M x K,
+// contiguous); b is read in its fp32 storage, once per block of kMaxRows rows of a, through one of
+// two layouts: columns contiguous along K (b = w^T of a row-major weight: dots) or rows contiguous
+// along N (axpys).  R rows x C four-wide column vectors of accumulators stay in registers
+// (R * C = 8).  Products of fp32 values are exact in double, so an FMA rounds as the separate
+// add would; each output is one sum over K in double (the vector lanes' partial sums added at
+// the end, in a fixed order).
+constexpr int kMaxRows = 4;
+// The register blocks' loops fully unrolled before GCC decides where v[R][C] lives (without it,
+// every accumulator was stored to the stack on each iteration: 2x slower).
+#define TF_UNROLL _Pragma("GCC unroll 8")
+
+#ifdef TF_CPU_AVX2_PRAGMA
+inline double hsum(__m256d v) {
+  const __m128d lo = _mm256_castpd256_pd128(v), hi = _mm256_extractf128_pd(v, 1);
+  const __m128d s = _mm_add_pd(lo, hi);
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+#endif
+
+// Columns n0 .. n0 + C of rows m0 .. m0 + R, dot layout: b column n at b + n * ldb.
+template <int R, int C>
+void dot_block(const double* a64, int64_t K, const float* b, int64_t ldb, const float* bias, int64_t N,
+               int64_t m0, int64_t n0, float* out) {
+  double s[R][C] = {};
+  int64_t k = 0;
+#ifdef TF_CPU_AVX2_PRAGMA
+  __m256d v[R][C];
+  TF_UNROLL
+  for (int r = 0; r < R; ++r)
+    TF_UNROLL
+    for (int c = 0; c < C; ++c) v[r][c] = _mm256_setzero_pd();
+  for (; k + 4 <= K; k += 4) {
+    __m256d bk[C];
+    TF_UNROLL
+    for (int c = 0; c < C; ++c) bk[c] = _mm256_cvtps_pd(_mm_loadu_ps(b + (n0 + c) * ldb + k));
+    TF_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m256d ak = _mm256_loadu_pd(a64 + (m0 + r) * K + k);
+      TF_UNROLL
+      for (int c = 0; c < C; ++c) v[r][c] = _mm256_fmadd_pd(ak, bk[c], v[r][c]);
+    }
+  }
+  TF_UNROLL
+  for (int r = 0; r < R; ++r)
+    TF_UNROLL
+    for (int c = 0; c < C; ++c) s[r][c] = hsum(v[r][c]);
+#endif
+  for (; k < K; ++k) {
+    TF_UNROLL
+    for (int r = 0; r < R; ++r) {
+      TF_UNROLL
+      for (int c = 0; c < C; ++c) s[r][c] = std::fma(a64[(m0 + r) * K + k], b[(n0 + c) * ldb + k], s[r][c]);
+    }
+  }
+  TF_UNROLL
+  for (int r = 0; r < R; ++r) {
+    TF_UNROLL
+    for (int c = 0; c < C; ++c) {
+      const double bias_n = bias ? static_cast<double>(bias[n0 + c]) : 0.0;
+      out[(m0 + r) * N + n0 + c] = static_cast<float>(s[r][c] + bias_n);
+    }
+  }
+}
+
+// Columns j0 .. j0 + 4 * C of rows m0 .. m0 + R, axpy layout (b row k at b + k * ldb): adds the
+// terms k0 <= k < k1 to the running sums acc (column j0 of row m0; rows of pitch lda), or where
+// out is given (the last terms), writes the rounded sums + bias there instead.
+template <int R, int C>
+void axpy_block(const double* a64, int64_t K, const float* b, int64_t ldb, int64_t k0, int64_t k1, int64_t m0,
+                int64_t j0, double* acc, int64_t lda, const float* bias, float* out, int64_t N) {
+#ifdef TF_CPU_AVX2_PRAGMA
+  __m256d v[R][C];
+  TF_UNROLL
+  for (int r = 0; r < R; ++r)
+    TF_UNROLL
+    for (int c = 0; c < C; ++c) v[r][c] = k0 > 0 ? _mm256_loadu_pd(acc + r * lda + 4 * c) : _mm256_setzero_pd();
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* bk = b + k * ldb + j0;
+    __m256d bv[C];
+    TF_UNROLL
+    for (int c = 0; c < C; ++c) bv[c] = _mm256_cvtps_pd(_mm_loadu_ps(bk + 4 * c));
+    TF_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const __m256d ak = _mm256_broadcast_sd(a64 + (m0 + r) * K + k);
+      TF_UNROLL
+      for (int c = 0; c < C; ++c) v[r][c] = _mm256_fmadd_pd(ak, bv[c], v[r][c]);
+    }
+  }
+  if (out == nullptr) {
+    TF_UNROLL
+    for (int r = 0; r < R; ++r)
+      TF_UNROLL
+      for (int c = 0; c < C; ++c) _mm256_storeu_pd(acc + r * lda + 4 * c, v[r][c]);
+    return;
+  }
+  TF_UNROLL
+  for (int c = 0; c < C; ++c) {
+    const __m256d bias_c = bias ? _mm256_cvtps_pd(_mm_loadu_ps(bias + j0 + 4 * c)) : _mm256_setzero_pd();
+    TF_UNROLL
+    for (int r = 0; r < R; ++r) {
+      _mm_storeu_ps(out + (m0 + r) * N + j0 + 4 * c, _mm256_cvtpd_ps(_mm256_add_pd(v[r][c], bias_c)));
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4 * C; ++j) {
+      double s = k0 > 0 ? acc[r * lda + j] : 0.0;
+      for (int64_t k = k0; k < k1; ++k) s = std::fma(a64[(m0 + r) * K + k], b[k * ldb + j0 + j], s);
+      if (out == nullptr) {
+        acc[r * lda + j] = s;
+      } else {
+        out[(m0 + r) * N + j0 + j] = static_cast<float>(s + (bias ? static_cast<double>(bias[j0 + j]) : 0.0));
+      }
+    }
+  }
+#endif
+}
+
+// Rows m0 .. m0 + R of out, columns [c0, c1).  Dots: blocks of 8 / R columns, then single ones.
+// Axpys: kAxpyRowsK rows of b at a time across all of the task's columns (the running sums of a
+// longer K in a double buffer, R x (c1 - c0), in L1), so that b is read in row segments (walking
+// each narrow column tile down all K rows, through a new page every row or two, was 1.3x slower
+// at M 2, K 2048 -> 512; 16 and 64 rows measured alike).
+constexpr int64_t kAxpyRowsK = 16;
+
+template <int R>
+void small_gemm_rows(bool dot, const double* a64, int64_t K, const float* b, int64_t ldb, const float* bias,
+                     int64_t N, int64_t m0, int64_t c0, int64_t c1, float* out, std::vector<double>& acc) {
+  constexpr int C = 8 / R;
+  if (dot) {
+    int64_t n = c0;
+    for (; n + C <= c1; n += C) dot_block<R, C>(a64, K, b, ldb, bias, N, m0, n, out);
+    for (; n < c1; ++n) dot_block<R, 1>(a64, K, b, ldb, bias, N, m0, n, out);
+    return;
+  }
+  const int64_t w = c1 - c0;
+  if (K > kAxpyRowsK || w % 4 != 0) acc.resize(static_cast<size_t>(R * w));
+  for (int64_t k0 = 0; k0 < K; k0 += kAxpyRowsK) {
+    const int64_t k1 = std::min(K, k0 + kAxpyRowsK);
+    float* last = k1 == K ? out : nullptr;
+    int64_t j = c0;
+    for (; j + 4 * C <= c1; j += 4 * C) {
+      axpy_block<R, C>(a64, K, b, ldb, k0, k1, m0, j, acc.data() + (j - c0), w, bias, last, N);
+    }
+    for (; j + 4 <= c1; j += 4) axpy_block<R, 1>(a64, K, b, ldb, k0, k1, m0, j, acc.data() + (j - c0), w, bias, last, N);
+    for (; j < c1; ++j) {  // the last < 4 columns, one sum at a time
+      for (int r = 0; r < R; ++r) {
+        double& s = acc[r * w + (j - c0)];
+        if (k0 == 0) s = 0.0;
+        for (int64_t k = k0; k < k1; ++k) s = std::fma(a64[(m0 + r) * K + k], b[k * ldb + j], s);
+        if (last) out[(m0 + r) * N + j] = static_cast<float>(s + (bias ? static_cast<double>(bias[j]) : 0.0));
+      }
+    }
+  }
+}
+
+void small_gemm_f64(bool dot, const double* a64, int64_t M, int64_t K, const float* b, int64_t ldb,
+                    const float* bias, int64_t N, float* out) {
+  // Tasks of 32-column chunks, ~32k FMAs or more each (a column costs M x K).
+  const int64_t chunks = std::max<int64_t>(1, 1024 / std::max<int64_t>(M * K, 1));
+  at::parallel_for(0, (N + 31) / 32, chunks, [&](int64_t t0, int64_t t1) {
+    const int64_t c0 = t0 * 32, c1 = std::min(N, t1 * 32);
+    std::vector<double> acc;
+    int64_t m = 0;
+    for (; m + kMaxRows <= M; m += kMaxRows) small_gemm_rows<kMaxRows>(dot, a64, K, b, ldb, bias, N, m, c0, c1, out, acc);
+    if (M - m >= 2) {
+      small_gemm_rows<2>(dot, a64, K, b, ldb, bias, N, m, c0, c1, out, acc);
+      m += 2;
+    }
+    if (M - m == 1) small_gemm_rows<1>(dot, a64, K, b, ldb, bias, N, m, c0, c1, out, acc);
+  });
+}
+
 void run_col_sum(const Tensor& t, Tensor& out) {
   dispatch_float_dtype("ffn", t.scalar_type(), [&](auto tag) { col_sum_kernel<decltype(tag)>(t, out); });
 }
@@ -498,11 +675,41 @@ Tensor linear_onednn_fp32(const Tensor& x, const Tensor& w, const std::optional<
 // ~0.1 ms more at the 4.2 MFLOP limit; larger GEMMs are as before.
 constexpr double kExactMaxFlops = 4.2e6;
 
+// With at most this many rows of a, or terms per sum, the exact small GEMM reads b in place
+// (small_gemm_f64) instead of widening both operands to double for at::mm: at M = 2, K = 512,
+// N = 2048 (an FFN in a decoding step of batch 2) the widened copies made the call 1.3 ms, ~8x
+// torch's fp32 linear, and the weight gradient of 2 rows (K = 2: a 2048 x 512 result widened,
+// then narrowed) 3 ms.
+constexpr int64_t kExactInPlaceMax = 16;
+
+// The exact small GEMM without widening b, or an undefined tensor where b's layout has no unit
+// stride (the caller then widens both operands).
+Tensor exact_small_gemm_in_place(const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias) {
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  const bool dot = b.stride(0) == 1, axpy = b.stride(1) == 1;
+  if ((M > kExactInPlaceMax && K > kExactInPlaceMax) || K == 0 || b.scalar_type() != at::kFloat || !(dot || axpy) ||
+      (present(bias) && bias->scalar_type() != at::kFloat)) {
+    return Tensor();
+  }
+  check_cpu_avx2();
+  const Tensor a64 = a.to(at::kDouble).contiguous();
+  const Tensor bias_c = present(bias) ? bias->contiguous() : Tensor();
+  Tensor out = at::empty({M, N}, a.options());
+  small_gemm_f64(dot, a64.const_data_ptr<double>(), M, K, b.const_data_ptr<float>(), dot ? b.stride(1) : b.stride(0),
+                 bias_c.defined() ? bias_c.const_data_ptr<float>() : nullptr, N, out.mutable_data_ptr<float>());
+  return out;
+}
+
+// Whether cpu_gemm(a, b) with b of n columns sums in double (and so adds a bias with one rounding).
+bool exact_gemm(const Tensor& a, int64_t n) {
+  return a.scalar_type() == at::kFloat &&
+         2.0 * static_cast<double>(a.size(0)) * static_cast<double>(a.size(1)) * static_cast<double>(n) <= kExactMaxFlops;
+}
+
 Tensor cpu_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias = std::nullopt,
                 bool keep_fp32 = false) {
-  if (a.scalar_type() == at::kFloat &&
-      2.0 * static_cast<double>(a.size(0)) * static_cast<double>(a.size(1)) * static_cast<double>(b.size(1)) <=
-          kExactMaxFlops) {
+  if (exact_gemm(a, b.size(1))) {
+    if (Tensor out = exact_small_gemm_in_place(a, b, bias); out.defined()) return out;
     const Tensor a64 = a.to(at::kDouble), b64 = b.to(at::kDouble);
     return (present(bias) ? at::addmm(bias->to(at::kDouble), a64, b64) : at::mm(a64, b64)).to(at::kFloat);
   }
@@ -548,9 +755,10 @@ Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional
   }
   // Nothing kept but y: one in-place pass over mm adds the bias, applies the activation and
   // the dropout (torch eager: addmm's bias copy, then an out-of-place relu, then dropout).  fp16
-  // adds the bias in its fp32 GEMM instead, so that pre is rounded once (as addmm's).
+  // adds the bias in its fp32 GEMM instead, so that pre is rounded once (as addmm's), and so do
+  // the small fp32 GEMMs summed in double (there it costs nothing).
   Tensor mm = linear_onednn_fp32(x, w, b);  // (M, N), the bias added (when it applies)
-  const bool bias_in_gemm = fp16_gemm(x) || mm.defined();
+  const bool bias_in_gemm = fp16_gemm(x) || mm.defined() || exact_gemm(x, N);
   if (!mm.defined()) mm = cpu_gemm(x, w.t(), bias_in_gemm ? b : std::nullopt);  // (M, N), contiguous
   if (!mm.is_contiguous()) mm = mm.contiguous();
   const Tensor b32 = present(b) && !bias_in_gemm ? b->to(at::kFloat).contiguous() : Tensor();

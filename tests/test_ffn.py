@@ -237,6 +237,53 @@ def test_cpu_gemm_path_choice(setting, monkeypatch):
     assert _onednn_calls(lambda: F.feed_forward(xs, w1s, b1s, w2s, b2s, backend="cpu")) == 0
 
 
+def _widened_copies(fn, shape) -> int:
+    """Conversions (aten::_to_copy) of a tensor of ``shape`` or its transpose while ``fn`` runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    shapes = (list(shape), list(shape)[::-1])
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] in shapes)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("k,n", [(64, 256), (37, 70), (6, 7), (130, 33)])
+@pytest.mark.parametrize("w_layout", ["row_major", "column_major"])
+def test_cpu_exact_small_gemms_read_the_weight_in_place(rows, k, n, w_layout):
+    """fp32 GEMMs of <= 4.2 MFLOP are summed in double and rounded once (ffn_cpu.cpp, cpu_gemm);
+    with few rows (or few terms) they read the weight in its fp32 storage (small_gemm_f64: dot and
+    axpy layouts, register blocks of 1 / 2 / 4 rows, column and K tails), as widening a 512 x 2048
+    weight to double made a decoding step's FFN 5-10x torch's.  Forward (x @ w^T + b), dgrad
+    (dy @ w) and wgrad (dy^T @ x, a sum over the few rows) against the float64 product: within
+    half an fp32 ulp (a correctly rounded result), and no conversion of a weight-sized tensor."""
+    device = require_backend("cpu")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    if w_layout == "column_major":  # same values, the other layout for both GEMMs
+        w = w.t().contiguous().t()
+    b = torch.randn(n, generator=g)
+    dy = torch.randn(rows, n, generator=g)
+    ops = torch.ops.transformer_fast_C
+
+    def check(got, ref64, what):
+        ref32 = ref64.float()
+        ulp = (torch.nextafter(ref32.abs(), torch.tensor(float("inf"))) - ref32.abs()).double()
+        err = (got.double() - ref64).abs()
+        assert bool((err <= 0.5 * ulp * (1 + 1e-6)).all()), (what, float((err / ulp).max()))
+
+    for bias in (b, None):
+        y, _ = ops.ffn_linear_fwd(x.to(device), w.to(device), bias, "none", 0.0, None, False, False)
+        ref = x.double() @ w.double().t() + (bias.double() if bias is not None else 0.0)
+        check(y.cpu(), ref, f"forward, bias={bias is not None}")
+    d, _ = ops.ffn_linear_dgrad(dy.to(device), w.to(device), None, "none", 0.0, None, False, False)
+    check(d.cpu(), dy.double() @ w.double(), "dgrad")
+    dw, _ = ops.ffn_linear_wgrad(dy.to(device), x.to(device), False, False)  # sums over the few rows
+    check(dw.cpu(), dy.double().t() @ x.double(), "wgrad")
+    assert _widened_copies(lambda: ops.ffn_linear_fwd(x, w, b, "none", 0.0, None, False, False), (n, k)) == 0
+    assert _widened_copies(lambda: ops.ffn_linear_dgrad(dy, w, None, "none", 0.0, None, False, False), (n, k)) == 0
+    assert _widened_copies(lambda: ops.ffn_linear_wgrad(dy, x, False, False), (n, k)) == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
