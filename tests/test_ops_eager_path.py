@@ -202,3 +202,27 @@ def test_backward_makes_no_zero_gradients_for_unused_outputs(prenorm, use):
     with _CountFills() as mode:
         torch.autograd.grad(o.sum(), q)
     assert mode.count == 0
+
+
+@pytest.mark.parametrize("inputs", ["self", "cross", "separate"])
+def test_mha_in_projection_backward_fills_nothing(inputs):
+    """MultiheadAttention's packed in_proj_weight / in_proj_bias gradients come out of one
+    concatenation: no zero-filled full-size buffer (a slice's backward, or chunk's for the unused
+    k / v thirds) added to another, per layer and step.  Encoder-decoder attention (key is value)
+    was the case that did; the gradients still equal torch's module."""
+    import transformer_fast.modules as M
+
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    ours = M.MultiheadAttention(16, 2, batch_first=True)
+    ours.load_state_dict(theirs.state_dict())
+    x, mem, other = torch.randn(2, 3, 16), torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    q, k, v = {"self": (x, x, x), "cross": (x, mem, mem), "separate": (x, mem, other)}[inputs]
+    params = [ours.in_proj_weight, ours.in_proj_bias]
+    out = ours(q, k, v, need_weights=False)[0]
+    with _CountFills() as mode:
+        got = torch.autograd.grad(out.sum(), params)
+    assert mode.count == 0
+    want = torch.autograd.grad(theirs(q, k, v, need_weights=False)[0].sum(), [theirs.in_proj_weight, theirs.in_proj_bias])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

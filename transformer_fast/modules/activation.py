@@ -461,13 +461,18 @@ class MultiheadAttention(Module):
                 # where select's would zero-fill and add three full-size buffers.
                 proj = F.linear(query, w, b).unflatten(-1, (3, h, d))
                 return proj.unbind(-3)
+            if key is value:  # encoder-decoder attention: k and v from one GEMM
+                # split (not chunk + a slice): its backward concatenates dwq and dwkv into the
+                # packed gradient in one pass, where a slice's would zero-fill a full-size
+                # buffer and add it to the chunk's (itself zero-filled where dwk, dwv are).
+                wq, wkv = w.split([e, 2 * e])
+                bq, bkv = (None, None) if b is None else b.split([e, 2 * e])
+                q = F.linear(query, wq, bq).unflatten(-1, (h, d))
+                k, v = F.linear(key, wkv, bkv).unflatten(-1, (2, h, d)).unbind(-3)
+                return q, k, v
             bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
             wq, wk, wv = w.chunk(3)
             q = F.linear(query, wq, bq).unflatten(-1, (h, d))
-            if key is value:  # encoder-decoder attention: k and v from one GEMM
-                kv = F.linear(key, w[e:], None if b is None else b[e:]).unflatten(-1, (2, h, d))
-                k, v = kv.unbind(-3)
-                return q, k, v
             k = F.linear(key, wk, bk).unflatten(-1, (h, d))
             v = F.linear(value, wv, bv).unflatten(-1, (h, d))
             return q, k, v
