@@ -12,7 +12,9 @@
 //   wgrad     dw = dy^T @ x (at::mm), db = sum of dy's rows (own column-sum pass, double
 //             accumulators).
 //   act_bwd   the same elementwise pass as dgrad's, from dy.
-// fp16 GEMMs run in fp32 (cpu_gemm says why); dgrad's pass then reads the fp32 product.
+// fp16 GEMMs run in fp32 (cpu_gemm says why); dgrad's pass then reads the fp32 product.  Small
+// fp32 GEMMs (<= kExactMaxFlops) are summed in double and rounded once, by small_gemm_f64
+// (the weight read in place) where they have few rows or few terms per sum.
 // The argument checks shared with ffn_cuda.cu are in ffn_checks.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
