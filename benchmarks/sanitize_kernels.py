@@ -178,6 +178,22 @@ def cross_entropy_cases(backend, device):
             loss = linear_cross_entropy(h, w, t, b, 0.1, ignore_index=-100, chunk_rows=chunk, backend=backend)
             loss.backward()
             yield f"linear_cross_entropy {dtype} {n}x{e}x{v} chunk {chunk}", (loss, h.grad, w.grad, b.grad)
+    # The row kernel alone on logits written by torch.randn (not by a cuBLAS GEMM), in a row
+    # pitch wider than V: the H200 run of 2026-11-29 had initcheck report uninitialized reads
+    # at the start of F.linear's (1, 127) output in the case above; if these cases stay clean,
+    # the reports concern memory cuBLAS wrote (its TMA stores), not this kernel's loads.
+    from transformer_fast.kernels.cross_entropy import cross_entropy_rows
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows, v, pitch in ((1, 127, 127), (7, 127, 136), (3, 5001, 5008)):
+            if not _take():
+                continue
+            z = torch.randn(rows, pitch, device=device, dtype=dtype)[:, :v]
+            t = torch.randint(0, v, (rows,), device=device)
+            keep = torch.ones(rows, dtype=torch.bool, device=device)
+            keep[::2] = False
+            loss = cross_entropy_rows(z, t, keep, 0.1, True)
+            yield f"cross_entropy_rows {dtype} {rows}x{v} pitch {pitch}", (loss, z)
 
 
 def main():

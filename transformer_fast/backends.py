@@ -83,6 +83,21 @@ def _sdpa_key_padding_16bit_long(inputs: Mapping[str, object]) -> bool:
             and inputs.get("attn_mask") is None and not inputs.get("is_causal"))
 
 
+def _on_hopper(t: object) -> bool:
+    """A CUDA tensor on a compute capability 9.0 GPU (where the cuda backend runs its sm_90a
+    wgmma attention kernels)."""
+    return (isinstance(t, torch.Tensor) and t.is_cuda
+            and torch.cuda.get_device_capability(t.device) == (9, 0))
+
+
+def _sdpa_key_padding_16bit_short_inference(inputs: Mapping[str, object]) -> bool:
+    q, k = inputs.get("query"), inputs.get("key")
+    return (_sdpa_measured_kernel_case(inputs) and isinstance(k, torch.Tensor)
+            and (q.shape[-2] < 1024 or k.shape[-2] < 1024)
+            and _is_bool_tensor(inputs.get("key_padding_mask"))
+            and inputs.get("attn_mask") is None and not inputs_need_grad(inputs) and _on_hopper(q))
+
+
 def inputs_need_grad(inputs: Mapping[str, object]) -> bool:
     """Whether autograd will record the call: grad mode on and a tensor input requires grad."""
     return torch.is_grad_enabled() and any(
@@ -119,11 +134,18 @@ def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
 # cuda's backward was slower.  On the CPU a KV-cache call with 64 or more query rows per key head
 # (a prefill chunk) goes to torch: from there the cpu kernel measured 0.54-0.99x torch in 6 of 8
 # cases (benchmarks/cpu_kv_cache_prefill.py; results/cpu-Intel_Xeon_Processor/2026-11-29-34cdb84),
-# while decoding steps run 1.8-13x torch.  Everything else keeps AUTO_ORDER (torch first).
+# while decoding steps run 1.8-13x torch.  In inference on a Hopper GPU, a bool key_padding_mask
+# (alone or with is_causal) at shorter lengths goes to cuda, whose wgmma kernels read the mask
+# themselves where the torch path builds a dense mask for SDPA's masked kernels: with only that
+# op's backend changed, an encoder layer (bf16, B 64, L 128, eval) measured 0.147 ms on cuda
+# against 0.292 on auto's torch SDPA, and the base Seq2SeqTransformer's forward (S = T = 128)
+# 2.84 against 5.48 ms (H200 run, results/NVIDIA_H200/2026-11-29-6ee7f14, results_call2.md).
+# Everything else keeps AUTO_ORDER (torch first).
 AUTO_RULES: dict[tuple[str, str], list] = {
     ("cuda", "scaled_dot_product_attention"): [
         (_sdpa_bool_mask_16bit, ("triton", "torch", "cuda")),
         (_sdpa_key_padding_16bit_long, ("triton", "torch", "cuda")),
+        (_sdpa_key_padding_16bit_short_inference, ("cuda", "torch", "triton")),
     ],
     ("cuda", "feed_forward"): [(_relu_inference, ("cuda", "torch", "triton"))],
     ("cuda", "linear_bias_act"): [(_relu_inference, ("cuda", "torch", "triton"))],

@@ -216,6 +216,10 @@ int main(int argc, char** argv) {
         {(const void*)dq_dense_kernel<__nv_bfloat16, 128, true, false>, q_smem},
         {(const void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, false>, (int)wgmma_dkdv_smem_bytes<128>()},
         {(const void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, true>, (int)wgmma_dkdv_smem_bytes<128>()},
+        // dQ by atomics (the kDq instantiations: one more tile, dS): their own attribute, else
+        // the launch fails with "invalid argument" (H200 run, 2026-11-29).
+        {(const void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, false, true>, (int)wgmma_dkdv_smem_bytes<128, true>()},
+        {(const void*)dkdv_wgmma_dense_kernel<__nv_bfloat16, 128, true, true>, (int)wgmma_dkdv_smem_bytes<128, true>()},
         {(const void*)dq_wgmma_dense_kernel<__nv_bfloat16, 128, false>, (int)wgmma_dq_smem_bytes<128>()},
         {(const void*)dq_wgmma_dense_kernel<__nv_bfloat16, 128, true>, (int)wgmma_dq_smem_bytes<128>()}};
     for (const auto& [f, bytes] : bwd) CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
