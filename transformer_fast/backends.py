@@ -85,8 +85,9 @@ def _sdpa_key_padding_16bit_long(inputs: Mapping[str, object]) -> bool:
 
 def _on_hopper(t: object) -> bool:
     """A CUDA tensor on a compute capability 9.0 GPU (where the cuda backend runs its sm_90a
-    wgmma attention kernels)."""
-    return (isinstance(t, torch.Tensor) and t.is_cuda
+    wgmma attention kernels).  False while torch.compile traces: the device query is not one
+    to put in front of dynamo, and the traced order stays the table's."""
+    return (isinstance(t, torch.Tensor) and t.is_cuda and not torch.compiler.is_compiling()
             and torch.cuda.get_device_capability(t.device) == (9, 0))
 
 
