@@ -137,10 +137,11 @@ def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
 # cases (benchmarks/cpu_kv_cache_prefill.py; results/cpu-Intel_Xeon_Processor/2026-11-29-34cdb84),
 # while decoding steps run 1.8-13x torch.  In inference on a Hopper GPU, a bool key_padding_mask
 # (alone or with is_causal) at shorter lengths goes to cuda, whose wgmma kernels read the mask
-# themselves where the torch path builds a dense mask for SDPA's masked kernels: with only that
-# op's backend changed, an encoder layer (bf16, B 64, L 128, eval) measured 0.147 ms on cuda
-# against 0.292 on auto's torch SDPA, and the base Seq2SeqTransformer's forward (S = T = 128)
-# 2.84 against 5.48 ms (H200 run, results/NVIDIA_H200/2026-11-29-6ee7f14, results_call2.md).
+# themselves where the torch path builds a dense mask for SDPA's masked kernels.  `auto` and
+# `cuda` differed only in that op's backend there (add_layer_norm and the relu FFN in inference
+# were already cuda's): an encoder layer (bf16, B 64, L 128, eval) measured 0.147 ms on cuda
+# against 0.292 on auto, and the base Seq2SeqTransformer's forward (S = T = 128) 2.84 against
+# 5.48 ms (H200 run, results/NVIDIA_H200/2026-11-29-6ee7f14, results_call2.md).
 # Everything else keeps AUTO_ORDER (torch first).
 AUTO_RULES: dict[tuple[str, str], list] = {
     ("cuda", "scaled_dot_product_attention"): [
