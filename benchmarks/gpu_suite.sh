@@ -11,6 +11,8 @@
 #   BENCH_ARGS  arguments for the benchmark step instead of --quick (e.g. "" for the full sweep)
 #   PROFILE_ARGS  arguments for the profile step (benchmarks/profile_ops.py; default: the FFN and
 #             attention cases, torch / triton / cuda, with the 12 Python functions of most own time)
+#   PROFILE_MODEL_ARGS  arguments for the profile_model step (benchmarks/profile_model.py; default:
+#             the training step, torch.nn against ours:auto / torch / cuda)
 #   STEPS     run only these steps: each word is a step name, or a prefix ending in '*'
 #             ("sanitizer*" runs every sanitizer step; "verify" runs verify, not verify_mma_sync),
 #             (benchmarks/results/README.md has the two calls planned for 15 minutes of device
@@ -207,6 +209,11 @@ step benchmarks $PY -m benchmarks ${BENCH_ARGS---quick} --output "$OUT"
 # after the benchmarks, whose compiles it reuses from Triton's cache); output to logs.txt.
 # shellcheck disable=SC2086
 step profile $PY benchmarks/profile_ops.py ${PROFILE_ARGS---op feed_forward scaled_dot_product_attention --providers torch,triton,cuda --python-top 12}
+# The whole training step under the profiler, torch.nn against ours (benchmarks/profile_model.py):
+# wall against host time per step, device busy time, idle gaps, kernels by kind, the operations
+# that synchronised the host; output to logs.txt.
+# shellcheck disable=SC2086
+step profile_model $PY benchmarks/profile_model.py ${PROFILE_MODEL_ARGS---op train_step --python-top 15}
 # Nsight Compute over one launch each of the Triton FFN GEMM, the Triton attention forward and the
 # CUDA dense / wgmma forwards (benchmarks/ncu_kernels.sh; after the benchmarks, whose Triton
 # compiles it reuses); summaries to logs.txt.

@@ -321,6 +321,38 @@ def test_profile_ops_names_the_python_functions(capsys):
     assert any("feed_forward" in ln[-1] for ln in py), py
 
 
+def test_profile_model_profiles_the_benchmarks_training_step(capsys):
+    """benchmarks/profile_model.py (gpu_suite's `profile_model` step): the benchmark's own
+    training step for each provider, a wall / host line and the host ops; an unknown backend is
+    skipped with its reason."""
+    from benchmarks import profile_model
+
+    assert profile_model.main(["--smoke", "--iters", "2", "--device", "cpu",
+                               "--providers", "torch.nn,ours:auto,ours:triton"]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if "wall" in ln and "ms/step" in ln}
+    assert set(lines) == {"torch.nn", "ours:auto"}, out
+    for ln in lines.values():
+        assert float(ln.split("wall")[1].split()[0]) > 0 and float(ln.split("host")[1].split()[0]) > 0
+    assert any(ln.split()[:2] == ["ours:triton", "skipped:"] and "interpreter" in ln for ln in out.splitlines()), out
+    assert any(ln.strip().startswith("host") for ln in out.splitlines())
+
+
+def test_profile_model_interval_arithmetic():
+    """The device's busy time is the union of the kernels' intervals; the idle gaps name the
+    kernel that ended before each (overlapping kernels: no gap between them)."""
+    from benchmarks.profile_model import busy_union_ms, idle_gaps, kind
+
+    spans = [(0, 1000), (500, 1500), (3000, 3500), (4000, 6000), (4100, 4200)]  # us
+    assert busy_union_ms(spans) == pytest.approx(1.5 + 0.5 + 2.0)
+    assert idle_gaps(spans) == [(pytest.approx(1.5), 1), (pytest.approx(0.5), 2)]
+    assert busy_union_ms([]) == 0.0 and idle_gaps([]) == []
+    assert kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert kind("_attention_fwd_kernel") == "attention"
+    assert kind("multi_tensor_apply_kernel<...>") == "optimizer"
+    assert kind("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+
+
 def test_sass_loop_mix_reads_the_main_loop():
     """benchmarks/sass_loop_mix.py: the widest backward branch is the loop; its opcodes (predicate
     guards skipped) and the instructions between its barriers / wgmma waits are counted."""
