@@ -20,7 +20,8 @@
 //                      fixed order (no atomics anywhere: the backward is deterministic).
 //
 // GPU runs 1-5 ran its gpu tests (README's Status; the forward's up-to-16-warps rows and its
-// statistics summed in double, two-pass on long rows, came after run 5: unverified there).  TF_CUDA_EMULATE:
+// statistics summed in double, two-pass on long rows, came after run 5 and were timed in run 6;
+// the register forward's fp32 sums for 16-bit rows came after run 6: unverified).  TF_CUDA_EMULATE:
 // tests/test_add_layer_norm_cuda_emulated.py compiles this file as host C++
 // (tests/cuda_emulation.py: CTAs of std::threads, warp shuffles, static shared arrays) and runs
 // the kernels through the real host-side dispatch against the float64 oracle; races, the memory
@@ -37,6 +38,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 #include "cuda_launch.h"  // DeviceScope, launch
@@ -193,15 +195,16 @@ __device__ __forceinline__ float2 team_sum2(float a, float b, float2* red, int w
   return s;
 }
 
-// team_sum2 for one double (the row statistics' sums: see fwd_reg_kernel).  red: >= blockDim.x
-// / 32 doubles of shared memory.
-__device__ __forceinline__ double team_sum_d(double v, double* red, int wpt, int first_warp) {
+// team_sum2 for one value of type S (the row statistics' sums: double, or float for 16-bit rows
+// in fwd_reg_kernel).  red: >= blockDim.x / 32 values of S in shared memory.
+template <typename S>
+__device__ __forceinline__ S team_sum1(S v, S* red, int wpt, int first_warp) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   if (wpt == 1) return v;
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
-  double s = 0.0;
+  S s = 0;
   for (int w = 0; w < wpt; ++w) s += red[first_warp + w];  // fixed order: deterministic
   __syncthreads();  // red may be reused right after
   return s;
@@ -257,6 +260,7 @@ struct BwdArgs {
 
 template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
+  using Stat = typename std::conditional<std::is_same<T, float>::value, double, float>::type;
   TF_STATIC_SHARED float2 red[kMaxThreads / 32];
   const int tpr = a.tpr;
   const int teams = blockDim.x / tpr;
@@ -274,10 +278,13 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
     const int64_t row = base + team;
     const bool valid = row < a.M;
     float h[NV][VEC];
-    // The statistics' sums in double, each rounded once: with an fp32 sum times fp32(1 / N) a
-    // constant row's mean came out an ulp off its value, so the row normalised to +-ulp * rstd
-    // (0.5 off at 1e4) instead of 0, and rows with a large offset lost their mean.
-    double sum = 0.0;
+    // fp32 rows: the statistics' sums in double, each rounded once: with an fp32 sum times
+    // fp32(1 / N) a constant row's mean came out an ulp off its value, so the row normalised to
+    // +-ulp * rstd (0.5 off at 1e4) instead of 0, and rows with a large offset lost their mean.
+    // 16-bit rows: fp32 sums divided by N (correctly rounded: a constant row's mean is exact),
+    // as the Triton kernel, whose forward ran at 89% of the copy bandwidth at 16384 x 4096 bf16
+    // in H200 run 6 where this one, summing in double, ran at 44% (benchmarks/NOTES.md).
+    Stat sum = 0;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int col = (t + k * tpr) * VEC;
@@ -300,10 +307,10 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
         for (int e = 0; e < VEC; ++e) h[k][e] = 0.0f;
       }
     }
-    double* red_d = reinterpret_cast<double*>(red);  // a float2 per warp: a double's room
-    const float mu = static_cast<float>(team_sum_d(sum, red_d, wpt, team * wpt) / N);
+    Stat* red_s = reinterpret_cast<Stat*>(red);  // a float2 per warp: room for a double
+    const float mu = static_cast<float>(team_sum1<Stat>(sum, red_s, wpt, team * wpt) / static_cast<Stat>(N));
     // Exact two-pass variance on the registers.
-    double sq = 0.0;
+    Stat sq = 0;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int col = (t + k * tpr) * VEC;
@@ -311,11 +318,11 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const float d = h[k][e] - mu;
-          sq += static_cast<double>(d) * d;
+          sq += static_cast<Stat>(d) * d;
         }
       }
     }
-    const float var = static_cast<float>(team_sum_d(sq, red_d, wpt, team * wpt) / N);
+    const float var = static_cast<float>(team_sum1<Stat>(sq, red_s, wpt, team * wpt) / static_cast<Stat>(N));
     const float rs = rstd_rn(var + a.eps);
     if (valid) {
       if (t == 0) {
@@ -383,7 +390,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) sum += hv[e];
     }
-    const float mu = static_cast<float>(team_sum_d(sum, red, wpt, 0) / N);
+    const float mu = static_cast<float>(team_sum1<double>(sum, red, wpt, 0) / N);
     double sq = 0.0;
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       float hv[VEC];
@@ -394,7 +401,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
         sq += static_cast<double>(d) * d;
       }
     }
-    const float rs = rstd_rn(static_cast<float>(team_sum_d(sq, red, wpt, 0) / N) + a.eps);
+    const float rs = rstd_rn(static_cast<float>(team_sum1<double>(sq, red, wpt, 0) / N) + a.eps);
     if (threadIdx.x == 0) {
       a.mean[row] = mu;
       a.rstd[row] = rs;
@@ -792,9 +799,11 @@ void launch_fwd(FwdArgs a, bool vectorized, int device, cudaStream_t stream) {
       dispatch_nv<VEC, kFwdMaxElems>(c.nv, [&](auto nv_c) {
         constexpr int NV = decltype(nv_c)::value;
         const int threads = c.tpr * c.teams;
-        const void* k = reinterpret_cast<const void*>(&fwd_reg_kernel<T, VEC, NV>);
-        const int64_t grid = std::min<int64_t>(ceil_div(a.M, c.teams),
-                                               int64_t{sms} * blocks_per_sm(k, threads, device));
+        // A block per team of rows, not a grid-stride walk over the resident blocks: a block
+        // retiring makes room for one that starts loading while the others reduce, as the
+        // Triton kernel's one program per row (89% of the copy bandwidth where this kernel's
+        // walk, with 2 resident blocks of 512 per SM, ran at 44%; H200 run 6).
+        const int64_t grid = std::min<int64_t>(ceil_div(a.M, c.teams), int64_t{INT32_MAX});
         launch(fwd_reg_kernel<T, VEC, NV>, dim3(static_cast<unsigned>(grid)), dim3(threads), stream, a);
       });
     }

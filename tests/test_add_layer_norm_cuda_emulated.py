@@ -248,6 +248,25 @@ def test_long_rows_with_a_large_offset(as_cuda_backend, n):
         reference.assert_oracle(results, f"draw {s}")
 
 
+@pytest.mark.parametrize("dtype, offset", [(torch.float16, 1e3), (torch.bfloat16, 1e4)], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n", [768, 4096])
+def test_16bit_rows_with_a_large_offset(as_cuda_backend, dtype, offset, n):
+    """fwd_reg_kernel sums 16-bit rows' statistics in fp32 (fp32 rows in double): rows whose
+    mean is 1e3-1e4 times their spread still meet the oracle, forward and backward."""
+    assert as_cuda_backend.paths(n, 8)[0] == 0  # the register forward
+    for s in range(3):
+        g = torch.Generator().manual_seed(3000 + s)
+        x = torch.randn(3, n, generator=g).to(dtype)
+        res = (offset + torch.randn(3, n, generator=g)).to(dtype)
+        w = (1 + 0.5 * torch.randn(n, generator=g)).to(dtype)
+        b = (0.5 * torch.randn(n, generator=g)).to(dtype)
+        results = reference.run_oracle(
+            lambda x, residual, weight, bias: ln_ops.add_layer_norm(x, residual, weight, bias, 1e-5, 0.0, None, False, "cuda"),
+            lambda x, residual, weight, bias: reference.add_layer_norm(x, residual, weight, bias, 1e-5),
+            {"x": x, "residual": res, "weight": w, "bias": b}, ["x", "residual", "weight", "bias"], seed=s)
+        reference.assert_oracle(results, f"draw {s}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,c", [(7, 100.0), (15, 1e4), (768, 1e3)])
 def test_constant_rows_normalise_to_the_bias(as_cuda_backend, dtype, n, c):
