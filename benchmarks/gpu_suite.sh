@@ -140,6 +140,13 @@ if [ -n "$RECHECK" ]; then
     step recheck $NO_TUNE $PY -m pytest -q -p no:cacheprovider -m "" $PYTEST_PAR $RECHECK
     set +f
 fi
+# The whole training step under the profiler, torch.nn against ours (benchmarks/profile_model.py;
+# early: issue 5's largest open gap, ~60 s):
+# wall against host time per step, device busy time, idle gaps, kernels by kind, the operations
+# that synchronised the host; output to logs.txt.  Untuned Triton configs (no autotuning's
+# compiles; `ours:torch` and `ours:cuda` run no Triton kernel).
+# shellcheck disable=SC2086
+step profile_model $NO_TUNE $PY benchmarks/profile_model.py ${PROFILE_MODEL_ARGS---op train_step --python-top 15}
 # Every op x backend x dtype against the oracle, its cases in parallel processes (verify --jobs,
 # one per core up to 16 on CUDA): the widest coverage per second, so before the long test run.
 step verify $NO_TUNE $PY -m transformer_fast verify --output "$OUT/verify.md"
@@ -209,11 +216,6 @@ step benchmarks $PY -m benchmarks ${BENCH_ARGS---quick} --output "$OUT"
 # after the benchmarks, whose compiles it reuses from Triton's cache); output to logs.txt.
 # shellcheck disable=SC2086
 step profile $PY benchmarks/profile_ops.py ${PROFILE_ARGS---op feed_forward scaled_dot_product_attention --providers torch,triton,cuda --python-top 12}
-# The whole training step under the profiler, torch.nn against ours (benchmarks/profile_model.py):
-# wall against host time per step, device busy time, idle gaps, kernels by kind, the operations
-# that synchronised the host; output to logs.txt.
-# shellcheck disable=SC2086
-step profile_model $PY benchmarks/profile_model.py ${PROFILE_MODEL_ARGS---op train_step --python-top 15}
 # Nsight Compute over one launch each of the Triton FFN GEMM, the Triton attention forward and the
 # CUDA dense / wgmma forwards (benchmarks/ncu_kernels.sh; after the benchmarks, whose Triton
 # compiles it reuses); summaries to logs.txt.

@@ -156,6 +156,18 @@ def test_float32_params_with_half_inputs(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", FUSED)
+@pytest.mark.parametrize("dtype, offset", [(torch.float16, 1e3), (torch.bfloat16, 1e4)], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n", [768, 4096])
+def test_16bit_rows_with_a_large_offset(backend, dtype, offset, n):
+    """Rows whose mean is 1e3-1e4 times their spread, where the 16-bit kernels sum the row
+    statistics in fp32 (the Triton kernel and, since H200 run 6, the cuda forward)."""
+    device = require_backend(backend)
+    x, res, w, b = _make(_rows_for(n, backend) // 8 + 2, n, dtype, device)
+    res = (res.float() + offset).to(dtype)
+    _check(backend, x, res, w, b)
+
+
+@pytest.mark.parametrize("backend", FUSED)
 def test_non_contiguous_inputs(backend):
     device = require_backend(backend)
     n = 96
