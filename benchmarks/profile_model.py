@@ -15,7 +15,8 @@ The models, inputs and step functions are exactly the benchmark's (a models.Runn
   the device with the kernel that ended each, the device time by kind of kernel (GEMM,
   attention, elementwise, optimizer, ...), the five largest kernels, the CUDA runtime calls
   that block the host or allocate (synchronize, device-to-host copies, cudaMalloc / cudaFree)
-  with their counts, and the CPU ops with the most host time;
+  with their counts (one cudaDeviceSynchronize is the profiler's own, ending the step), and the
+  CPU ops with the most host time;
 * on a GPU, the operations that synchronised the host during one step, by name
   (``torch.cuda.set_sync_debug_mode("warn")``);
 * ``--python-top N``: the N Python functions with the most own time (cProfile).
