@@ -43,6 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's own choice; 1 with the smoke test)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--match", nargs="+", default=None, metavar="TEXT",
+                   help="per-op cases: keep those whose text (op, shape, mask, pass, e.g. "
+                   "'scaled_dot_product_attention B=4 H=16 L=4096 D=128 causal fwd+bwd') contains "
+                   "any TEXT; end-to-end ops are not filtered")
     p.add_argument("--compile-jobs", type=int, default=0,
                    help="before timing, call the compiling providers (triton, torch.compile) of every "
                    "op case once in this many processes, so that the timed run finds its kernels "
@@ -140,12 +144,15 @@ def main(argv=None) -> int:
         common.write_markdown(out_dir / "results.md", meta, rows, list(skipped.values()), argv_text,
                               load=load if device.type == "cpu" else None, malloc_note=malloc_note)
 
+    def wanted(case) -> bool:
+        return args.match is None or any(text in case_text(case) for text in args.match)
+
     jobs = args.compile_jobs if args.compile_jobs else (min(os.cpu_count() or 1, 16) if device.type == "cuda" else 1)
     if jobs > 1:
         warm_start = time.perf_counter()
         tasks = [(op, args.mode, common.dtype_name(dt), i, providers, device.type)
                  for op in selected if op in ops.OPS for dt in dtypes
-                 for i in range(len(ops.cases(op, device, [dt], args.mode)))]
+                 for i, case in enumerate(ops.cases(op, device, [dt], args.mode)) if wanted(case)]
         common.warm_in_processes(ops.warm_case, tasks, jobs)
         common.log(f"compiled ahead in {jobs} processes: {len(tasks)} cases in "
                    f"{time.perf_counter() - warm_start:.0f} s")
@@ -155,7 +162,7 @@ def main(argv=None) -> int:
 
     # In the order of --op (a time-limited GPU run names what matters most first).
     ordered = [item for op in selected
-               for item in (ops.cases(op, device, dtypes, args.mode) if op in ops.OPS
+               for item in ([c for c in ops.cases(op, device, dtypes, args.mode) if wanted(c)] if op in ops.OPS
                             else [op] if op in models.MODEL_OPS else [])]
     bar = common.progress(ordered, "cases")
     for item in bar:
@@ -172,6 +179,13 @@ def main(argv=None) -> int:
     common.log(f"{len(rows)} rows ({len(failed)} failed) in {time.perf_counter() - start:.0f} s: "
                f"{', '.join(str(p) for p in [out_dir / 'results.json', out_dir / 'results.md', *plots])}")
     return 1 if failed else 0
+
+
+def case_text(case) -> str:
+    """What --match looks in: 'op shape mask pass' (the shape as results.md writes it)."""
+    from . import common
+
+    return f"{case.op} {common._shape_text(case.shape)} {case.mask} {case.shape['pass']}"
 
 
 if __name__ == "__main__":

@@ -444,6 +444,21 @@ def test_ops_run_in_the_order_given(tmp_path):
     assert auto and all(r["median_ms"] for r in auto), auto
 
 
+def test_match_keeps_the_cases_named(tmp_path):
+    """--match TEXT...: per-op cases whose 'op shape mask pass' contains any TEXT (a
+    time-limited GPU run measures its longest shapes first); other ops' cases drop out."""
+    from benchmarks import __main__ as cli
+
+    assert cli.main(["--smoke", "--op", "add_layer_norm", "scaled_dot_product_attention", "--providers", "torch",
+                     "--match", "causal fwd+bwd", "key_padding fwd", "--device", "cpu", "--no-plots",
+                     "--output", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    seen = {(r["op"], r["mask"], r["shape"]["pass"]) for r in rows}
+    assert seen == {("scaled_dot_product_attention", "causal", "fwd+bwd"),
+                    ("scaled_dot_product_attention", "key_padding", "fwd"),
+                    ("scaled_dot_product_attention", "key_padding", "fwd+bwd")}, seen
+
+
 def test_quick_gpu_timing_of_slow_calls_makes_four_calls(monkeypatch):
     """--quick on a GPU: a call of 100 ms or more (whole-model decoding) runs a warm-up and
     three timed calls (do_bench would add 5 estimating calls and a warm-up: 11 in all)."""
