@@ -27,7 +27,9 @@
 // Any fused epilogue the cuBLASLt heuristic rejects for a shape/alignment falls back to the
 // plain GEMM plus our kernels.  The cuBLASLt handle (per device) and a 32 MiB workspace (per
 // device and stream, from PyTorch's caching allocator; per call while a CUDA graph is being
-// captured) are created once and cached for the life of the process.
+// captured) are created once and cached for the life of the process, as is the heuristic's
+// algorithm for each GEMM description (shape, layouts, epilogue, operand alignment; since H200
+// run 6, unverified on a GPU).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -43,6 +45,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "cuda_launch.h"  // DeviceScope, launch
@@ -164,6 +167,44 @@ cudaDataType_t cuda_dtype(c10::ScalarType t) {
   }
 }
 
+// cuBLASLt heuristic answers, per GEMM description (run_gemm).  Leaked on purpose, as the
+// handles above.
+struct AlgoKey {
+  int device, dtype, compute, ta, tb, epilogue;
+  bool bias, aux;
+  int64_t m, n, k, lda, ldb, ldd, ld_aux;
+  uint32_t align_a, align_b, align_d;
+  bool operator<(const AlgoKey& o) const {
+    return std::tie(device, dtype, compute, ta, tb, epilogue, bias, aux, m, n, k, lda, ldb, ldd, ld_aux,
+                    align_a, align_b, align_d) <
+           std::tie(o.device, o.dtype, o.compute, o.ta, o.tb, o.epilogue, o.bias, o.aux, o.m, o.n, o.k,
+                    o.lda, o.ldb, o.ldd, o.ld_aux, o.align_a, o.align_b, o.align_d);
+  }
+};
+
+struct CachedAlgo {
+  bool found = false;  // false: cuBLASLt has no algorithm (the caller falls back), also cached
+  cublasLtMatmulAlgo_t algo{};
+};
+
+std::mutex algo_mu;
+auto* algo_cache = new std::map<AlgoKey, CachedAlgo>();
+constexpr size_t kMaxCachedAlgos = 4096;  // shapes of a training run: tens; a bound, not a budget
+
+bool find_algo(const AlgoKey& key, CachedAlgo* out) {
+  std::lock_guard<std::mutex> lock(algo_mu);
+  const auto it = algo_cache->find(key);
+  if (it == algo_cache->end()) return false;
+  *out = it->second;
+  return true;
+}
+
+void remember_algo(const AlgoKey& key, const CachedAlgo& value) {
+  std::lock_guard<std::mutex> lock(algo_mu);
+  if (algo_cache->size() >= kMaxCachedAlgos) algo_cache->clear();  // dynamic shapes: start over
+  (*algo_cache)[key] = value;
+}
+
 #endif  // TF_CUDA_EMULATE
 
 // One column-major GEMM D (m x n) = op(A) (m x k) @ op(B) (k x n) with an epilogue.
@@ -204,21 +245,35 @@ bool run_gemm(const Gemm& g, c10::ScalarType dtype, bool allow_tf32, int device,
   Layout lb(t, b_n ? g.k : g.n, b_n ? g.n : g.k, g.ldb);
   Layout ld(t, g.m, g.n, g.ldd);
   LtContext ctx = lt_context(device, stream);
-  Pref pref;
-  pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctx.workspace_bytes);
-  // The heuristic assumes 256-byte aligned operands unless told otherwise.
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_of(g.a));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(g.b));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(g.d));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(g.d));
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, op.d, la.l, lb.l, ld.l, ld.l,
-                                                           pref.p, 1, &result, &found);
-  if (st != CUBLAS_STATUS_SUCCESS || found == 0) return false;
+  // The heuristic's answer depends only on what the key holds (the pointers enter through their
+  // alignment), and a query costs tens of microseconds of host time, several per FFN call: it is
+  // asked once per key (cuBLASLt's documentation suggests caching it).
+  const uint32_t align_a = alignment_of(g.a), align_b = alignment_of(g.b), align_d = alignment_of(g.d);
+  const AlgoKey key{device, static_cast<int>(t), static_cast<int>(compute), static_cast<int>(g.ta),
+                    static_cast<int>(g.tb), static_cast<int>(g.epilogue), g.bias != nullptr,
+                    g.aux != nullptr, g.m, g.n, g.k, g.lda, g.ldb, g.ldd, g.aux ? g.ld_aux : 0,
+                    align_a, align_b, align_d};
+  CachedAlgo cached;
+  if (!find_algo(key, &cached)) {
+    Pref pref;
+    pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctx.workspace_bytes);
+    // The heuristic assumes 256-byte aligned operands unless told otherwise.
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, op.d, la.l, lb.l, ld.l, ld.l,
+                                                             pref.p, 1, &result, &found);
+    cached.found = st == CUBLAS_STATUS_SUCCESS && found > 0;
+    cached.algo = result.algo;
+    remember_algo(key, cached);
+  }
+  if (!cached.found) return false;
   const float alpha = 1.0f, beta = 0.0f;
   TF_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, op.d, &alpha, g.a, la.l, g.b, lb.l, &beta, g.d, ld.l,
-                                 g.d, ld.l, &result.algo, ctx.workspace, ctx.workspace_bytes, stream));
+                                 g.d, ld.l, &cached.algo, ctx.workspace, ctx.workspace_bytes, stream));
   return true;
 }
 #endif  // TF_CUDA_EMULATE
