@@ -10,7 +10,9 @@ The models, inputs and step functions are exactly the benchmark's (a models.Runn
   ends (what a training loop sees); ``host``: ms per step to issue the same steps without waiting
   (a step whose host time is close to its wall time is bound by the host: Python, dispatch,
   launches);
-* from one profiled step: the kernels' summed device time and count, the time the device was
+* from one profiled step: host time of its forward, backward and optimizer (models.py's named
+  ranges; the device time of the kernels launched inside each, backward's on autograd's own
+  thread excepted), the kernels' summed device time and count, the time the device was
   busy (the union of the kernels' intervals) against the step's span, the longest idle gaps of
   the device with the kernel that ended each, the device time by kind of kernel (GEMM,
   attention, elementwise, optimizer, ...), the five largest kernels, the CUDA runtime calls
@@ -99,9 +101,12 @@ def profile_step(fn, device: torch.device) -> dict:
     with profile(activities=activities) as prof:
         fn()
         _sync(device)
-    kernels, host, runtime = [], {}, {}
+    kernels, host, runtime, phases = [], {}, {}, {}
     host_start = host_end = None
     for e in prof.events():
+        if e.name.startswith("train_step."):  # models.py's named ranges
+            phases[e.name] = (e.cpu_time_total / 1e3, (getattr(e, "device_time_total", 0) or 0) / 1e3)
+            continue
         if e.device_type == torch.autograd.DeviceType.CUDA:
             if (getattr(e, "self_device_time_total", 0) or 0) > 0:
                 kernels.append((e.name, e.time_range.start, e.time_range.end))
@@ -137,6 +142,7 @@ def profile_step(fn, device: torch.device) -> dict:
         top_kernels=sorted(by_name.items(), key=lambda kv: -kv[1])[:5],
         runtime=sorted(runtime.items(), key=lambda kv: -kv[1][1]),
         top_host=sorted(host.items(), key=lambda kv: -kv[1])[:8],
+        phases=phases,
     )
 
 
@@ -203,6 +209,11 @@ def _print_profile(provider, prof, device, py_top):
         line += (f"   kernels {prof['kernel_ms']:8.2f} ms in {prof['kernels']:5d}   device busy "
                  f"{prof['busy_ms']:8.2f} of {prof['span_ms']:8.2f} ms")
     print(line)
+    for name, (host_ms, dev_ms) in prof["phases"].items():
+        # (backward's kernels are launched by autograd's device thread: outside the range's
+        # device time, which then counts only what the main thread launched)
+        print(f"      phase  {host_ms:8.3f} ms host" + (f"  {dev_ms:8.3f} ms device" if device.type == "cuda" else "")
+              + f"  {name}")
     for label, (count, ms) in prof["by_kind"]:
         print(f"      kind   {ms:8.3f} ms {count:5d}x  {label}")
     for name, ms in prof["top_kernels"]:

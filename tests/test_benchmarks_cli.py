@@ -336,6 +336,9 @@ def test_profile_model_profiles_the_benchmarks_training_step(capsys):
         assert float(ln.split("wall")[1].split()[0]) > 0 and float(ln.split("host")[1].split()[0]) > 0
     assert any(ln.split()[:2] == ["ours:triton", "skipped:"] and "interpreter" in ln for ln in out.splitlines()), out
     assert any(ln.strip().startswith("host") for ln in out.splitlines())
+    # models.py's named ranges: forward, backward and optimizer, for each provider
+    phases = [ln.split()[-1] for ln in out.splitlines() if ln.strip().startswith("phase")]
+    assert phases == ["train_step.forward", "train_step.backward", "train_step.optimizer"] * 2, out
 
 
 def test_profile_model_interval_arithmetic():
