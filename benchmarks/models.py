@@ -18,6 +18,9 @@ Providers:
                       rows without the suffix use Seq2SeqTransformer.loss, which fuses the
                       pre-softmax projection into the same label-smoothed cross entropy
                       (transformer_fast/models/fused_loss.py: no (B, T, V) logits in memory)
+    ours:auto+swap    the training step and inference of torch.nn's model above (its embeddings,
+                      torch.nn.Transformer, its loss) after ``transformer_fast.swap(model)``: the
+                      drop-in use, our layers inside a model that was written for torch.nn
 Ours are imported lazily: a missing module gives a row that says "not available yet".
 
 Tokens per second (shape["tokens_per_s"]): layers, tokens through the layer; inference, target
@@ -46,7 +49,8 @@ from . import common
 MODEL_OPS = ("encoder_layer", "decoder_layer", "inference", "train_step", "greedy_decode")
 GRAPH_SUFFIX = "+cuda_graph"  # ours' greedy decoding with cuda_graph=True (GPU only)
 LOGITS_SUFFIX = "+logits"  # ours' training step with torch's loss on the (B, T, V) logits
-SUFFIXES = (GRAPH_SUFFIX, LOGITS_SUFFIX)
+SWAP_SUFFIX = "+swap"  # torch.nn's own model after transformer_fast.swap()
+SUFFIXES = (GRAPH_SUFFIX, LOGITS_SUFFIX, SWAP_SUFFIX)
 PAD, BOS, EOS = 0, 1, 2
 
 
@@ -560,6 +564,13 @@ class Runner:
                 variants.append((provider + GRAPH_SUFFIX, model))  # each step replayed as a CUDA graph
             if op == "train_step" and provider == "ours:auto":
                 variants.append((provider + LOGITS_SUFFIX, model))  # torch's loss on ours' logits
+            if op in ("train_step", "inference") and provider == "ours:auto" and self.wanted(provider + SWAP_SUFFIX):
+                import transformer_fast
+
+                swapped = TorchSeq2Seq(self.cfg, dropout).to(self.device, self.dtype).train(train)
+                swapped.load_state_dict(torch_model.state_dict())
+                transformer_fast.swap(swapped)
+                variants.append((provider + SWAP_SUFFIX, swapped))
         for provider, model in variants:
             if not self.wanted(provider):
                 continue

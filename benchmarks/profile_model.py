@@ -233,15 +233,19 @@ def _print_profile(provider, prof, device, py_top):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", nargs="+", default=["train_step"], choices=["train_step", "inference"])
-    p.add_argument("--providers", default="torch.nn,ours:auto,ours:torch,ours:cuda",
+    p.add_argument("--providers", default="torch.nn,ours:auto,ours:torch,ours:cuda,ours:auto+swap",
                    help="comma list of benchmarks/models.py providers (torch.nn, ours:<backend>, ours:auto+logits, ...)")
     p.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--python-top", type=int, default=0,
                    help="also list the N Python functions with the most own time (cProfile)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: a shared CPU's spinning OpenMP threads can make "
+                        "tiny ops thousands of times slower)")
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tiny model: tests
     args = p.parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     providers = [s.strip() for s in args.providers.split(",") if s.strip()]

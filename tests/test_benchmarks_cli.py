@@ -462,6 +462,23 @@ def test_match_keeps_the_cases_named(tmp_path):
                     ("scaled_dot_product_attention", "key_padding", "fwd+bwd")}, seen
 
 
+def test_swap_rows_time_torch_models_with_our_layers(tmp_path, monkeypatch):
+    """ours:auto+swap: torch.nn's own model after transformer_fast.swap() (the drop-in use),
+    timed in the training step and inference beside torch.nn."""
+    import transformer_fast
+    from benchmarks import __main__ as cli
+
+    swapped = []
+    real_swap = transformer_fast.swap
+    monkeypatch.setattr(transformer_fast, "swap", lambda m: swapped.append(real_swap(m)) or swapped[-1])
+    assert cli.main(["--smoke", "--op", "train_step", "inference", "--providers", "torch.nn,ours:auto+swap",
+                     "--device", "cpu", "--no-plots", "--output", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    timed = {(r["op"], r["provider"]) for r in rows if r["median_ms"]}
+    assert timed == {(op, p) for op in ("train_step", "inference") for p in ("torch.nn", "ours:auto+swap")}, rows
+    assert len(swapped) == 2 and all(report.swapped for report in swapped), swapped
+
+
 def test_quick_gpu_timing_of_slow_calls_makes_four_calls(monkeypatch):
     """--quick on a GPU: a call of 100 ms or more (whole-model decoding) runs a warm-up and
     three timed calls (do_bench would add 5 estimating calls and a warm-up: 11 in all)."""
