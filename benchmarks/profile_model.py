@@ -11,8 +11,7 @@ The models, inputs and step functions are exactly the benchmark's (a models.Runn
   (a step whose host time is close to its wall time is bound by the host: Python, dispatch,
   launches);
 * from one profiled step: host time of its forward, backward and optimizer (models.py's named
-  ranges; the device time of the kernels launched inside each, backward's on autograd's own
-  thread excepted), the kernels' summed device time and count, the time the device was
+  ranges) and each range's window on the device, the kernels' summed device time and count, the time the device was
   busy (the union of the kernels' intervals) against the step's span, the longest idle gaps of
   the device with the kernel that ended each, the device time by kind of kernel (GEMM,
   attention, elementwise, optimizer, ...), the five largest kernels, the CUDA runtime calls
@@ -101,15 +100,21 @@ def profile_step(fn, device: torch.device) -> dict:
     with profile(activities=activities) as prof:
         fn()
         _sync(device)
-    kernels, host, runtime, phases = [], {}, {}, {}
+    kernels, host, runtime, phases, windows = [], {}, {}, {}, {}
     host_start = host_end = None
     for e in prof.events():
-        if e.name.startswith("train_step."):  # models.py's named ranges
-            phases[e.name] = (e.cpu_time_total / 1e3, (getattr(e, "device_time_total", 0) or 0) / 1e3)
-            continue
+        # Named ranges (models.py's train_step.*, torch's Optimizer.step#...) also appear on the
+        # device's timeline as annotations spanning their kernels: not kernels themselves.
+        annotation = bool(getattr(e, "is_user_annotation", False))
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            if (getattr(e, "self_device_time_total", 0) or 0) > 0:
+            if annotation:
+                if e.name.startswith("train_step."):
+                    windows[e.name] = (e.time_range.end - e.time_range.start) / 1e3
+            elif (getattr(e, "self_device_time_total", 0) or 0) > 0:
                 kernels.append((e.name, e.time_range.start, e.time_range.end))
+            continue
+        if e.name.startswith("train_step."):  # models.py's named ranges, on the host
+            phases[e.name] = e.cpu_time_total / 1e3
             continue
         if e.device_type != torch.autograd.DeviceType.CPU:
             continue
@@ -142,7 +147,7 @@ def profile_step(fn, device: torch.device) -> dict:
         top_kernels=sorted(by_name.items(), key=lambda kv: -kv[1])[:5],
         runtime=sorted(runtime.items(), key=lambda kv: -kv[1][1]),
         top_host=sorted(host.items(), key=lambda kv: -kv[1])[:8],
-        phases=phases,
+        phases={name: (ms, windows.get(name)) for name, ms in phases.items()},
     )
 
 
@@ -207,13 +212,13 @@ def _print_profile(provider, prof, device, py_top):
     line = f"  {provider:18s} wall {prof['wall_ms']:8.2f} ms/step   host {prof['host_ms']:8.2f} ms/step"
     if device.type == "cuda":
         line += (f"   kernels {prof['kernel_ms']:8.2f} ms in {prof['kernels']:5d}   device busy "
-                 f"{prof['busy_ms']:8.2f} of {prof['span_ms']:8.2f} ms")
+                 f"{prof['busy_ms']:8.2f} of {prof['span_ms']:8.2f} ms (host span {prof['host_span_ms']:8.2f})")
     print(line)
-    for name, (host_ms, dev_ms) in prof["phases"].items():
-        # (backward's kernels are launched by autograd's device thread: outside the range's
-        # device time, which then counts only what the main thread launched)
-        print(f"      phase  {host_ms:8.3f} ms host" + (f"  {dev_ms:8.3f} ms device" if device.type == "cuda" else "")
-              + f"  {name}")
+    for name, (host_ms, window_ms) in prof["phases"].items():
+        # window: from the range's first kernel to its last on the device (idle gaps included;
+        # backward's kernels come from autograd's own thread and may fall outside its range)
+        print(f"      phase  {host_ms:8.3f} ms host" + (f"  {window_ms:8.3f} ms device window"
+                                                       if window_ms is not None else "") + f"  {name}")
     for label, (count, ms) in prof["by_kind"]:
         print(f"      kind   {ms:8.3f} ms {count:5d}x  {label}")
     for name, ms in prof["top_kernels"]:
