@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--providers", default=None,
                    help=f"comma list of {', '.join(PROVIDERS)} (default: all that can run); "
                         "end to end, torch selects torch.nn and ours:torch, <backend> selects ours:<backend>, "
-                        "and torch.nn / torch.nn+compile / ours:<backend> / ours:<backend>+cuda_graph / "
+                        "and torch.nn / torch.nn+compile / torch.nn+cuda_graph / ours:<backend> / ours:<backend>+cuda_graph / "
                         "ours:auto+logits / ours:auto+swap name one")
     p.add_argument("--output", default=None, type=Path, help="output folder (default: $OUT, else "
                    "benchmarks/results/<device-slug>/<date>-<commit>/)")
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     args.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     if args.providers:
         ours = ("ours:auto",) + tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.mma_sync", "triton.dq_kernel"))
-        known = (PROVIDERS + ("torch.nn", "torch.nn+compile") + ours + tuple(o + "+cuda_graph" for o in ours)
+        known = (PROVIDERS + ("torch.nn", "torch.nn+compile", "torch.nn+cuda_graph") + ours + tuple(o + "+cuda_graph" for o in ours)
                  + ("ours:auto+logits", "ours:auto+swap"))
         unknown = [n for n in args.providers.split(",") if n.strip() and n.strip() not in known]
         if unknown:

@@ -12,7 +12,10 @@ Providers:
                       without choosing (each op on the backend `auto` picks for it)
     ours:<backend>+cuda_graph   greedy decoding on a GPU with cuda_graph=True (the default
                       there; the rows without the suffix pass cuda_graph=False): every step after
-                      the first replayed as one CUDA graph (the capture is part of the timed call)
+                      the first replayed as one CUDA graph (the capture is part of the timed call);
+                      the training step (ours:auto+cuda_graph, torch.nn+cuda_graph): the whole
+                      step (forward, backward, Adam with capturable=True) captured once by
+                      transformer_fast.models.CudaGraphStep and replayed (GPU only)
     ours:auto+logits  the training step computing torch's loss on ours' (B, T, V) logits, as
                       torch.nn's and the reference's rows do (the modules alone, dropped in); the
                       rows without the suffix use Seq2SeqTransformer.loss, which fuses the
@@ -465,8 +468,11 @@ class Runner:
                  "note": "label-smoothed CE (ours: fused with the projection, except +logits), Adam; target tokens/s"}
         mask = "key_padding"
 
-        def step_fn(model, logits=False):
-            opt = torch.optim.Adam(model.parameters(), lr=1e-5, betas=(0.9, 0.98), eps=1e-6)
+        def step_fn(model, logits=False, cuda_graph=False):
+            # (capturable: the optimizer's step count and update stay on the device, as a CUDA
+            # graph needs; the eager rows keep Adam's default)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-5, betas=(0.9, 0.98), eps=1e-6,
+                                   capturable=cuda_graph)
             fused = hasattr(model, "loss") and not logits  # ours: Seq2SeqTransformer.loss
 
             def step():
@@ -484,6 +490,10 @@ class Runner:
                     opt.zero_grad(set_to_none=True)
                 return loss.detach()
 
+            if cuda_graph:  # the whole step captured once, then replayed (models/training.py)
+                from transformer_fast.models import CudaGraphStep
+
+                return CudaGraphStep(step, optimizer=opt)
             return step
 
         self._model_rows("train_step", mask, shape, b * t, step_fn, train=True)
@@ -546,6 +556,11 @@ class Runner:
                 variants.append(("torch.nn+compile", compiled))
             else:
                 variants.append(("torch.nn+compile", torch.compile(compiled)))
+        if op == "train_step" and self.device.type == "cuda" and self.wanted("torch.nn" + GRAPH_SUFFIX):
+            # What a CUDA graph of the whole step gives torch.nn's own model (beside ours').
+            graphed = TorchSeq2Seq(self.cfg, dropout).to(self.device, self.dtype).train(train)
+            graphed.load_state_dict(torch_model.state_dict())
+            variants.append(("torch.nn" + GRAPH_SUFFIX, graphed))
         cls, ours_why = self._ours_model()
         for provider in ours_providers(self.device):
             why = ours_why or _backend_reason(provider, self.device)
@@ -562,6 +577,12 @@ class Runner:
             variants.append((provider, model))
             if op == "greedy_decode" and self.device.type == "cuda":
                 variants.append((provider + GRAPH_SUFFIX, model))  # each step replayed as a CUDA graph
+            if (op == "train_step" and provider == "ours:auto" and self.device.type == "cuda"
+                    and self.wanted(provider + GRAPH_SUFFIX)):
+                # A model of its own: the captured step's optimizer is capturable.
+                graphed = self._build_ours(cls, dropout).train(train)
+                graphed.load_state_dict(model.state_dict())
+                variants.append((provider + GRAPH_SUFFIX, graphed))  # the whole step as one CUDA graph
             if op == "train_step" and provider == "ours:auto":
                 variants.append((provider + LOGITS_SUFFIX, model))  # torch's loss on ours' logits
             if op in ("train_step", "inference") and provider == "ours:auto" and self.wanted(provider + SWAP_SUFFIX):

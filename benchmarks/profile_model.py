@@ -238,7 +238,8 @@ def _print_profile(provider, prof, device, py_top):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", nargs="+", default=["train_step"], choices=["train_step", "inference"])
-    p.add_argument("--providers", default="torch.nn,ours:auto,ours:torch,ours:cuda,ours:auto+swap",
+    p.add_argument("--providers",
+                   default="torch.nn,ours:auto,ours:torch,ours:cuda,ours:auto+swap,torch.nn+cuda_graph,ours:auto+cuda_graph",
                    help="comma list of benchmarks/models.py providers (torch.nn, ours:<backend>, ours:auto+logits, ...)")
     p.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])

@@ -6,6 +6,7 @@ from .fused_loss import linear_cross_entropy
 from .embedding import ScaledEmbedding, SinusoidalPositionalEncoding, sinusoidal_positions
 from .seq2seq import Seq2SeqTransformer, causal_mask
 from .training import (
+    CudaGraphStep,
     label_smoothed_cross_entropy,
     LabelSmoothedCrossEntropy,
     shift_right,
@@ -29,6 +30,7 @@ __all__ = [
     "LabelSmoothedCrossEntropy",
     "shift_right",
     "train_step",
+    "CudaGraphStep",
     "warmup_lr_lambda",
     "warmup_scheduler",
 ]

@@ -167,3 +167,125 @@ def train_step(model, src: torch.Tensor, tgt: torch.Tensor, optimizer: torch.opt
     if scheduler is not None:
         scheduler.step()
     return loss.detach()
+
+
+class CudaGraphStep:
+    """A whole training step (forward, backward, optimizer step) captured once as a CUDA graph and
+    replayed: one graph launch per step instead of hundreds of kernel launches and the Python
+    that issues them, for steps whose time goes to the host (small batches, a slow host CPU).
+
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=True)
+
+        def step(src, tgt_in, tgt_out):
+            loss = model.loss(src, tgt_in, tgt_out)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        graphed = CudaGraphStep(step, optimizer=opt)
+        for src, tgt_in, tgt_out in batches:  # the same shapes every step
+            loss = graphed(src, tgt_in, tgt_out)
+
+    The first ``warmup`` calls run ``step`` eagerly on a side stream (compiling and autotuning
+    the kernels, creating workspaces and the optimizer's state); the next one captures it and
+    replays the capture once (a capture records kernels without running them); every later call
+    copies its tensor arguments into the captured inputs and replays.  As for any CUDA graph:
+    tensor arguments of the same shape, dtype and device every call (other arguments equal), no
+    host synchronisation inside ``step`` (the package's modules and ops have none on a GPU), an
+    optimizer that steps on the device (``capturable=True`` for Adam / AdamW; given as
+    ``optimizer``, it is checked and its gradients are set to None before the capture, so that
+    the captured backward writes them instead of adding to them).  Dropout draws fresh masks at
+    every replay (torch's CUDA generator advances per replay, and the fused kernels read their
+    Philox seed from device memory).
+
+    Returns what ``step`` returns (e.g. the detached loss): after the capture, the graph's own
+    tensor, rewritten by the next call; clone it to keep it.  Without CUDA tensors among the
+    arguments and parameters (a CPU model), or with ``enabled=False``, ``step`` simply runs every
+    call.
+    """
+
+    def __init__(self, step, optimizer: torch.optim.Optimizer | None = None, warmup: int = 3,
+                 enabled: bool = True):
+        if not callable(step):
+            raise TypeError(f"step must be callable; got {type(step).__name__}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup must be an int >= 1 (eager steps before the capture); got {warmup!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}")
+        self.step, self.optimizer, self.warmup = step, optimizer, warmup
+        self.enabled = _checks.boolean("enabled", enabled)
+        self.calls = 0
+        self.graph = None
+        self.static_args: list | None = None
+        self.output = None
+
+    def _on_cuda(self, args) -> bool:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if self.optimizer is not None:
+            tensors += [p for group in self.optimizer.param_groups for p in group["params"]]
+        return bool(tensors) and all(t.is_cuda for t in tensors)
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            if "capturable" in group and not group["capturable"]:
+                raise ValueError(
+                    f"optimizer: {type(self.optimizer).__name__} must be built with capturable=True to "
+                    "step inside a CUDA graph (its step count and update then stay on the device)"
+                )
+
+    def __call__(self, *args):
+        if not self.enabled or (self.graph is None and not self._on_cuda(args)):
+            return self.step(*args)
+        self.calls += 1
+        if self.graph is not None:
+            self._copy_in(args)
+            self.graph.replay()
+            return self.output
+        if self.calls <= self.warmup:
+            # On a side stream, as torch's whole-network capture recipe: the lazy state the
+            # warm-up creates (cuBLAS handles, workspaces) is then not tied to the default stream.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.step(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        self._check_optimizer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.static_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.output = self.step(*self.static_args)
+        except Exception as exc:
+            raise RuntimeError(
+                f"capturing the training step as a CUDA graph failed ({type(exc).__name__}: {exc}); an op "
+                "in the step cannot be captured (a host synchronisation, a CPU tensor, a changing shape): "
+                "run the step without CudaGraphStep"
+            ) from exc
+        self.graph = graph
+        graph.replay()  # the capture recorded this call's step without running it
+        return self.output
+
+    def _copy_in(self, args) -> None:
+        if len(args) != len(self.static_args):
+            raise ValueError(f"CudaGraphStep: the captured step took {len(self.static_args)} arguments; "
+                             f"got {len(args)}")
+        for i, (new, old) in enumerate(zip(args, self.static_args)):
+            if isinstance(old, torch.Tensor):
+                if (not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype
+                        or new.device != old.device):
+                    got = (f"{tuple(new.shape)} {new.dtype} on {new.device}" if isinstance(new, torch.Tensor)
+                           else type(new).__name__)
+                    raise ValueError(
+                        f"CudaGraphStep: argument {i} must match the captured one ({tuple(old.shape)} "
+                        f"{old.dtype} on {old.device}); got {got}"
+                    )
+                if new.data_ptr() != old.data_ptr():
+                    old.copy_(new)
+            elif new != old:
+                raise ValueError(f"CudaGraphStep: argument {i} must equal the captured one ({old!r}); got {new!r}")
