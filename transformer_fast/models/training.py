@@ -219,6 +219,7 @@ class CudaGraphStep:
         self.graph = None
         self.static_args: list | None = None
         self.output = None
+        self._side_stream = None  # the warm-up's (one per instance: cuBLAS caches per stream)
 
     def _on_cuda(self, args) -> bool:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -247,7 +248,9 @@ class CudaGraphStep:
         if self.calls <= self.warmup:
             # On a side stream, as torch's whole-network capture recipe: the lazy state the
             # warm-up creates (cuBLAS handles, workspaces) is then not tied to the default stream.
-            side = torch.cuda.Stream()
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream()
+            side = self._side_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 out = self.step(*args)
