@@ -115,9 +115,8 @@ def test_capture_needs_a_capturable_optimizer_and_static_shapes_on_gpu():
     step, opt = _stepper(model, capturable=False)
     graphed = CudaGraphStep(step, optimizer=opt, warmup=1)
     batch = _batch(torch.Generator().manual_seed(6), device="cuda")
-    graphed(*batch)
     with pytest.raises(ValueError, match="capturable=True"):
-        graphed(*batch)
+        graphed(*batch)  # refused before the first (eager) step
     step, opt = _stepper(model, capturable=True)
     graphed = CudaGraphStep(step, optimizer=opt, warmup=1)
     graphed(*batch)

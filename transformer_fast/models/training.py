@@ -200,9 +200,9 @@ class CudaGraphStep:
     Philox seed from device memory).
 
     Returns what ``step`` returns (e.g. the detached loss): after the capture, the graph's own
-    tensor, rewritten by the next call; clone it to keep it.  Without CUDA tensors among the
-    arguments and parameters (a CPU model), or with ``enabled=False``, ``step`` simply runs every
-    call.
+    tensor, rewritten by the next call; clone it to keep it.  Unless the tensor arguments and the
+    optimizer's parameters are all on one CUDA device (a CPU model, say), or with
+    ``enabled=False``, ``step`` simply runs every call.
     """
 
     def __init__(self, step, optimizer: torch.optim.Optimizer | None = None, warmup: int = 3,
@@ -220,12 +220,17 @@ class CudaGraphStep:
         self.static_args: list | None = None
         self.output = None
         self._side_stream = None  # the warm-up's (one per instance: cuBLAS caches per stream)
+        self.device: torch.device | None = None
 
-    def _on_cuda(self, args) -> bool:
+    def _cuda_device(self, args) -> torch.device | None:
+        """The one CUDA device of the tensor arguments and parameters, or None."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if self.optimizer is not None:
             tensors += [p for group in self.optimizer.param_groups for p in group["params"]]
-        return bool(tensors) and all(t.is_cuda for t in tensors)
+        devices = {t.device for t in tensors}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            return None
+        return next(iter(devices))
 
     def _check_optimizer(self) -> None:
         if self.optimizer is None:
@@ -238,9 +243,17 @@ class CudaGraphStep:
                 )
 
     def __call__(self, *args):
-        if not self.enabled or (self.graph is None and not self._on_cuda(args)):
+        device = self.device if self.graph is not None else (self._cuda_device(args) if self.enabled else None)
+        if device is None:
             return self.step(*args)
+        self.device = device
+        with torch.cuda.device(device):  # streams and the graph on the step's GPU, whichever is current
+            return self._cuda_call(args)
+
+    def _cuda_call(self, args):
         self.calls += 1
+        if self.calls == 1:
+            self._check_optimizer()  # before any step: a step it cannot capture should not run
         if self.graph is not None:
             self._copy_in(args)
             self.graph.replay()
@@ -256,7 +269,6 @@ class CudaGraphStep:
                 out = self.step(*args)
             torch.cuda.current_stream().wait_stream(side)
             return out
-        self._check_optimizer()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.static_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
