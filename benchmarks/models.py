@@ -579,7 +579,8 @@ class Runner:
                 variants.append((provider + GRAPH_SUFFIX, model))  # each step replayed as a CUDA graph
             if (op == "train_step" and provider == "ours:auto" and self.device.type == "cuda"
                     and self.wanted(provider + GRAPH_SUFFIX)):
-                # A model of its own: the captured step's optimizer is capturable.
+                # A model of its own: the graph keeps its parameters' and gradients' addresses
+                # for good, shared with none of the eager rows.
                 graphed = self._build_ours(cls, dropout).train(train)
                 graphed.load_state_dict(model.state_dict())
                 variants.append((provider + GRAPH_SUFFIX, graphed))  # the whole step as one CUDA graph
