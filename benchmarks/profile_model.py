@@ -192,7 +192,7 @@ class ProfilingRunner(models.Runner):
         if not self.wanted(provider):
             return
         try:
-            for _ in range(3):  # compile, autotune, grow the caching allocator
+            for _ in range(5):  # compile, autotune, grow the caching allocator; CudaGraphStep: capture
                 fn()
             wall = _per_call_ms(fn, self.iters, self.device, wait=True)
             issue = _per_call_ms(fn, self.iters, self.device, wait=False)
