@@ -134,6 +134,26 @@ def test_no_tensor_holds_more_than_one_chunk_of_logits(chunk_rows):
     assert fused.largest == max(chunk_rows * v, v * e)
 
 
+@pytest.mark.parametrize("backend, dtype, chunks", [
+    ("torch", torch.float32, 10),  # CHUNK_ELEMENTS // V = 4 rows a chunk
+    pytest.param("triton", torch.bfloat16, 3, marks=pytest.mark.triton),  # 16 rows: in place, larger
+], ids=["torch_rows", "triton_row_kernel"])
+def test_default_chunks_by_path(monkeypatch, backend, dtype, chunks):
+    """Without chunk_rows: CHUNK_ELEMENTS logits a chunk where the softmax runs in torch ops
+    (its temporaries are the chunk's size), ROW_KERNEL_CHUNK_ELEMENTS for the Triton row kernel,
+    which works in place on the 16-bit chunk (fewer chunks: fewer launches)."""
+    device = backend_device(backend)
+    monkeypatch.setattr(lce_module, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(lce_module, "ROW_KERNEL_CHUNK_ELEMENTS", 256)
+    hidden, weight, _, target = _case((40,), 8, 16, dtype, False, generator())
+    hidden, weight, target = hidden.to(device), weight.to(device), target.to(device)
+    calls = []
+    real = lce_module.F.linear
+    monkeypatch.setattr(lce_module.F, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    linear_cross_entropy(hidden, weight, target, None, 0.1, PAD, backend=backend)
+    assert len(calls) == chunks, calls
+
+
 def test_backward_is_bitwise_reproducible():
     hidden, weight, b, target = _case((40,), 16, 300, torch.float32, True, generator())
     runs = []
@@ -266,8 +286,9 @@ def test_on_gpu_under_the_oracle(dtype, chunk_rows):
 
 @pytest.mark.gpu
 def test_model_loss_on_gpu_peaks_below_the_composition():
-    """Seq2SeqTransformer.loss in bf16 on a GPU, with the default chunks (8 of them here): the
-    loss of its logits, at under half the composition's peak memory (~14 bytes per logit)."""
+    """Seq2SeqTransformer.loss in bf16 on a GPU, with the default chunks (2 of the Triton row
+    kernel's here): the loss of its logits, at under half the composition's peak memory (~14
+    bytes per logit)."""
     torch.manual_seed(0)
     model = Seq2SeqTransformer(200, 32000, d_model=64, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
                                dim_feedforward=128, dropout=0.0).cuda().bfloat16()

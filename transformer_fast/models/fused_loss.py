@@ -13,8 +13,8 @@ once (softmax minus the smoothed one-hot target, over the count of kept tokens) 
 through the projection: d hidden for the chunk's rows, d weight and d bias accumulated.  The
 loss keeps those gradients (N x E and V x E) instead of any logits, and backward scales them by
 the incoming gradient of the (scalar) loss.  The GEMMs are the same three as Linear's forward
-and backward, so no FLOPs are added; the logits of one chunk (at most ``CHUNK_ELEMENTS``) are
-all that is ever in memory.
+and backward, so no FLOPs are added; the logits of one chunk (at most ``CHUNK_ELEMENTS``, or
+``ROW_KERNEL_CHUNK_ELEMENTS`` in 16 bits for the Triton row kernel) are all that is ever in memory.
 
 Where the precomputed gradients do not apply, the unfused composition runs instead (the
 readable reference, ``reference()`` below): reduction="none" (each token's gradient would
@@ -31,8 +31,14 @@ from .. import backends
 from ..functional import _allow_tf32
 from .training import check_targets, label_smoothed_cross_entropy
 
-# Logits per chunk: 2**25 float32 values (128 MiB), e.g. 1048 rows of a 32000-token vocabulary.
+# Logits per chunk: 2**25 (128 MiB as float32), e.g. 1048 rows of a 32000-token vocabulary,
+# where a chunk's softmax runs in torch ops (float32 / float64 temporaries of the chunk's size).
 CHUNK_ELEMENTS = 1 << 25
+# The Triton row kernel (16-bit CUDA logits) works in place on the 16-bit chunk: 2**27 (256 MiB
+# as bf16, 4096 rows at V 32000, 2 chunks for the base model's B 64 x T 128 where 2**25 made 8):
+# each chunk is ~6 launches and one pass of adding its weight gradient into the float32 total,
+# and a training step on the lent GPUs' host was bound by launches (benchmarks/NOTES.md).
+ROW_KERNEL_CHUNK_ELEMENTS = 1 << 27
 BACKENDS = (None, "auto", "triton", "torch", "reference")
 
 
@@ -52,7 +58,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         weight: (V, E), as nn.Linear stores it; bias: (V,) or None.
         target: (...) integer class ids in [0, V), or ignore_index (counts for nothing).
         smoothing, ignore_index, reduction: as label_smoothed_cross_entropy.
-        chunk_rows: rows of logits made at a time (default: CHUNK_ELEMENTS // V).
+        chunk_rows: rows of logits made at a time (default: CHUNK_ELEMENTS // V, or
+            ROW_KERNEL_CHUNK_ELEMENTS // V for the Triton row kernel).
         backend: how each chunk's softmax and gradient run: "triton" (kernels/cross_entropy.py,
             fp16 / bf16), "torch" (separate torch ops), "reference" (the unfused composition),
             "auto": triton for 16-bit CUDA tensors where Triton is installed, else torch; None:
@@ -108,7 +115,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         backend = "torch"  # use_backend("triton") around a float32 model: its loss on torch ops
     if backend == "auto":
         backend = "triton" if sixteen_bit and hidden.is_cuda and triton_ok else "torch"
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, weight.shape[0]))
+    per_chunk = ROW_KERNEL_CHUNK_ELEMENTS if backend == "triton" else CHUNK_ELEMENTS
+    rows = chunk_rows or max(1, per_chunk // max(1, weight.shape[0]))
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
                                          keep.reshape(-1), safe_target.reshape(-1), float(smoothing),
