@@ -544,12 +544,17 @@ class Runner:
         naive = TorchSeq2Seq(self.cfg, dropout, naive=True).to(self.device, self.dtype).train(train)
         naive.load_state_dict(torch_model.state_dict())
         variants = [("torch.nn", torch_model), ("reference", naive)]
+
+        def torch_copy():  # torch.nn's model again, same weights (rows that change the module)
+            copy_ = TorchSeq2Seq(self.cfg, dropout).to(self.device, self.dtype).train(train)
+            copy_.load_state_dict(torch_model.state_dict())
+            return copy_
+
         why = self.compile_reason(op)
         if why:
             self.unavailable(op, "torch.nn+compile", mask, shape, why)
         else:
-            compiled = TorchSeq2Seq(self.cfg, dropout).to(self.device, self.dtype).train(train)
-            compiled.load_state_dict(torch_model.state_dict())
+            compiled = torch_copy()
             if op == "greedy_decode":
                 compiled.decode = torch.compile(compiled.decode, dynamic=True)
                 compiled.encode = torch.compile(compiled.encode, dynamic=True)
@@ -558,9 +563,7 @@ class Runner:
                 variants.append(("torch.nn+compile", torch.compile(compiled)))
         if op == "train_step" and self.device.type == "cuda" and self.wanted("torch.nn" + GRAPH_SUFFIX):
             # What a CUDA graph of the whole step gives torch.nn's own model (beside ours').
-            graphed = TorchSeq2Seq(self.cfg, dropout).to(self.device, self.dtype).train(train)
-            graphed.load_state_dict(torch_model.state_dict())
-            variants.append(("torch.nn" + GRAPH_SUFFIX, graphed))
+            variants.append(("torch.nn" + GRAPH_SUFFIX, torch_copy()))
         cls, ours_why = self._ours_model()
         for provider in ours_providers(self.device):
             why = ours_why or _backend_reason(provider, self.device)
@@ -589,8 +592,7 @@ class Runner:
             if op in ("train_step", "inference") and provider == "ours:auto" and self.wanted(provider + SWAP_SUFFIX):
                 import transformer_fast
 
-                swapped = TorchSeq2Seq(self.cfg, dropout).to(self.device, self.dtype).train(train)
-                swapped.load_state_dict(torch_model.state_dict())
+                swapped = torch_copy()
                 transformer_fast.swap(swapped)
                 variants.append((provider + SWAP_SUFFIX, swapped))
         for provider, model in variants:

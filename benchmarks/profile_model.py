@@ -182,7 +182,6 @@ class ProfilingRunner(models.Runner):
     def __init__(self, device, dtype, mode, providers, iters, python_top):
         super().__init__(device, dtype, mode, peaks={}, skip=lambda *a: None, providers=providers)
         self.iters, self.python_top = iters, python_top
-        self.profiles: dict[str, dict] = {}
 
     def unavailable(self, op, provider, mask, shape, why):
         if self.wanted(provider):
@@ -204,7 +203,6 @@ class ProfilingRunner(models.Runner):
             print(f"  {provider:18s} FAILED: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
             return
         prof.update(wall_ms=wall, host_ms=issue, syncs=syncs)
-        self.profiles[provider] = prof
         _print_profile(provider, prof, self.device, py_top)
 
 

@@ -59,8 +59,8 @@ def test_on_the_cpu_it_runs_the_step():
 
 @pytest.mark.parametrize("kwargs, error, text", [
     (dict(step=3), TypeError, "step must be callable"),
-    (dict(step=lambda: None, warmup=0), ValueError, "warmup must be an int >= 1"),
-    (dict(step=lambda: None, warmup=True), ValueError, "warmup must be an int >= 1"),
+    (dict(step=lambda: None, warmup=0), ValueError, "warmup must be a positive int"),
+    (dict(step=lambda: None, warmup=True), TypeError, "warmup must be a positive int"),
     (dict(step=lambda: None, optimizer="adam"), TypeError, "optimizer must be a torch.optim.Optimizer"),
     (dict(step=lambda: None, enabled=1), TypeError, "enabled must be a bool"),
 ])

@@ -209,8 +209,7 @@ class CudaGraphStep:
                  enabled: bool = True):
         if not callable(step):
             raise TypeError(f"step must be callable; got {type(step).__name__}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be an int >= 1 (eager steps before the capture); got {warmup!r}")
+        warmup = _validate.positive_int("warmup", warmup)  # eager steps before the capture
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None; got {type(optimizer).__name__}")
         self.step, self.optimizer, self.warmup = step, optimizer, warmup
