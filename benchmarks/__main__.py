@@ -19,8 +19,9 @@ from pathlib import Path
 # answer before torch is imported.
 MODEL_OPS = ("encoder_layer", "decoder_layer", "inference", "train_step", "greedy_decode")
 ALL_OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
-           "add_layer_norm", "feed_forward") + MODEL_OPS
-PROVIDERS = ("reference", "torch", "torch.compile", "triton", "triton.dq_kernel", "cuda", "cuda.mma_sync", "cpu")
+           "add_layer_norm", "feed_forward", "ffn_gemm") + MODEL_OPS
+PROVIDERS = ("reference", "torch", "torch.compile", "triton", "triton.dq_kernel", "triton.pointer", "cuda",
+             "cuda.mma_sync", "cpu")
 
 
 def parse_args(argv=None):
@@ -54,7 +55,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     if args.providers:
-        ours = ("ours:auto",) + tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.mma_sync", "triton.dq_kernel"))
+        ours = ("ours:auto",) + tuple(f"ours:{b}" for b in PROVIDERS if b not in ("torch.compile", "cuda.mma_sync", "triton.dq_kernel", "triton.pointer"))
         known = (PROVIDERS + ("torch.nn", "torch.nn+compile", "torch.nn+cuda_graph") + ours + tuple(o + "+cuda_graph" for o in ours)
                  + ("ours:auto+logits", "ours:auto+swap"))
         unknown = [n for n in args.providers.split(",") if n.strip() and n.strip() not in known]

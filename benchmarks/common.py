@@ -602,7 +602,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], skipped: list[str],
 
 
 _COLORS = {"reference": "tab:gray", "torch": "tab:blue", "triton": "tab:orange", "cuda": "tab:green",
-           "cuda.mma_sync": "tab:olive", "triton.dq_kernel": "tab:cyan",
+           "cuda.mma_sync": "tab:olive", "triton.dq_kernel": "tab:cyan", "triton.pointer": "tab:brown",
            "cpu": "tab:red", "auto": "tab:purple"}
 
 

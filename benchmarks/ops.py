@@ -30,14 +30,15 @@ from transformer_fast import functional as TF
 from . import common
 
 OPS = ("scaled_dot_product_attention", "attention_with_kv_cache", "masked_softmax",
-       "add_layer_norm", "feed_forward")
-PROVIDERS = ("reference", "torch", "torch.compile", "triton", "triton.dq_kernel", "cuda", "cuda.mma_sync", "cpu")
+       "add_layer_norm", "feed_forward", "ffn_gemm")
+PROVIDERS = ("reference", "torch", "torch.compile", "triton", "triton.dq_kernel", "triton.pointer", "cuda",
+             "cuda.mma_sync", "cpu")
 # The cuda backend with its sm_90a wgmma kernels switched off (TRANSFORMER_FAST_CUDA_WGMMA=0: the
 # mma.sync kernels, what the cuda backend runs before Hopper): scaled_dot_product_attention on a
 # compute capability 9.x GPU only, where "cuda" runs the wgmma kernels for unmasked calls.
 WGMMA_ENV = "TRANSFORMER_FAST_CUDA_WGMMA"
 X_KEYS = {"scaled_dot_product_attention": "L", "attention_with_kv_cache": "L",
-          "masked_softmax": "L", "add_layer_norm": "N", "feed_forward": "M"}
+          "masked_softmax": "L", "add_layer_norm": "N", "feed_forward": "M", "ffn_gemm": "M"}
 ATTENTION_MASKS = ("none", "causal", "key_padding", "bool")
 
 
@@ -455,12 +456,66 @@ def _ffn_case(device, dtype, m, dm, dff, pas, activation, dropout_p, compile_pee
         ref64=no_ref64 if dropout_p > 0.0 else None, compile_peer=compile_peer)
 
 
+# --------------------------------------------------------------------------------------------
+# ffn_gemm: the FFN's six GEMMs one by one (issue 6: each >= 90% of cuBLAS for the same shape)
+
+
+# (name, kind, rows, cols, reduction) for the FFN (M, d_model, d_ff); the operands are laid out as
+# the FFN's forward and backward hold them: x, hidden, dout, dpre row-major (M, .), W1 (d_ff,
+# d_model) and W2 (d_model, d_ff) as nn.Linear stores them.
+def _ffn_gemms(m, dm, dff):
+    return (("x@W1^T", "fwd", m, dff, dm), ("hidden@W2^T", "fwd", m, dm, dff),
+            ("dout@W2", "dgrad", m, dff, dm), ("dout^T@hidden", "wgrad", dm, dff, m),
+            ("dpre@W1", "dgrad", m, dm, dff), ("dpre^T@x", "wgrad", dff, dm, m))
+
+
+def ffn_gemm_cases(device, dtype, mode):
+    if device.type == "cuda":
+        shapes = [(16384, 1024, 4096)] + ([] if mode == "quick" else [(16384, 512, 2048)])
+    else:
+        shapes = [(16, 32, 64)] if mode == "smoke" else [(1024, 512, 2048)]
+    for m, dm, dff in shapes:
+        for name, kind, rows, cols, red in _ffn_gemms(m, dm, dff):
+            yield _ffn_gemm_case(device, dtype, name, kind, rows, cols, red)
+
+
+def _ffn_gemm_case(device, dtype, name, kind, rows, cols, red):
+    """C (rows, cols) = A @ B over ``red``: fwd x (rows, red) @ W^T with W (cols, red); dgrad
+    dy (rows, red) @ W (red, cols); wgrad dy^T @ x with dy (red, rows), x (red, cols)."""
+    def make(g):
+        if kind == "fwd":
+            a, b = _randn(g, rows, red, dtype=dtype, device=device), _randn(g, cols, red, dtype=dtype, device=device)
+        elif kind == "dgrad":
+            a, b = _randn(g, rows, red, dtype=dtype, device=device), _randn(g, red, cols, dtype=dtype, device=device)
+        else:
+            a, b = _randn(g, red, rows, dtype=dtype, device=device), _randn(g, red, cols, dtype=dtype, device=device)
+        return {"a": a, "b": b}
+
+    def call(inp, backend):
+        a, b = inp["a"], inp["b"]
+        if backend in ("torch", "reference"):  # cuBLAS (CPU: MKL / oneDNN) on the same views
+            return {"fwd": lambda: a @ b.t(), "dgrad": lambda: a @ b, "wgrad": lambda: a.t() @ b}[kind]()
+        from transformer_fast.ops.ffn import _launcher
+
+        launch = _launcher(backend)  # the backend's FFN primitive with no epilogue work
+        if kind == "fwd":
+            return launch.linear_fwd(a, b, None, "none", 0.0, None, False, False)[0]
+        if kind == "dgrad":
+            return launch.linear_dgrad(a, b, None, "none", 0.0, None, False, False)[0]
+        return launch.linear_wgrad(a, b, False, False)[0]
+
+    return Case(op="ffn_gemm", shape={"pass": "fwd", "gemm": name, "M": rows, "N": cols, "K": red},
+                dtype=dtype, mask="none", make=make, call=call, flops=2.0 * rows * cols * red,
+                naive_bytes=0.0)
+
+
 CASES = {
     "scaled_dot_product_attention": sdpa_cases,
     "attention_with_kv_cache": kv_cache_cases,
     "masked_softmax": masked_softmax_cases,
     "add_layer_norm": add_layer_norm_cases,
     "feed_forward": feed_forward_cases,
+    "ffn_gemm": ffn_gemm_cases,
 }
 
 
@@ -489,6 +544,21 @@ def provider_reasons(provider: str, case: Case, inputs: dict, device: torch.devi
         if case.op != "scaled_dot_product_attention" or not case.backward:
             return ["the dq kernel's schedule differs from triton's only in scaled_dot_product_attention's backward"]
         provider = "triton"
+    if provider == "triton.pointer":
+        if case.op not in ("feed_forward", "ffn_gemm"):
+            return ["the TMA GEMM (the row's alternative) serves feed_forward and ffn_gemm only"]
+        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+            return ["only on a compute capability >= 9 GPU does triton run the TMA GEMM instead"]
+        provider = "triton"
+    if case.op == "ffn_gemm":
+        if provider == "reference":
+            return ["one GEMM: the reference's matmul is torch's (the torch row)"]
+        if provider in ("torch", "torch.compile"):
+            return [] if provider == "torch" else ["one GEMM: nothing for torch.compile to fuse"]
+        if provider == "triton" and device.type == "cpu":
+            return ["on a CPU Triton runs only through its interpreter, which is not a benchmark"]
+        return backends.not_supported_reasons(provider, "linear_bias_act", {
+            "x": inputs["a"], "w": inputs["b"], "b": None, "activation": None, "dropout_p": 0.0})
     if provider == "triton" and device.type == "cpu":
         return ["on a CPU Triton runs only through its interpreter (TRITON_INTERPRET=1), which "
                 "checks kernels but is not a benchmark"]
@@ -507,11 +577,26 @@ _COMPILED: dict = {}
 
 
 @contextlib.contextmanager
+def _environment(name: str, value: str):
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
+@contextlib.contextmanager
 def _variant_switch(provider: str):
     """The switches of the variant providers, held across forward and backward (read at every
     call): cuda.mma_sync sets TRANSFORMER_FAST_CUDA_WGMMA=0 (the C++ side's mma.sync kernels on a
     Hopper); triton.dq_kernel has the Triton backward compute dq in its own kernel (the schedule
-    torch.use_deterministic_algorithms gets) instead of by atomics in the dk/dv kernel."""
+    torch.use_deterministic_algorithms gets) instead of by atomics in the dk/dv kernel;
+    triton.pointer sets TRANSFORMER_FAST_TRITON_GEMM=pointer (the FFN's GEMMs through the
+    pointer kernel where a Hopper runs the persistent TMA one)."""
     if provider == "triton.dq_kernel":
         from transformer_fast.kernels import attention as triton_attention
 
@@ -521,22 +606,19 @@ def _variant_switch(provider: str):
             yield
         finally:
             triton_attention.FORCE_ATOMIC_DQ = previous
-        return
-    if provider != "cuda.mma_sync":
+    elif provider == "triton.pointer":
+        from transformer_fast.kernels import ffn as triton_ffn
+
+        with _environment(triton_ffn.GEMM_PATH_ENV, "pointer"):
+            yield
+    elif provider == "cuda.mma_sync":
+        with _environment(WGMMA_ENV, "0"):
+            yield
+    else:
         yield
-        return
-    previous = os.environ.get(WGMMA_ENV)
-    os.environ[WGMMA_ENV] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[WGMMA_ENV]
-        else:
-            os.environ[WGMMA_ENV] = previous
 
 
-_VARIANT_OF = {"cuda.mma_sync": "cuda", "triton.dq_kernel": "triton"}
+_VARIANT_OF = {"cuda.mma_sync": "cuda", "triton.dq_kernel": "triton", "triton.pointer": "triton"}
 
 
 def _call(case: Case, inputs: dict, provider: str):
@@ -564,7 +646,7 @@ def _forward_backward(case: Case, inputs: dict, provider: str, upstream):
 
 # Providers whose first call compiles (Triton's autotuner compiles every config it times;
 # inductor): warm_case runs them once so that their compilations are cached on disk.
-COMPILING_PROVIDERS = ("triton", "triton.dq_kernel", "torch.compile")
+COMPILING_PROVIDERS = ("triton", "triton.dq_kernel", "triton.pointer", "torch.compile")
 
 
 def warm_case(op: str, mode: str, dtype: str, index: int, providers, device_type: str) -> str:

@@ -9,9 +9,9 @@ launchers can pick, for sm_90 by default, with the installed Triton and its bund
 
 Kernels: kernels/layer_norm.py, kernels/attention.py (forward, delta, dk/dv, dq),
 kernels/decode.py (split-K forward, combine, cache append), kernels/masked_softmax.py
-(fused and looped paths, forward and backward), kernels/ffn.py (the autotuned GEMM with its
-forward and dact epilogues for every activation, with and without dropout, and the elementwise
-act-grad / column-sum kernel) and kernels/cross_entropy.py (the fused loss's row kernel).
+(fused and looped paths, forward and backward), kernels/ffn.py (the autotuned GEMMs, pointer
+and persistent TMA, with their forward and dact epilogues for every activation, with and without
+dropout, and the elementwise act-grad / column-sum kernel) and kernels/cross_entropy.py (the fused loss's row kernel).
 
 How the configurations are found.  The launchers themselves are called, on ``meta`` tensors
 (no memory, no device), with their kernels replaced by recorders; each recorded launch is turned
@@ -149,6 +149,8 @@ def _jobs_from(records, label, first_config_only=False):
                 configs = configs[:1]
             for cfg in configs:
                 blocks = " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())
+                if cfg.pre_hook:  # e.g. the TMA descriptors' boxes (their type in the signature)
+                    cfg.pre_hook({**dict(zip(kernel.arg_names, args)), **kwargs, **cfg.all_kwargs()})
                 job = _job(_jit_fn(kernel), args, {**kwargs, **cfg.all_kwargs()}, f"{label} {blocks}")
                 job.autotuned = True
                 jobs.append(job)
@@ -373,18 +375,23 @@ def _ffn_jobs(dtypes=DTYPES, quick=False):
                         x = _meta(m, d_model, dtype=_dt(dt))
                         w1, w2 = _meta(d_ff, d_model, dtype=_dt(dt)), _meta(d_model, d_ff, dtype=_dt(dt))
                         b1, b2 = _meta(d_ff, dtype=_dt(dt)), _meta(d_model, dtype=_dt(dt))
-                        rec = []
-                        with _recording(K, ("_gemm_kernel", "_act_bwd_kernel"), rec):
-                            hidden, pre = K.linear_fwd(x, w1, b1, act, p, rng, K.needs_pre(act), tf32)
-                            out, _ = K.linear_fwd(hidden, w2, b2, "none", 0.0, None, False, tf32)
-                            aux = hidden if act == "relu" else (pre if K.needs_pre(act) else None)
-                            dpre, _ = K.linear_dgrad(out, w2, aux, act, p, rng, True, tf32)
-                            K.linear_wgrad(out, hidden, True, tf32)
-                            K.linear_dgrad(dpre, w1, None, "none", 0.0, None, False, tf32)
-                            K.act_bwd(hidden, aux, act, p, rng, True)
-                        jobs += _jobs_from(rec, f"ffn {dt}{' tf32' if tf32 else ''} M={m} d_model={d_model} "
-                                                f"d_ff={d_ff} act={act} dropout={int(drop)}",
-                                           first_config_only=quick)
+                        # 16-bit: the pointer kernel and the persistent TMA kernel (a Hopper
+                        # GPU's path where the operands allow it).
+                        for path in (("pointer", "tma") if dt != "fp32" else ("pointer",)):
+                            rec = []
+                            with _recording(K, ("_gemm_kernel", "_gemm_tma_kernel", "_act_bwd_kernel"), rec), \
+                                    _patched(K, _gemm_path=lambda path=path: path, _num_sms=lambda index: H100_SMS):
+                                hidden, pre = K.linear_fwd(x, w1, b1, act, p, rng, K.needs_pre(act), tf32)
+                                out, _ = K.linear_fwd(hidden, w2, b2, "none", 0.0, None, False, tf32)
+                                aux = hidden if act == "relu" else (pre if K.needs_pre(act) else None)
+                                dpre, _ = K.linear_dgrad(out, w2, aux, act, p, rng, True, tf32)
+                                K.linear_wgrad(out, hidden, True, tf32)
+                                K.linear_dgrad(dpre, w1, None, "none", 0.0, None, False, tf32)
+                                if path == "pointer":
+                                    K.act_bwd(hidden, aux, act, p, rng, True)
+                            jobs += _jobs_from(rec, f"ffn {dt}{' tf32' if tf32 else ''} M={m} d_model={d_model} "
+                                                    f"d_ff={d_ff} act={act} dropout={int(drop)} {path}",
+                                               first_config_only=quick)
     return jobs
 
 

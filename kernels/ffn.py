@@ -49,6 +49,8 @@ Why pre is stored (gelu) instead of recomputed: see benchmarks/NOTES.md (FFN sec
 from __future__ import annotations
 
 import collections
+import functools
+import os
 
 import torch
 import triton
@@ -68,6 +70,9 @@ _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_C = tl.constexpr(0.044715)
+
+# Programs of the persistent TMA GEMM under the interpreter (a GPU runs one per SM).
+_INTERPRET_PROGRAMS = 3
 
 # Elementwise kernel tile.
 EW_BLOCK_M = 32
@@ -170,6 +175,55 @@ def _dact(g, AUX, rows64, cols, mask, N, stride_auxm,
 # GEMM with fused epilogues
 
 
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of the tile-th output tile in grouped order: consecutive tiles walk GROUP_M
+    row tiles down one column tile, so the B tile (weights) and the GROUP_M A tiles stay in L2
+    while the group sweeps the columns."""
+    per_group = GROUP_M * num_pid_n
+    first_pid_m = (tile // per_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    return first_pid_m + (tile % per_group) % group_size_m, (tile % per_group) // group_size_m
+
+
+@triton.jit
+def _gemm_epilogue(acc, pid_m, pid_n, C, BIAS, AUX, RNG, PART, M, N, stride_cm, stride_auxm,
+                   drop_thr, drop_scale, EPILOGUE: tl.constexpr, ACT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_AUX: tl.constexpr,
+                   HAS_PART: tl.constexpr, INTERPRET: tl.constexpr, DROP_GROUPS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile (pid_m, pid_n) of C from its fp32 product ``acc`` (BLOCK_M, BLOCK_N): the
+    epilogues of the module docstring, shared by both GEMM kernels."""
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    col_ok = rn < N
+    mask = (rm < M)[:, None] & col_ok[None, :]
+    rm64 = rm.to(tl.int64)
+    rows = rm64[:, None]
+    cols = rn[None, :]
+    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
+    if EPILOGUE == 0:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if STORE_AUX:
+            tl.store(AUX + rows * stride_auxm + cols, cast_out(acc, AUX.dtype.element_ty, INTERPRET), mask=mask)
+        out = _act(acc, ACT)
+        if HAS_DROPOUT:
+            keep = dropout_keep_rows(seed_lo, seed_hi, rm64, N, pid_n * BLOCK_N, off_lo, off_hi, drop_thr,
+                                     BLOCK_M, BLOCK_N, DROP_GROUPS)
+            out = tl.where(keep, out * drop_scale, 0.0)
+    else:
+        out = _dact(acc, AUX, rows, cols, mask, N, stride_auxm,
+                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, ACT, HAS_DROPOUT,
+                    rm64, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, DROP_GROUPS)
+        if HAS_PART:
+            # This tile's column sums: one row of the (tiles_m, N) partials, no atomics.  Summed
+            # in fp64 (cheap: once per tile), so db carries only the rounding of the d values.
+            part = tl.sum(tl.where(mask, out, 0.0).to(tl.float64), axis=0)
+            tl.store(PART + pid_m.to(tl.int64) * N + rn, part, mask=col_ok)
+    tl.store(C + rows * stride_cm + cols, cast_out(out, C.dtype.element_ty, INTERPRET), mask=mask)
+
+
 def _gemm_configs():
     if is_interpreting():
         # One config: the interpreter cannot autotune over several.  Big K blocks: fewer steps.
@@ -261,17 +315,7 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C (M, N) = epilogue(A (M, K) @ B (K, N)); see the module docstring for the epilogues."""
-    # Grouped order: consecutive programs walk GROUP_M row tiles down one column tile, so the
-    # B tile (weights) and the GROUP_M A tiles stay in L2 while the group sweeps the columns.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
@@ -314,30 +358,101 @@ def _gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    mask = row_ok[:, None] & col_ok[None, :]
-    rows = rm64[:, None]
-    cols = rn[None, :]
-    seed_lo, seed_hi, off_lo, off_hi = load_rng_if(RNG, HAS_DROPOUT)
-    if EPILOGUE == 0:
-        if HAS_BIAS:
-            acc += tl.load(BIAS + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if STORE_AUX:
-            tl.store(AUX + rows * stride_auxm + cols, cast_out(acc, AUX.dtype.element_ty, INTERPRET), mask=mask)
-        out = _act(acc, ACT)
-        if HAS_DROPOUT:
-            keep = dropout_keep_rows(seed_lo, seed_hi, rm64, N, pid_n * BLOCK_N, off_lo, off_hi, drop_thr,
-                                     BLOCK_M, BLOCK_N, DROP_GROUPS)
-            out = tl.where(keep, out * drop_scale, 0.0)
-    else:
-        out = _dact(acc, AUX, rows, cols, mask, N, stride_auxm,
-                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, ACT, HAS_DROPOUT,
-                    rm64, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, DROP_GROUPS)
-        if HAS_PART:
-            # This tile's column sums: one row of the (tiles_m, N) partials, no atomics.  Summed
-            # in fp64 (cheap: once per tile), so db carries only the rounding of the d values.
-            part = tl.sum(tl.where(mask, out, 0.0).to(tl.float64), axis=0)
-            tl.store(PART + pid_m.to(tl.int64) * N + rn, part, mask=col_ok)
-    tl.store(C + rows * stride_cm + cols, cast_out(out, C.dtype.element_ty, INTERPRET), mask=mask)
+    _gemm_epilogue(acc, pid_m, pid_n, C, BIAS, AUX, RNG, PART, M, N, stride_cm, stride_auxm,
+                   drop_thr, drop_scale, EPILOGUE, ACT, HAS_BIAS, HAS_DROPOUT, STORE_AUX, HAS_PART,
+                   INTERPRET, DROP_GROUPS, BLOCK_M, BLOCK_N)
+
+
+# The same GEMM on Hopper's tensor memory accelerator: 16-bit operands read through TMA
+# descriptors (bulk copies into swizzled shared memory, out-of-range rows and columns filled with
+# zeros by the copy engine: no masks, no per-element addresses), one program per SM walking the
+# output tiles (the loop over tiles and K steps flattened, so the next tile's loads are in
+# flight during this tile's epilogue).  Triton's recipe for cuBLAS-level Hopper GEMMs; the
+# epilogues are the pointer kernel's.
+
+
+def _tma_configs():
+    if is_interpreting():
+        # Small tiles and few programs: the tests' shapes then take several tiles per program and
+        # several K steps per tile.
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 2},
+                              num_warps=4, num_stages=1, pre_hook=_tma_block_shapes)]
+    cfg = lambda bm, bn, bk, w, s: triton.Config(  # noqa: E731
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s,
+        pre_hook=_tma_block_shapes)
+    return [
+        cfg(128, 256, 64, 8, 3),
+        cfg(128, 128, 64, 8, 4),
+        cfg(128, 128, 64, 4, 4),
+        cfg(64, 256, 64, 4, 4),
+        cfg(128, 64, 64, 4, 4),
+        cfg(64, 128, 64, 4, 4),
+        cfg(64, 64, 64, 4, 4),
+    ]
+
+
+def _tma_block_shapes(nargs):
+    """Autotuner pre-hook: the descriptors' boxes are the config's tiles (a K-major operand's
+    box is (rows, BLOCK_K), an M- or N-major one's (BLOCK_K, rows))."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["A_DESC"].block_shape = [bm, bk] if nargs["A_KMAJOR"] else [bk, bm]
+    nargs["B_DESC"].block_shape = [bn, bk] if nargs["B_KMAJOR"] else [bk, bn]
+
+
+def _prune_tma_configs(configs, named_args, **kwargs):
+    return _prune_configs(configs, {**named_args, "A": named_args["A_DESC"].base}, **kwargs)
+
+
+@triton.autotune(
+    configs=_tma_configs(),
+    key=["M", "N", "K", "EPILOGUE", "ACT", "HAS_DROPOUT", "A_KMAJOR", "B_KMAJOR"],
+    prune_configs_by={"early_config_prune": _prune_tma_configs},
+    reset_to_zero=["PART"],
+)
+@triton.jit
+def _gemm_tma_kernel(
+    A_DESC, B_DESC, C, BIAS, AUX, RNG, PART,
+    M, N, K, stride_cm, stride_auxm,
+    drop_thr, drop_scale,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_AUX: tl.constexpr, HAS_PART: tl.constexpr,
+    DOT_FP32: tl.constexpr, INTERPRET: tl.constexpr, DROP_GROUPS: tl.constexpr,
+    A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C (M, N) = epilogue(A (M, K) @ B (K, N)), 16-bit A and B through TMA descriptors:
+    A_DESC over A (M, K) when A_KMAJOR, else over A^T (K, M); B_DESC over B^T (N, K) when
+    B_KMAJOR, else over B (K, N).  Program i takes tiles i, i + NUM_PROGRAMS, ... (the grid is
+    min(NUM_PROGRAMS, tiles))."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    start = tl.program_id(0)
+    # The epilogue's tile index is a second counter, not the loop variable: Triton's tutorial
+    # does the same so that the software pipeliner, which issues the next tile's loads early,
+    # never hands the epilogue a value of the next iteration.
+    tile_out = start - NUM_PROGRAMS
+    for tile in tl.range(start, num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(k_steps):
+            off_k = ks * BLOCK_K
+            if A_KMAJOR:
+                a = A_DESC.load([off_m, off_k])  # (BM, BK)
+            else:
+                a = A_DESC.load([off_k, off_m]).T
+            if B_KMAJOR:
+                b = B_DESC.load([off_n, off_k]).T  # (BK, BN)
+            else:
+                b = B_DESC.load([off_k, off_n])
+            acc = dot(a, b, acc, DOT_FP32, False)
+        tile_out += NUM_PROGRAMS
+        pid_m, pid_n = _tile_coords(tile_out, num_pid_m, num_pid_n, GROUP_M)
+        _gemm_epilogue(acc, pid_m, pid_n, C, BIAS, AUX, RNG, PART, M, N, stride_cm, stride_auxm,
+                       drop_thr, drop_scale, EPILOGUE, ACT, HAS_BIAS, HAS_DROPOUT, STORE_AUX, HAS_PART,
+                       INTERPRET, DROP_GROUPS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -410,11 +525,90 @@ def _dot_flags(dtype: torch.dtype, allow_tf32: bool):
     return is_interpreting(), dtype == torch.float32 and not allow_tf32
 
 
+# Which GEMM kernel runs: "auto" (TMA on a GPU of compute capability >= 9 for 16-bit operands
+# that TMA can address, else the pointer kernel; the pointer kernel under the interpreter),
+# "tma" (TMA wherever the operands allow it, the interpreter included: the tests) or "pointer".
+GEMM_PATH_ENV = "TRANSFORMER_FAST_TRITON_GEMM"
+
+
+def _gemm_path() -> str:
+    path = os.environ.get(GEMM_PATH_ENV, "auto") or "auto"
+    if path not in ("auto", "tma", "pointer"):
+        raise ValueError(f"{GEMM_PATH_ENV} must be auto, tma or pointer; got {path!r}")
+    return path
+
+
+@functools.cache
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _tma_view(t, rows, cols, stride_r, stride_c, k_is_cols):
+    """(shape, strides, k_major) of a TMA descriptor over the (rows, cols) operand with these
+    strides, or None when TMA cannot address it: the contiguous dimension must have stride 1, the
+    other a multiple of 16 bytes, the base 16-byte aligned.  k_major: the K dimension is the
+    contiguous one (k_is_cols says which of rows / cols is K)."""
+    esize = t.element_size()
+    if t.data_ptr() % 16:
+        return None
+    if stride_c == 1 and (stride_r * esize) % 16 == 0:
+        return [rows, cols], [stride_r, 1], k_is_cols
+    if stride_r == 1 and (stride_c * esize) % 16 == 0:
+        return [cols, rows], [stride_c, 1], not k_is_cols
+    return None
+
+
+def _tma_operands(a, b, m, n, k, strides_a, strides_b):
+    """(A descriptor, A_KMAJOR, B descriptor, B_KMAJOR) for the TMA kernel, or None."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    path = _gemm_path()
+    if path == "pointer" or a.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if path == "auto" and (is_interpreting() or not a.is_cuda or not _hopper_or_newer(a.device.index)):
+        return None
+    va = _tma_view(a, m, k, strides_a[0], strides_a[1], k_is_cols=True)
+    # B (K, N): K is its rows, so a K-major B is described as B^T (N, K).
+    vb = _tma_view(b, k, n, strides_b[0], strides_b[1], k_is_cols=False)
+    if va is None or vb is None:
+        return None
+    # Boxes are set per config by _tma_block_shapes; these placeholders only pass validation.
+    desc_a = TensorDescriptor(a, va[0], va[1], [16, 16])
+    desc_b = TensorDescriptor(b, vb[0], vb[1], [16, 16])
+    return desc_a, va[2], desc_b, vb[2]
+
+
 def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bias=None, aux=None,
                  stride_auxm=0, store_aux=False, drop=(False, None, 0, 1.0), part=None, allow_tf32=False):
     has_dropout, rng_t, thr, scale = drop
     dot_fp32, ieee = _dot_flags(a.dtype, allow_tf32)
     dummy = c
+    tma = _tma_operands(a, b, m, n, k, strides_a, strides_b)
+    if tma is not None:
+        desc_a, a_kmajor, desc_b, b_kmajor = tma
+        programs = _INTERPRET_PROGRAMS if is_interpreting() else _num_sms(c.device.index)
+        grid = lambda meta: (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
+        with _device_guard(c):
+            _gemm_tma_kernel[grid](
+                desc_a, desc_b, c,
+                bias if bias is not None else dummy,
+                aux if aux is not None else dummy,
+                rng_t if has_dropout else dummy,
+                part if part is not None else dummy,
+                m, n, k, c.stride(0), stride_auxm, thr, scale,
+                EPILOGUE=epilogue, ACT=act, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
+                STORE_AUX=store_aux, HAS_PART=part is not None, DOT_FP32=dot_fp32,
+                INTERPRET=is_interpreting(), DROP_GROUPS=has_dropout and n % 4 == 0,
+                A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, NUM_PROGRAMS=programs,
+            )
+        _RECENT_LAUNCHES.append((m, n, k, epilogue, act, has_dropout, a.dtype, ieee,
+                                 "tma", getattr(_gemm_tma_kernel, "best_config", None)))
+        return
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     with _device_guard(c):
         _gemm_kernel[grid](
@@ -432,7 +626,7 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
         )
     # For failure reports (recent_gemm_launches): the autotuner's pick for this launch.
     _RECENT_LAUNCHES.append((m, n, k, epilogue, act, has_dropout, a.dtype, ieee,
-                             getattr(_gemm_kernel, "best_config", None)))
+                             "pointer", getattr(_gemm_kernel, "best_config", None)))
 
 
 # The last GEMM launches (a failing numerics test prints them: which config computed what).
@@ -440,10 +634,11 @@ _RECENT_LAUNCHES = collections.deque(maxlen=16)
 
 
 def recent_gemm_launches() -> str:
-    """One line per recent _gemm_kernel launch, oldest first: shape, epilogue, precision
-    (ieee = exact fp32, tf32, or the 16-bit dtype) and the config the autotuner ran."""
+    """One line per recent GEMM launch, oldest first: shape, epilogue, precision (ieee = exact
+    fp32, tf32, or the 16-bit dtype), the kernel (tma or pointer) and the config the autotuner
+    ran."""
     lines = []
-    for m, n, k, epi, act, drop, dtype, ieee, cfg in _RECENT_LAUNCHES:
+    for m, n, k, epi, act, drop, dtype, ieee, kernel, cfg in _RECENT_LAUNCHES:
         prec = "ieee" if ieee else ("tf32" if dtype == torch.float32 else str(dtype).replace("torch.", ""))
         if cfg is None:
             desc = "config ?"
@@ -451,13 +646,13 @@ def recent_gemm_launches() -> str:
             desc = " ".join(f"{key}={v}" for key, v in cfg.kwargs.items())
             desc += f" warps={cfg.num_warps} stages={cfg.num_stages}"
         lines.append(f"  M={m} N={n} K={k} {'fwd' if epi == EPI_FWD else 'dact'} act={act} "
-                     f"dropout={int(drop)} {prec}: {desc}")
+                     f"dropout={int(drop)} {prec} {kernel}: {desc}")
     return "\n".join(lines)
 
 
 # The launch's BLOCK_M is chosen by the autotuner, so the column-sum partials of the dact
 # epilogue get a row per tile of the smallest BLOCK_M of any config (zeroed: unused rows add 0).
-_MIN_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in _gemm_configs())
+_MIN_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in _gemm_configs() + _tma_configs())
 
 
 def _part_rows(m: int) -> int:

@@ -83,7 +83,11 @@ def test_rows_of_each_op(run, op):
         assert r["dtype"] == "float32"
     measured = [r for r in rows if r["median_ms"] is not None]
     providers = {r["provider"] for r in measured}
-    if op in ops.OPS:
+    if op == "ffn_gemm":  # one GEMM per row: cuBLAS / MKL (torch) against the backends' own
+        assert {"torch", "cpu"} <= providers and "reference" not in providers
+        assert {r["shape"]["gemm"] for r in measured} == {g[0] for g in ops._ffn_gemms(1, 1, 1)}
+        assert {r["shape"]["pass"] for r in measured} == {"fwd"}
+    elif op in ops.OPS:
         assert {"reference", "torch"} <= providers
         assert "triton" not in providers  # the interpreter is not a benchmark
         masks = {r["mask"] for r in measured}

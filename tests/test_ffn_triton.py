@@ -259,3 +259,129 @@ def test_recent_gemm_launches_names_the_config(K):
     K.linear_fwd(x, w, None, "relu", 0.0, None, False, False)
     last = K.recent_gemm_launches().splitlines()[-1]
     assert "M=9 N=12 K=8 fwd" in last and "ieee" in last and "BLOCK_M=" in last
+    assert "pointer:" in last
+
+
+# ---------------------------------------------------------------------------------------------
+# The persistent TMA GEMM (kernels/ffn.py, _gemm_tma_kernel): the path a Hopper GPU takes for
+# 16-bit operands TMA can address.  Forced here (TRANSFORMER_FAST_TRITON_GEMM=tma): the
+# interpreter runs it with 32 x 64 x 32 tiles on 3 programs, so these shapes (strides multiples
+# of 8 elements, partial tiles in M, N and K) take several tiles per program and several K steps.
+
+TMA_M, TMA_K, TMA_N = 72, 88, 136
+
+
+@pytest.fixture
+def tma(K, monkeypatch):
+    monkeypatch.setenv(K.GEMM_PATH_ENV, "tma")
+    return K
+
+
+def _last_kernel(K):
+    return K.recent_gemm_launches().splitlines()[-1].split(":")[0].split()[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("x_layout", ["rows", "cols"])
+@pytest.mark.parametrize("activation, p", [("none", 0.0), ("relu", 0.2), ("gelu", 0.2), ("gelu_tanh", 0.0)])
+def test_tma_linear_fwd(tma, dtype, x_layout, activation, p):
+    """x @ w^T + b, activation, dropout: A K-major (x row-major) or M-major (x transposed), B
+    K-major (w as nn.Linear stores it)."""
+    m, k, n = TMA_M, TMA_K, TMA_N
+    x = _rand(m, k, dtype=dtype) if x_layout == "rows" else _rand(k, m, dtype=dtype).t()
+    w, b = _rand(n, k, dtype=dtype, scale=k ** -0.5), _rand(n, dtype=dtype)
+    rng = philox.new_rng(x.device)
+    with reference.poisoned_outputs():
+        y, pre = tma.linear_fwd(x, w, b, activation, p, rng, True, False)
+    assert _last_kernel(tma) == "tma"
+    pre64 = x.double() @ w.double().t() + b.double()
+    keep = philox.dropout_keep_mask(rng, (m, n), p) if p else torch.ones(m, n, dtype=torch.bool)
+    y64 = ACT64[activation](pre64) * keep.to(pre64.device) / (1 - p)
+    assert _err(pre, pre64) <= TOL[dtype]
+    assert _err(y, y64) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("activation, p", [("none", 0.0), ("relu", 0.3), ("gelu", 0.3), ("gelu_tanh", 0.0)])
+def test_tma_linear_dgrad(tma, dtype, activation, p):
+    """(dy @ w) * act'(pre) * keep / (1 - p) with its column sums: B N-major (w read as is)."""
+    m, k, n = TMA_M, TMA_K, TMA_N
+    dy, w = _rand(m, k, dtype=dtype), _rand(k, n, dtype=dtype, scale=k ** -0.5)
+    pre = _rand(m, n, dtype=dtype)
+    rng = philox.new_rng(dy.device) if p else None
+    keep = philox.dropout_keep_mask(rng, (m, n), p) if p else torch.ones(m, n, dtype=torch.bool)
+    keep = keep.to(pre.device)
+    y = (ACT64[activation](pre.double()) * keep / (1 - p)).to(dtype)  # the forward output (relu's aux)
+    pre64 = pre.double().requires_grad_(True)
+    (ACT64[activation](pre64) * keep / (1 - p)).backward(dy.double() @ w.double())
+    aux = {"none": None, "relu": y, "gelu": pre, "gelu_tanh": pre}[activation]
+    with reference.poisoned_outputs():
+        d, db = tma.linear_dgrad(dy, w, aux, activation, p, rng, True, False)
+    assert _last_kernel(tma) == "tma"
+    assert _err(d, pre64.grad) <= TOL[dtype]
+    assert _err(db, pre64.grad.sum(0)) <= TOL[dtype] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("x_layout", ["rows", "cols"])
+def test_tma_linear_wgrad(tma, dtype, x_layout):
+    """dy^T @ x over the rows: A M-major (dy read transposed); B N-major (x row-major) or K-major
+    (x transposed)."""
+    rows, n, k = TMA_K, TMA_N, TMA_M
+    dy = _rand(rows, n, dtype=dtype)
+    x = _rand(rows, k, dtype=dtype) if x_layout == "rows" else _rand(k, rows, dtype=dtype).t()
+    with reference.poisoned_outputs():
+        dw, db = tma.linear_wgrad(dy, x, True, False)
+    assert _last_kernel(tma) == "tma"
+    assert _err(dw, dy.double().t() @ x.double()) <= TOL[dtype] * 4
+    assert _err(db, dy.double().sum(0)) <= TOL[dtype] * 4
+
+
+def test_tma_falls_back_to_pointers(K, monkeypatch):
+    """Where TMA cannot address an operand (a row pitch that is not a multiple of 16 bytes, a
+    base that is not 16-byte aligned, fp32) the pointer kernel runs, with the same result; with
+    "auto" the interpreter runs the pointer kernel."""
+    monkeypatch.setenv(K.GEMM_PATH_ENV, "tma")
+    w = _rand(TMA_N, TMA_K, dtype=torch.bfloat16)
+    for x in (_rand(9, 70, dtype=torch.bfloat16)[:, :TMA_K - 18],           # pitch 140 bytes
+              _rand(9, TMA_K + 1, dtype=torch.bfloat16)[:, 1:]):           # base + 2 bytes
+        y, _ = K.linear_fwd(x, w[:, :x.shape[1]], None, "none", 0.0, None, False, False)
+        assert _last_kernel(K) == "pointer"
+        assert _err(y, x.double() @ w[:, :x.shape[1]].double().t()) <= TOL[torch.bfloat16]
+    K.linear_fwd(_rand(8, 16), _rand(8, 16), None, "none", 0.0, None, False, False)
+    assert _last_kernel(K) == "pointer"
+    monkeypatch.setenv(K.GEMM_PATH_ENV, "auto")
+    K.linear_fwd(_rand(8, 16, dtype=torch.bfloat16), _rand(8, 16, dtype=torch.bfloat16), None, "none", 0.0,
+                 None, False, False)
+    assert _last_kernel(K) == ("tma" if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+                               else "pointer")
+    monkeypatch.setenv(K.GEMM_PATH_ENV, "cublas")
+    with pytest.raises(ValueError, match=K.GEMM_PATH_ENV):
+        K.linear_fwd(_rand(8, 16), _rand(8, 16), None, "none", 0.0, None, False, False)
+
+
+def test_tma_gpu_configs(K):
+    """The TMA autotune list as on a GPU: 16-bit tiles that fit shared memory; the heavy
+    epilogues (dropout, dact) keep only tiles of <= 64 accumulators per thread; the pre-hook
+    sets each descriptor's box to the config's tile in the operand's orientation."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    with mock.patch.object(K, "is_interpreting", return_value=False):
+        configs = K._tma_configs()
+    assert len(configs) > 1
+    a = torch.empty(1, dtype=torch.bfloat16)
+    named = {"M": 16384, "N": 4096, "A_DESC": SimpleNamespace(base=a)}
+    kept = K._prune_tma_configs(configs, named)
+    assert (kept[0].kwargs["BLOCK_M"], kept[0].kwargs["BLOCK_N"]) == (128, 256)
+    for c in kept:
+        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        assert (bm * bk + bk * bn) * 2 * c.num_stages <= K._SMEM_BUDGET
+    for heavy in ({"HAS_DROPOUT": True}, {"EPILOGUE": K.EPI_DACT}):
+        for c in K._prune_tma_configs(configs, named, **heavy):
+            assert c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps) <= 64
+    desc_a, desc_b = SimpleNamespace(block_shape=None), SimpleNamespace(block_shape=None)
+    for a_k, b_k, want_a, want_b in ((True, True, [128, 64], [256, 64]), (False, False, [64, 128], [64, 256])):
+        configs[0].pre_hook({**configs[0].all_kwargs(), "A_DESC": desc_a, "B_DESC": desc_b,
+                             "A_KMAJOR": a_k, "B_KMAJOR": b_k})
+        assert (desc_a.block_shape, desc_b.block_shape) == (want_a, want_b)
