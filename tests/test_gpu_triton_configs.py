@@ -128,8 +128,15 @@ def test_autotuned_atomic_dq_backward_passes_the_oracle(monkeypatch, kind):
 def _gemm_list_length(dtype):
     from transformer_fast.kernels import ffn as FF
 
-    # The pruning keeps 64-wide K blocks for 16-bit inputs and 32-wide ones for fp32.
-    return len([c for c in FF._gemm_configs() if (c.kwargs["BLOCK_K"] >= 64) == (dtype != torch.float32)])
+    # The pruning keeps 64-wide K blocks for 16-bit inputs and 32-wide ones for fp32; 16-bit
+    # operands on a Hopper take the TMA kernel's list.
+    pointer = len([c for c in FF._gemm_configs() if (c.kwargs["BLOCK_K"] >= 64) == (dtype != torch.float32)])
+    return pointer if dtype == torch.float32 else max(pointer, len(FF._tma_configs()))
+
+
+def _clear_gemm_caches(FF):
+    FF._gemm_kernel.cache.clear()
+    FF._gemm_tma_kernel.cache.clear()
 
 
 @pytest.mark.gpu
@@ -146,13 +153,13 @@ def test_each_kept_gemm_config_passes_the_oracle(monkeypatch, dtype, index, acti
     if index >= _gemm_list_length(dtype):
         pytest.skip("past the list's end: the same configs as the last index")
     monkeypatch.setattr(FF, "first_config_unless_tuning", lambda configs: [configs[min(index, len(configs) - 1)]])
-    FF._gemm_kernel.cache.clear()
+    _clear_gemm_caches(FF)
     try:
         torch.manual_seed(index)
         results = verify._feed_forward_runner((300, 136, 520), dtype, "cuda", activation, dropout_p)("triton")
         reference.assert_oracle(results, f"{activation} p={dropout_p} {dtype}\n{FF.recent_gemm_launches()}")
     finally:
-        FF._gemm_kernel.cache.clear()
+        _clear_gemm_caches(FF)
 
 
 def test_the_gemm_index_range_covers_the_list():
