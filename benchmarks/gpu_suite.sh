@@ -23,6 +23,7 @@
 #             Each failure's traceback, and each test slower than TF_SLOW_LOG_S (default 10 s),
 #             is appended to logs.txt as it happens (TF_FAILURE_LOG, tests/conftest.py), so a
 #             step killed at its time limit still reports them
+#   SANITIZER_SHARDS  sanitized processes side by side in each Triton sanitizer step (default 8)
 #   STEP_TIMEOUT  seconds per step before it is killed (default 420 for build, pytest_gpu and
 #             benchmarks, 240 for the others); STEP_TIMEOUT_<step> sets one step's budget
 # What lands in OUT stays small enough to copy back from a lent machine (at most 8 files, a few
@@ -190,9 +191,14 @@ done
 # (sanitize_kernels.py --shard), so that every sanitized run loads its kernels from Triton's cache
 # instead of compiling them one at a time (the first run's memcheck over Triton was killed at
 # 240 s).  The marker keeps the later tools from repeating that warm-up.
+# Each tool then runs as SANITIZER_SHARDS sanitized processes side by side, each every n-th case,
+# its lines prefixed "[i] ": the tools instrument each kernel as it loads, on the host, and one
+# process got through add_layer_norm's cases alone in run 6's 80 s of memcheck.  The step fails
+# if any shard does.
 TRITON_WARM_MARK="${TMPDIR:-/tmp}/tf_sanitize_triton_warm.$$"
 for tool in memcheck racecheck initcheck synccheck; do
-    step "sanitizer_${tool}_triton" $NO_TUNE env PY="$PY" TOOL="$tool" MARK="$TRITON_WARM_MARK" bash -c '
+    step "sanitizer_${tool}_triton" $NO_TUNE env PY="$PY" TOOL="$tool" MARK="$TRITON_WARM_MARK" \
+        SHARDS="${SANITIZER_SHARDS:-8}" bash -c '
         if [ ! -e "$MARK" ]; then
             for i in $(seq 0 15); do
                 "$PY" benchmarks/sanitize_kernels.py --backend triton --shard "$i/16" > /dev/null 2>&1 &
@@ -200,7 +206,16 @@ for tool in memcheck racecheck initcheck synccheck; do
             wait
             touch "$MARK"
         fi
-        exec compute-sanitizer --tool "$TOOL" --error-exitcode 1 "$PY" benchmarks/sanitize_kernels.py --backend triton --verbose'
+        pids=()
+        for i in $(seq 0 $((SHARDS - 1))); do
+            compute-sanitizer --tool "$TOOL" --error-exitcode 1 "$PY" benchmarks/sanitize_kernels.py \
+                --backend triton --verbose --shard "$i/$SHARDS" > >(sed -u "s/^/[$i] /") 2>&1 &
+            pids+=($!)
+        done
+        rc=0
+        for p in "${pids[@]}"; do wait "$p" || rc=1; done
+        wait  # the prefixing sed processes
+        exit $rc'
 done
 rm -f "$TRITON_WARM_MARK"
 # The torch-free CUDA attention forward harness (benchmarks/cuda_attn: the current kernels and the

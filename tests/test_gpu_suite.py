@@ -16,7 +16,8 @@ SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
 
 def _run_suite(tmp_path, steps: str, **env):
     out = tmp_path / "out"
-    full = dict(os.environ, PYTHON=sys.executable, OUT=str(out), STEPS=steps, TRANSFORMER_FAST_COMMIT="test", **env)
+    full = dict(os.environ, PYTHON=sys.executable, OUT=str(out), STEPS=steps, TRANSFORMER_FAST_COMMIT="test")
+    full.update(env)
     proc = subprocess.run(["bash", str(SUITE)], cwd=ROOT, env=full, capture_output=True, text=True, timeout=600)
     summary = (out / "summary.txt").read_text()
     return proc, summary, out
@@ -149,3 +150,30 @@ def test_racecheck_checks_our_kernels_only(tmp_path, has_filter):
     for line in lines:
         filtered = "--kernel-name kns=transformer_fast" in line
         assert filtered == (has_filter and "--tool racecheck" in line), line
+
+
+@pytest.mark.parametrize("failing_shard", [None, 2])
+def test_triton_sanitizer_steps_run_in_shards(tmp_path, failing_shard):
+    # Each Triton sanitizer step runs SANITIZER_SHARDS sanitized processes side by side (one
+    # process got through add_layer_norm alone in run 6's 80 s of memcheck), every case once over
+    # all shards, each line prefixed with its shard; the step fails if any shard does.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    fake = bin_dir / "compute-sanitizer"
+    fail = "" if failing_shard is None else f"case \"$*\" in *'--shard {failing_shard}/'*) exit 1;; esac\n"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f"echo \"$*\" >> '{calls}'\n"
+                    "echo \"ran $*\"\n" + fail)
+    fake.chmod(0o755)
+    py = bin_dir / "python3"  # the cases' warm-up and the sanitized runs: no GPU needed here
+    py.write_text("#!/usr/bin/env bash\nexit 0\n")
+    py.chmod(0o755)
+    proc, summary, out = _run_suite(tmp_path, "sanitizer_memcheck_triton", SANITIZER_SHARDS="3",
+                                    PATH=f"{bin_dir}:{os.environ.get('PATH', '')}", PYTHON=str(py))
+    lines = [line for line in calls.read_text().splitlines() if "--tool" in line]  # (not --help)
+    assert sorted(line.split("--shard ")[1] for line in lines) == ["0/3", "1/3", "2/3"], lines
+    assert all(line.startswith("--tool memcheck --error-exitcode 1 ") for line in lines), lines
+    logs = (out / "logs.txt").read_text()
+    assert all(f"[{i}] ran " in logs for i in range(3)), logs[-2000:]
+    assert (summary.split()[1] == "rc=0") == (failing_shard is None), summary
