@@ -298,6 +298,32 @@ def test_what_stays_on_the_python_replay(case, monkeypatch):
         _stays_on_python(monkeypatch, layer, x, kwargs, grad=case == "grad", backend=backend)
 
 
+@pytest.mark.parametrize("change", ["cross_heads", "cross_layout"])
+def test_decoder_with_a_different_cross_attention_stays_on_the_replay(change, monkeypatch):
+    """A decoder layer whose multihead_attn was replaced by one with another head count (or
+    layout) computes as torch's on every call: the C++ op takes one head count and layout for
+    both attentions, so such a layer stays on the Python replay (an outside audit found the
+    replayed calls after the first 0.13 off with 4 cross-attention heads beside 2)."""
+    torch.manual_seed(0)
+    heads = 2 if change == "cross_heads" else H
+    ours = tfm.TransformerDecoderLayer(D, H, FF, 0.0, batch_first=True)
+    ours.multihead_attn = tfm.MultiheadAttention(D, heads, 0.0, batch_first=change != "cross_layout")
+    ref = torch.nn.TransformerDecoderLayer(D, H, FF, 0.0, batch_first=True)
+    ref.multihead_attn = torch.nn.MultiheadAttention(D, heads, 0.0, batch_first=change != "cross_layout")
+    ref.load_state_dict(ours.state_dict())
+    ours.eval(), ref.eval()
+    x, _ = _inputs("none", True)
+    # (the other layout reads dim 1 as the batch: the memory's must then be the target's)
+    memory = torch.randn(B, L if change == "cross_layout" else L + 2, D, generator=generator())
+    monkeypatch.setattr(_native, "ENABLED", True)
+    with torch.no_grad(), tf.use_backend("cpu"):
+        got = [ours(x, memory) for _ in range(3)]
+        want = ref(x, memory)
+    assert _natives(ours) == [None]
+    for out in got:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_op_checks_its_arguments():
     op = torch.ops.transformer_fast_C.encoder_layer_infer
     x = torch.randn(2, 3, D)

@@ -11,7 +11,8 @@ C++ kernels for ``cpu`` / ``cuda``), so the result is the same bit for bit
 
 A layer call runs natively when, besides being replayed: nothing needs a gradient; every
 dropout rate is 0 (eval); the activation is relu / gelu / gelu_tanh; each attention packs q, k
-and v in one projection, without bias_k / bias_v / add_zero_attn; the inputs are batched and
+and v in one projection, without bias_k / bias_v / add_zero_attn, a decoder's two with the same
+number of heads and layout; the inputs are batched and
 not empty; each attention's mask is a bool key padding mask, the causal hint, or none; the
 recorded backends are ``torch``, ``cpu`` or ``cuda``; the ``torch`` add + LayerNorm has
 parameters in the input's dtype.  All of it is part of the replay's signature, so it is decided once per signature
@@ -147,6 +148,10 @@ def decoder_plan(layer, upcoming, x, memory, tgt_mask, memory_mask, tgt_padding,
                  tgt_is_causal, memory_is_causal, normed, next_norm):
     """encoder_plan for ``TransformerDecoderLayer._fused``."""
     if (not _attention_ok(layer.self_attn) or not _attention_ok(layer.multihead_attn)
+            # the C++ op takes one head count and layout for both attentions (a replaced
+            # multihead_attn may differ)
+            or layer.multihead_attn.num_heads != layer.self_attn.num_heads
+            or layer.multihead_attn.batch_first != layer.self_attn.batch_first
             or not _masks_ok(tgt_mask, tgt_padding, tgt_is_causal)
             or not _masks_ok(memory_mask, memory_padding, memory_is_causal)
             or memory.dim() != 3 or memory.numel() == 0
