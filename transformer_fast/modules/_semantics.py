@@ -11,6 +11,7 @@ key_padding_mask); float masks are added.  The functional ops take SDPA polarity
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -33,8 +34,33 @@ class LayerInputError(ValueError, AssertionError, RuntimeError):
     depending on which of its ops meets it first (MHA's check, layer_norm, a matmul)."""
 
 
-def check_layer_inputs(d_model: int, **tensors) -> None:
-    """(L, E) or (N, L, E) / (L, N, E) tensors with E = d_model, checked before any kernel."""
+# What a layer's arguments are to each of its attentions, for messages raised inside them.
+ENCODER_SELF_ATTENTION = ("self-attention: src_mask is its attn_mask, src_key_padding_mask its "
+                          "key_padding_mask, is_causal its is_causal")
+DECODER_SELF_ATTENTION = ("self-attention: tgt_mask is its attn_mask, tgt_key_padding_mask its "
+                          "key_padding_mask, tgt_is_causal its is_causal")
+DECODER_CROSS_ATTENTION = ("cross-attention: tgt is its query, memory its key and value, memory_mask "
+                           "its attn_mask, memory_key_padding_mask its key_padding_mask, "
+                           "memory_is_causal its is_causal")
+
+
+@contextlib.contextmanager
+def layer_arguments(role: str):
+    """Inside a layer's attention call, an input error (raised with the attention's argument
+    names, as torch's) also says which of the layer's arguments they are (DESIGN section 9: the
+    error names the argument the caller passed): ``role`` is appended in parentheses, the type
+    and the start of the message stay torch's."""
+    try:
+        yield
+    except (InputError, InputRuntimeError, LayerInputError, MaskTypeError) as exc:
+        if len(exc.args) != 1 or not isinstance(exc.args[0], str) or role in exc.args[0]:
+            raise
+        raise type(exc)(f"{exc.args[0]} (in the layer's {role})").with_traceback(exc.__traceback__) from None
+
+
+def check_layer_inputs(d_model: int, features: str = "d_model", **tensors) -> None:
+    """(L, E) or (N, L, E) / (L, N, E) tensors with E = d_model (named ``features`` in the
+    message), checked before any kernel."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -49,7 +75,7 @@ def check_layer_inputs(d_model: int, **tensors) -> None:
             )
         if t.shape[-1] != d_model:
             raise LayerInputError(
-                f"{name} must have d_model={d_model} features (last dim); got shape {tuple(t.shape)}"
+                f"{name} must have {features}={d_model} features (last dim); got shape {tuple(t.shape)}"
             )
 
 

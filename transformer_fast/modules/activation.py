@@ -223,12 +223,12 @@ class MultiheadAttention(Module):
                 "MultiheadAttention (transformer_fast) does not take NestedTensor inputs; pass a "
                 "padded tensor and key_padding_mask (the kernels skip padded keys)"
             )
-        if is_causal and attn_mask is None:
+        is_batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
+        if is_causal and attn_mask is None:  # (after the shape checks, as torch's order)
             raise InputRuntimeError(
                 "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
                 "module method `generate_square_subsequent_mask` to create this mask."
             )
-        is_batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
         bsz, tgt_len, src_len = self._lengths(query, key)
         use_attn_mask = _reads_attn_mask(is_causal, key_padding_mask, need_weights)
         # torch's order: attn_mask's size, key_padding_mask's, then the dtype of their sum.

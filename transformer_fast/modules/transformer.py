@@ -94,14 +94,16 @@ def _add_norm(sub, residual, norm, p, prenorm=False, lane=None):
     )
 
 
-def _attention(mha, x, memory, mask, padding, is_causal, lane):
+def _attention(mha, x, memory, mask, padding, is_causal, lane, role):
     """``mha(x, memory, memory)[0]`` without weights; a replayed call skips its checks.  The
     fused layers reach here only without hooks of the layer's own (_fusable), so its forward is
-    called directly: a global module hook sees the layer's call alone, as on torch's fast path."""
+    called directly: a global module hook sees the layer's call alone, as on torch's fast path.
+    ``role``: the layer's names for this attention's arguments (sem.layer_arguments)."""
     if lane is not None:
         return mha._attend(x, memory, memory, padding, False, mask, True, is_causal, lane)[0]
-    return mha.forward(x, memory, memory, attn_mask=mask, key_padding_mask=padding,
-                       need_weights=False, is_causal=is_causal)[0]
+    with sem.layer_arguments(role):
+        return mha.forward(x, memory, memory, attn_mask=mask, key_padding_mask=padding,
+                           need_weights=False, is_causal=is_causal)[0]
 
 
 def _layer_norm(x, norm):
@@ -324,10 +326,14 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         src_key_padding_mask = sem.to_additive(src_key_padding_mask, src.dtype)
         x = src
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+            with sem.layer_arguments(sem.ENCODER_SELF_ATTENTION):
+                a = self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+            x = x + a
             x = x + self._ff_block(self.norm2(x))
         else:
-            x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+            with sem.layer_arguments(sem.ENCODER_SELF_ATTENTION):
+                a = self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal)
+            x = self.norm1(x + a)
             x = self.norm2(x + self._ff_block(x))
         return x
 
@@ -353,10 +359,10 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         p, p1, p2 = (sem.dropout_p(d) for d in (self.dropout, self.dropout1, self.dropout2))
         if self.norm_first:
             h = _layer_norm(x, self.norm1) if normed is None else normed
-            a = _attention(self.self_attn, h, h, mask, padding, is_causal, lane)
+            a = _attention(self.self_attn, h, h, mask, padding, is_causal, lane, sem.ENCODER_SELF_ATTENTION)
             h, x = _add_norm(a, x, self.norm2, p1, prenorm=True, lane=lane)
             return _residual_out(self._ffn(h, p, lane), x, p2, next_norm, lane)
-        a = _attention(self.self_attn, x, x, mask, padding, is_causal, lane)
+        a = _attention(self.self_attn, x, x, mask, padding, is_causal, lane, sem.ENCODER_SELF_ATTENTION)
         x = _add_norm(a, x, self.norm1, p1, lane=lane)
         return _add_norm(self._ffn(x, p, lane), x, self.norm2, p2, lane=lane), None
 
@@ -446,7 +452,12 @@ class TransformerDecoderLayer(_FusedFFN, Module):
         lane = _lane.plan(self, key)
         if lane is not None:  # this signature's checks passed before: replay (modules/_lane.py)
             return self._fused(*inputs, tgt_is_causal, memory_is_causal, lane=lane)[0]
-        sem.check_layer_inputs(self.self_attn.embed_dim, tgt=tgt, memory=memory)
+        sem.check_layer_inputs(self.self_attn.embed_dim, tgt=tgt)
+        # memory feeds the cross-attention's key / value projections: its width is their kdim
+        # (d_model unless multihead_attn was built with kdim / vdim, as torch's layer accepts)
+        kdim = getattr(self.multihead_attn, "kdim", self.self_attn.embed_dim)
+        sem.check_layer_inputs(kdim, "d_model" if kdim == self.self_attn.embed_dim else "multihead_attn.kdim",
+                               memory=memory)
         if self._can_fuse(tgt):
             with backends.recording_resolutions() as names:
                 out, _ = self._fused(*inputs, tgt_is_causal, memory_is_causal)
@@ -455,14 +466,21 @@ class TransformerDecoderLayer(_FusedFFN, Module):
             return out
         x = tgt
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), tgt_mask, tgt_key_padding_mask, tgt_is_causal)
-            x = x + self._mha_block(self.norm2(x), memory, memory_mask, memory_key_padding_mask,
+            with sem.layer_arguments(sem.DECODER_SELF_ATTENTION):
+                a = self._sa_block(self.norm1(x), tgt_mask, tgt_key_padding_mask, tgt_is_causal)
+            x = x + a
+            with sem.layer_arguments(sem.DECODER_CROSS_ATTENTION):
+                c = self._mha_block(self.norm2(x), memory, memory_mask, memory_key_padding_mask,
                                     memory_is_causal)
+            x = x + c
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self.norm1(x + self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal))
-            x = self.norm2(x + self._mha_block(x, memory, memory_mask, memory_key_padding_mask,
-                                               memory_is_causal))
+            with sem.layer_arguments(sem.DECODER_SELF_ATTENTION):
+                a = self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal)
+            x = self.norm1(x + a)
+            with sem.layer_arguments(sem.DECODER_CROSS_ATTENTION):
+                c = self._mha_block(x, memory, memory_mask, memory_key_padding_mask, memory_is_causal)
+            x = self.norm2(x + c)
             x = self.norm3(x + self._ff_block(x))
         return x
 
@@ -490,16 +508,18 @@ class TransformerDecoderLayer(_FusedFFN, Module):
         )
         if self.norm_first:
             h = _layer_norm(x, self.norm1) if normed is None else normed
-            a = _attention(self.self_attn, h, h, tgt_mask, tgt_padding, tgt_is_causal, lane)
+            a = _attention(self.self_attn, h, h, tgt_mask, tgt_padding, tgt_is_causal, lane,
+                           sem.DECODER_SELF_ATTENTION)
             h, x = _add_norm(a, x, self.norm2, p1, prenorm=True, lane=lane)
             c = _attention(self.multihead_attn, h, memory, memory_mask, memory_padding,
-                           memory_is_causal, lane)
+                           memory_is_causal, lane, sem.DECODER_CROSS_ATTENTION)
             h, x = _add_norm(c, x, self.norm3, p2, prenorm=True, lane=lane)
             return _residual_out(self._ffn(h, p, lane), x, p3, next_norm, lane)
-        a = _attention(self.self_attn, x, x, tgt_mask, tgt_padding, tgt_is_causal, lane)
+        a = _attention(self.self_attn, x, x, tgt_mask, tgt_padding, tgt_is_causal, lane,
+                       sem.DECODER_SELF_ATTENTION)
         x = _add_norm(a, x, self.norm1, p1, lane=lane)
         c = _attention(self.multihead_attn, x, memory, memory_mask, memory_padding,
-                       memory_is_causal, lane)
+                       memory_is_causal, lane, sem.DECODER_CROSS_ATTENTION)
         x = _add_norm(c, x, self.norm2, p2, lane=lane)
         return _add_norm(self._ffn(x, p, lane), x, self.norm3, p3, lane=lane), None
 
