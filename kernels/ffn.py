@@ -588,45 +588,29 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
     has_dropout, rng_t, thr, scale = drop
     dot_fp32, ieee = _dot_flags(a.dtype, allow_tf32)
     dummy = c
+    epilogue_tensors = (bias if bias is not None else dummy, aux if aux is not None else dummy,
+                        rng_t if has_dropout else dummy, part if part is not None else dummy)
+    flags = dict(EPILOGUE=epilogue, ACT=act, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
+                 STORE_AUX=store_aux, HAS_PART=part is not None, DOT_FP32=dot_fp32,
+                 INTERPRET=is_interpreting(), DROP_GROUPS=has_dropout and n % 4 == 0)
     tma = _tma_operands(a, b, m, n, k, strides_a, strides_b)
-    if tma is not None:
-        desc_a, a_kmajor, desc_b, b_kmajor = tma
-        programs = _INTERPRET_PROGRAMS if is_interpreting() else _num_sms(c.device.index)
-        grid = lambda meta: (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
-        with _device_guard(c):
-            _gemm_tma_kernel[grid](
-                desc_a, desc_b, c,
-                bias if bias is not None else dummy,
-                aux if aux is not None else dummy,
-                rng_t if has_dropout else dummy,
-                part if part is not None else dummy,
-                m, n, k, c.stride(0), stride_auxm, thr, scale,
-                EPILOGUE=epilogue, ACT=act, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
-                STORE_AUX=store_aux, HAS_PART=part is not None, DOT_FP32=dot_fp32,
-                INTERPRET=is_interpreting(), DROP_GROUPS=has_dropout and n % 4 == 0,
-                A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, NUM_PROGRAMS=programs,
-            )
-        _RECENT_LAUNCHES.append((m, n, k, epilogue, act, has_dropout, a.dtype, ieee,
-                                 "tma", getattr(_gemm_tma_kernel, "best_config", None)))
-        return
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     with _device_guard(c):
-        _gemm_kernel[grid](
-            a, b, c,
-            bias if bias is not None else dummy,
-            aux if aux is not None else dummy,
-            rng_t if has_dropout else dummy,
-            part if part is not None else dummy,
-            m, n, k,
-            strides_a[0], strides_a[1], strides_b[0], strides_b[1], c.stride(0), stride_auxm,
-            thr, scale,
-            EPILOGUE=epilogue, ACT=act, HAS_BIAS=bias is not None, HAS_DROPOUT=has_dropout,
-            STORE_AUX=store_aux, HAS_PART=part is not None,
-            DOT_FP32=dot_fp32, IEEE=ieee, INTERPRET=is_interpreting(), DROP_GROUPS=has_dropout and n % 4 == 0,
-        )
-    # For failure reports (recent_gemm_launches): the autotuner's pick for this launch.
+        if tma is not None:
+            desc_a, a_kmajor, desc_b, b_kmajor = tma
+            programs = _INTERPRET_PROGRAMS if is_interpreting() else _num_sms(c.device.index)
+            kernel = _gemm_tma_kernel
+            grid = lambda meta: (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
+            kernel[grid](desc_a, desc_b, c, *epilogue_tensors, m, n, k, c.stride(0), stride_auxm, thr, scale,
+                         **flags, A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, NUM_PROGRAMS=programs)
+        else:
+            kernel = _gemm_kernel
+            grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+            kernel[grid](a, b, c, *epilogue_tensors, m, n, k,
+                         strides_a[0], strides_a[1], strides_b[0], strides_b[1], c.stride(0), stride_auxm,
+                         thr, scale, **flags, IEEE=ieee)
+    # For failure reports (recent_gemm_launches): the kernel and the autotuner's pick for this launch.
     _RECENT_LAUNCHES.append((m, n, k, epilogue, act, has_dropout, a.dtype, ieee,
-                             "pointer", getattr(_gemm_kernel, "best_config", None)))
+                             "pointer" if tma is None else "tma", getattr(kernel, "best_config", None)))
 
 
 # The last GEMM launches (a failing numerics test prints them: which config computed what).
