@@ -151,22 +151,52 @@ def _zero_dead_rows_softmax(x):
     return probs.masked_fill(dead, 0.0)
 
 
+def _autocast_dtype(t):
+    """The autocast dtype in effect for ``t``'s device, or None when autocast is off there."""
+    if not isinstance(t, torch.Tensor):  # (the callers' main input; checked later)
+        return None
+    device_type = t.device.type
+    if device_type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device_type):
+        return None  # (meta tensors and the like: no autocast state to read)
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def _autocast(*tensors):
     """torch's autocast runs SDPA and linear in its lower-precision dtype, casting their floating
     inputs (float64 excepted) to it: the same cast here, before any backend, so that every
     backend computes what torch computes under autocast (the fused kernels do not see
     autocast themselves)."""
-    first = tensors[0]  # (the callers' main input; checked later, maybe not a tensor)
-    if not isinstance(first, torch.Tensor):
+    dtype = _autocast_dtype(tensors[0])
+    if dtype is None:
         return tensors
-    device_type = first.device.type
-    if device_type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device_type):
-        return tensors  # (meta tensors and the like: no autocast state to read)
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                  and t.dtype not in (dtype, torch.float64) else t for t in tensors)
+
+
+def _autocast_masks(query, attn_mask, key_padding_mask):
+    """SDPA's float masks under autocast, as torch computes them: its SDPA rounds attn_mask to
+    the autocast dtype, and torch.nn.MultiheadAttention adds a float key_padding_mask into
+    attn_mask (in their dtype) before that rounding.  So a float key_padding_mask is summed
+    with a float attn_mask first and the sum rounded once (alone, it is rounded itself); a bool
+    one removes keys whatever the rounding.  Run by both the checked call and a module's
+    replay (run_scaled_dot_product_attention), which must agree."""
+    dtype = _autocast_dtype(query)
+    if dtype is None:
+        return attn_mask, key_padding_mask
+
+    def rounded(m):
+        return m.to(dtype) if m.dtype not in (dtype, torch.float64) else m
+
+    float_attn = attn_mask is not None and attn_mask.is_floating_point()
+    float_padding = key_padding_mask is not None and key_padding_mask.is_floating_point()
+    if float_attn and float_padding:
+        batch, keys = key_padding_mask.shape
+        padding = key_padding_mask.reshape((batch,) + (1,) * (query.dim() - 2) + (keys,))
+        return rounded(attn_mask + padding), None  # (B, ..., Lq | 1, S)
+    return (rounded(attn_mask) if float_attn else attn_mask,
+            rounded(key_padding_mask) if float_padding else key_padding_mask)
 
 
 # ---- scaled_dot_product_attention
@@ -548,7 +578,7 @@ def scaled_dot_product_attention(
             query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale,
             enable_gqa, key_padding_mask=key_padding_mask, backend=backend,
         )[0]
-    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
+    query, key, value = _autocast(query, key, value)  # (the masks: _autocast_masks)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if isinstance(t, torch.Tensor) and t.dim() < 2:
             raise ArgumentValueError(f"{name} must have at least 2 dimensions ((..., L, D), as torch's "
@@ -585,6 +615,8 @@ def run_scaled_dot_product_attention(name, query, key, value, attn_mask, dropout
                                      scale, enable_gqa, key_padding_mask):
     """scaled_dot_product_attention on the resolved backend ``name``, for inputs already
     checked (3-D or more, batch dims broadcast, key and value with a common number of heads)."""
+    if attn_mask is not None or key_padding_mask is not None:
+        attn_mask, key_padding_mask = _autocast_masks(query, attn_mask, key_padding_mask)
     if name == "reference":
         return reference.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,

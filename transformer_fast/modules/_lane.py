@@ -170,7 +170,9 @@ def _modules_key(root) -> list:
         buffers = d["_buffers"]
         if buffers:
             key.extend(_tensor_key(b) for b in buffers.values())
-        stack.extend(d["_modules"].values())
+        children = d["_modules"]
+        append(tuple(children))  # the slots' names: two children swapped between slots change it
+        stack.extend(children.values())
     return key
 
 
@@ -184,10 +186,16 @@ def signature(layer, tensors, flags) -> tuple | None:
         key.extend(_tensor_key(t) for t in tensors)
     except _NotReplayable:
         return None
+    grad = torch.is_grad_enabled()
+    if grad and any(t is not None and t.is_inference() for t in tensors):
+        # The checked ops clone inference tensors that autograd would have to save (a LayerNorm
+        # with trainable parameters, say); a replay does not.
+        return None
     device_type = tensors[0].device.type  # (a plain strided tensor: _tensor_key passed it)
     key.append(flags)
-    key.append(torch.is_grad_enabled())
+    key.append(grad)
     key.append(torch.is_autocast_enabled(device_type) if torch.amp.is_autocast_available(device_type) else None)
+    key.append(torch.is_autocast_enabled())  # CUDA's, which the encoder's torch mimicry reads
     key.append(backends.requested_backend())
     key.append(_triton_interpret_flag())
     key.append(torch.backends.mha.get_fastpath_enabled())  # read by the encoder's torch mimicry

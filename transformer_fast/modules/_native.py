@@ -203,11 +203,15 @@ def _decoder_params(layer, next_norm) -> list:
             + _ffn_and_norm_params(mods, ("norm1", "norm2", "norm3"), next_norm))
 
 
-def _plan(lane, decide, position=None):
-    """The plan decided at the lane's current (or the given) position, deciding it first."""
+def _plan(lane, decide, layer, position=None):
+    """The plan decided at the lane's current (or the given) position, deciding it first; None
+    when ``layer``'s activation now means another function than when it was decided (a
+    functools.partial's keywords edited in place leave the replay's signature unchanged)."""
     plan = lane.native(position)
     if plan is _lane.UNSET:
         plan = lane.decide_native(decide(), position)
+    if plan is not None and sem.fused_activation(layer.activation) != plan.activation:
+        return None
     return plan
 
 
@@ -226,7 +230,7 @@ def encoder_layer(layer, lane, x, mask, padding, is_causal, normed, next_norm):
     """``layer._fused(...)``'s (out, next_norm(out) or None) computed natively when the lane's
     plan at this position allows it; None to run the Python replay."""
     plan = _plan(lane, lambda: encoder_plan(layer, lane.upcoming(), x, mask, padding, is_causal,
-                                             normed, next_norm))
+                                             normed, next_norm), layer)
     if plan is None:
         return None
     lane.skip(plan.count)
@@ -241,7 +245,7 @@ def decoder_layer(layer, lane, x, memory, tgt_mask, memory_mask, tgt_padding, me
         return None
     plan = _plan(lane, lambda: decoder_plan(
         layer, lane.upcoming(), x, memory, tgt_mask, memory_mask, tgt_padding, memory_padding,
-        tgt_is_causal, memory_is_causal, normed, next_norm))
+        tgt_is_causal, memory_is_causal, normed, next_norm), layer)
     if plan is None:
         return None
     lane.skip(plan.count)
@@ -265,7 +269,7 @@ def packed_encoder(stack, lane, src, padding):
     plans, position = [], lane.position()
     for layer in stack.layers:
         plan = _plan(lane, lambda: encoder_plan(layer, lane.upcoming(position), src, None, padding,
-                                                False, None, None), position)
+                                                False, None, None), layer, position)
         if plan is None or plan.norm_first or not plan.batch_first:
             return None
         plans.append(plan)
