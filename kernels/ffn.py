@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -531,6 +532,10 @@ def _dot_flags(dtype: torch.dtype, allow_tf32: bool):
 GEMM_PATH_ENV = "TRANSFORMER_FAST_TRITON_GEMM"
 
 
+# The first failure of the TMA kernel under "auto" (it then falls back to the pointer kernel).
+_TMA_FAILED: list = []
+
+
 def _gemm_path() -> str:
     path = os.environ.get(GEMM_PATH_ENV, "auto") or "auto"
     if path not in ("auto", "tma", "pointer"):
@@ -568,7 +573,7 @@ def _tma_operands(a, b, m, n, k, strides_a, strides_b):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     path = _gemm_path()
-    if path == "pointer" or a.dtype not in (torch.float16, torch.bfloat16):
+    if path == "pointer" or a.dtype not in (torch.float16, torch.bfloat16) or (path == "auto" and _TMA_FAILED):
         return None
     if path == "auto" and (is_interpreting() or not a.is_cuda or not _hopper_or_newer(a.device.index)):
         return None
@@ -600,9 +605,21 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
             programs = _INTERPRET_PROGRAMS if is_interpreting() else _num_sms(c.device.index)
             kernel = _gemm_tma_kernel
             grid = lambda meta: (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
-            kernel[grid](desc_a, desc_b, c, *epilogue_tensors, m, n, k, c.stride(0), stride_auxm, thr, scale,
-                         **flags, A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, NUM_PROGRAMS=programs)
-        else:
+            try:
+                kernel[grid](desc_a, desc_b, c, *epilogue_tensors, m, n, k, c.stride(0), stride_auxm, thr,
+                             scale, **flags, A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, NUM_PROGRAMS=programs)
+            except Exception as exc:  # noqa: BLE001
+                if _gemm_path() != "auto":
+                    raise
+                # The TMA kernel is newer than the pointer kernel (and the Triton on a user's
+                # machine may compile it differently): where it cannot be compiled or launched,
+                # "auto" says so once and keeps to the pointer kernel for the process.
+                _TMA_FAILED.append(f"{type(exc).__name__}: {exc}")
+                warnings.warn(f"transformer_fast: the Triton TMA GEMM failed ({_TMA_FAILED[0][:300]}); "
+                              f"the FFN GEMMs use the pointer kernel from now on ({GEMM_PATH_ENV}=pointer "
+                              "silences this)", RuntimeWarning, stacklevel=2)
+                tma = None
+        if tma is None:
             kernel = _gemm_kernel
             grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
             kernel[grid](a, b, c, *epilogue_tensors, m, n, k,

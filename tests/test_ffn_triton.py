@@ -385,3 +385,45 @@ def test_tma_gpu_configs(K):
         configs[0].pre_hook({**configs[0].all_kwargs(), "A_DESC": desc_a, "B_DESC": desc_b,
                              "A_KMAJOR": a_k, "B_KMAJOR": b_k})
         assert (desc_a.block_shape, desc_b.block_shape) == (want_a, want_b)
+
+
+def test_auto_falls_back_once_when_the_tma_kernel_fails(K, monkeypatch):
+    """Under "auto" a TMA kernel that cannot compile or launch (it is newer than the pointer
+    kernel) warns once and leaves the process on the pointer kernel, with the right result;
+    forced ("tma") it raises."""
+    real = K._tma_operands
+
+    def operands_as_on_a_hopper(*args):
+        if K._TMA_FAILED:  # what "auto" does after a failure
+            return None
+        monkeypatch.setenv(K.GEMM_PATH_ENV, "tma")
+        try:
+            return real(*args)
+        finally:
+            monkeypatch.setenv(K.GEMM_PATH_ENV, "auto")
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no TMA here")
+            return launch
+
+    monkeypatch.setattr(K, "_TMA_FAILED", [])
+    monkeypatch.setattr(K, "_tma_operands", operands_as_on_a_hopper)
+    monkeypatch.setattr(K, "_gemm_tma_kernel", Broken())
+    monkeypatch.setenv(K.GEMM_PATH_ENV, "auto")
+    x, w = _rand(TMA_M, TMA_K, dtype=torch.bfloat16), _rand(TMA_N, TMA_K, dtype=torch.bfloat16, scale=TMA_K ** -0.5)
+    with pytest.warns(RuntimeWarning, match="TMA GEMM failed.*no TMA here"):
+        y, _ = K.linear_fwd(x, w, None, "none", 0.0, None, False, False)
+    assert _last_kernel(K) == "pointer"
+    assert _err(y, x.double() @ w.double().t()) <= TOL[torch.bfloat16]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        K.linear_fwd(x, w, None, "none", 0.0, None, False, False)  # no second warning
+    assert _last_kernel(K) == "pointer"
+    monkeypatch.setattr(K, "_tma_operands", real)
+    monkeypatch.setenv(K.GEMM_PATH_ENV, "tma")
+    with pytest.raises(RuntimeError, match="no TMA here"):
+        K.linear_fwd(x, w, None, "none", 0.0, None, False, False)
