@@ -578,7 +578,16 @@ def scaled_dot_product_attention(
             query[None], key[None], value[None], attn_mask, dropout_p, is_causal, scale,
             enable_gqa, key_padding_mask=key_padding_mask, backend=backend,
         )[0]
-    query, key, value = _autocast(query, key, value)  # (the masks: _autocast_masks)
+    query, key, value = _autocast(query, key, value)
+    dtype = _autocast_dtype(query)
+    if dtype is not None:
+        # A float mask of the other 16-bit dtype becomes the autocast dtype, as torch's SDPA
+        # casts it (so the checks accept it); the rounding of float32 masks, and of a float
+        # key_padding_mask summed into attn_mask first, is _autocast_masks'.
+        attn_mask, key_padding_mask = (
+            m.to(dtype) if isinstance(m, torch.Tensor) and m.is_floating_point()
+            and m.dtype not in (dtype, torch.float32, torch.float64) else m
+            for m in (attn_mask, key_padding_mask))
     for name, t in (("query", query), ("key", key), ("value", value)):
         if isinstance(t, torch.Tensor) and t.dim() < 2:
             raise ArgumentValueError(f"{name} must have at least 2 dimensions ((..., L, D), as torch's "
