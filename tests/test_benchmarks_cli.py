@@ -510,3 +510,24 @@ def test_train_step_memory_reports_each_model(capsys):
     assert all(v > 0 for v in peaks.values())
     out = capsys.readouterr().out
     assert "ratios to torch.nn" in out and "ours:cpu+logits" in out
+
+
+def test_plot_results_draws_a_committed_runs_plots(run, tmp_path):
+    """benchmarks/plot_results.py draws ops.png / end_to_end.png from a folder's results*.json
+    (the GPU calls skip plots): rows of two calls' files together."""
+    import shutil
+
+    from benchmarks import plot_results
+
+    data = _results(run)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    per_op = [r for r in data["rows"] if r["op"] in ops.OPS]
+    end_to_end = [r for r in data["rows"] if r["op"] not in ops.OPS]
+    (folder / "results.json").write_text(json.dumps(dict(data, rows=per_op)))
+    (folder / "results_call2.json").write_text(json.dumps(dict(data, rows=end_to_end)))
+    written = plot_results.plot_folder(folder)
+    assert sorted(p.name for p in written) == ["end_to_end.png", "ops.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
+    assert plot_results.main([str(tmp_path / "missing")]) == 2
+    shutil.rmtree(folder)

@@ -16,6 +16,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import sys
 import threading
 from typing import Callable, Mapping
 
@@ -235,6 +236,22 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _triton_mode_reason() -> str | None:
+    """Triton fixes its mode when it is imported (its own @triton.jit library functions are
+    then compiled or interpreted for good): TRITON_INTERPRET changed after that cannot take
+    effect, and the kernels would fail inside Triton."""
+    standard = sys.modules.get("triton.language.standard")
+    fn = getattr(standard, "_sum_combine", None)
+    if fn is None:  # not imported yet (it will follow the variable), or another Triton layout
+        return None
+    imported_interpreting = type(fn).__name__ == "InterpretedFunction"
+    if imported_interpreting == triton_interpreting():
+        return None
+    return (f"TRITON_INTERPRET was {'set' if triton_interpreting() else 'unset'} after Triton was imported "
+            f"(imported {'with' if imported_interpreting else 'without'} it; Triton reads it once): set it "
+            "before importing torch / transformer_fast")
+
+
 def cxx_op_has_kernel(qualname: str, dispatch_key: str) -> bool:
     """Whether the C++ op ``transformer_fast_C::<qualname>`` has a kernel for CPU or CUDA."""
     full = f"transformer_fast_C::{qualname}"
@@ -274,6 +291,9 @@ def _backend_reasons(backend: str, device_type: str) -> list[str]:
         ok, why = triton_status()
         if not ok:
             return [why]
+        mode = _triton_mode_reason()
+        if mode is not None:
+            return [mode]
         if device_type == "cuda":
             return []
         if device_type == "cpu" and triton_interpreting():
@@ -298,6 +318,8 @@ def not_supported_reasons(backend: str, op: str, inputs: Mapping[str, object]) -
     """Why ``backend`` cannot run ``op`` on ``inputs`` (empty list: it can)."""
     if backend not in BACKENDS:
         return [f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}"]
+    if not isinstance(inputs, Mapping):
+        return [f"inputs must be a mapping of the op's argument names to values; got {type(inputs).__name__}"]
     device_type = _device_type(inputs)
     reasons = _backend_reasons(backend, device_type)
     if reasons:
@@ -319,6 +341,11 @@ def not_supported_reasons(backend: str, op: str, inputs: Mapping[str, object]) -
         return list(checks[backend](inputs))
     except KeyError as exc:  # a partial mapping (the ops pass every input; a caller may not)
         return [f"{op} on {backend}: inputs has no {exc.args[0]!r}, which its checks need"]
+    except (AttributeError, IndexError, TypeError, ValueError) as exc:
+        # Inputs the op itself would reject (a non-tensor, a 1-D query): the answer is still a
+        # list, the op's own checks name the argument when it is called.
+        return [f"{op} on {backend}: the inputs are malformed ({type(exc).__name__}: {exc}); "
+                "the op's checks say which"]
 
 
 def forward_ad_active() -> bool:
@@ -357,18 +384,25 @@ def implemented_backends(op: str) -> tuple[str, ...]:
 # Selection
 
 
-@contextlib.contextmanager
-def use_backend(name: str):
-    """Run the enclosed functional ops on ``name`` (or "auto") unless a call names its own."""
-    global _contexts_used
-    _validate_name(name, "use_backend")
-    if not _contexts_used:
-        _contexts_used = True
-    _selection.stack.append(name)
-    try:
-        yield
-    finally:
+class use_backend(contextlib.ContextDecorator):  # noqa: N801 (used as a function, like torch.no_grad)
+    """Run the enclosed functional ops (and the modules' fused calls) on ``name`` (or "auto")
+    unless a call names its own; a context manager or a decorator, reusable like torch.no_grad.
+    The name is checked when the object is made."""
+
+    def __init__(self, name: str):
+        _validate_name(name, "use_backend")
+        self.name = name
+
+    def __enter__(self):
+        global _contexts_used
+        if not _contexts_used:
+            _contexts_used = True
+        _selection.stack.append(self.name)
+        return self
+
+    def __exit__(self, *exc_info):
         _selection.stack.pop()
+        return False
 
 
 def _validate_name(name: object, where: str) -> None:
