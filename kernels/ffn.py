@@ -225,13 +225,17 @@ def _gemm_epilogue(acc, pid_m, pid_n, C, BIAS, AUX, RNG, PART, M, N, stride_cm, 
     tl.store(C + rows * stride_cm + cols, cast_out(out, C.dtype.element_ty, INTERPRET), mask=mask)
 
 
+def _config(bm, bn, bk, warps, stages, pre_hook=None):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
+                         num_stages=stages, pre_hook=pre_hook)
+
+
 def _gemm_configs():
     if is_interpreting():
         # One config: the interpreter cannot autotune over several.  Big K blocks: fewer steps.
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4},
                               num_warps=4, num_stages=1)]
-    cfg = lambda bm, bn, bk, w, s: triton.Config(  # noqa: E731
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+    cfg = _config
     return [
         # 16-bit on H100: the large tiles win at FFN sizes; the small ones serve short M / N.
         cfg(128, 256, 64, 8, 3),
@@ -378,9 +382,9 @@ def _tma_configs():
         # several K steps per tile.
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 2},
                               num_warps=4, num_stages=1, pre_hook=_tma_block_shapes)]
-    cfg = lambda bm, bn, bk, w, s: triton.Config(  # noqa: E731
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s,
-        pre_hook=_tma_block_shapes)
+    def cfg(bm, bn, bk, warps, stages):
+        return _config(bm, bn, bk, warps, stages, pre_hook=_tma_block_shapes)
+
     return [
         cfg(128, 256, 64, 8, 3),
         cfg(128, 128, 64, 8, 4),
