@@ -482,13 +482,11 @@ def ffn_gemm_cases(device, dtype, mode):
 def _ffn_gemm_case(device, dtype, name, kind, rows, cols, red):
     """C (rows, cols) = A @ B over ``red``: fwd x (rows, red) @ W^T with W (cols, red); dgrad
     dy (rows, red) @ W (red, cols); wgrad dy^T @ x with dy (red, rows), x (red, cols)."""
+    shapes = {"fwd": ((rows, red), (cols, red)), "dgrad": ((rows, red), (red, cols)),
+              "wgrad": ((red, rows), (red, cols))}[kind]
+
     def make(g):
-        if kind == "fwd":
-            a, b = _randn(g, rows, red, dtype=dtype, device=device), _randn(g, cols, red, dtype=dtype, device=device)
-        elif kind == "dgrad":
-            a, b = _randn(g, rows, red, dtype=dtype, device=device), _randn(g, red, cols, dtype=dtype, device=device)
-        else:
-            a, b = _randn(g, red, rows, dtype=dtype, device=device), _randn(g, red, cols, dtype=dtype, device=device)
+        a, b = (_randn(g, *shape, dtype=dtype, device=device) for shape in shapes)
         return {"a": a, "b": b}
 
     def call(inp, backend):
@@ -553,8 +551,10 @@ def provider_reasons(provider: str, case: Case, inputs: dict, device: torch.devi
     if case.op == "ffn_gemm":
         if provider == "reference":
             return ["one GEMM: the reference's matmul is torch's (the torch row)"]
-        if provider in ("torch", "torch.compile"):
-            return [] if provider == "torch" else ["one GEMM: nothing for torch.compile to fuse"]
+        if provider == "torch":
+            return []
+        if provider == "torch.compile":
+            return ["one GEMM: nothing for torch.compile to fuse"]
         if provider == "triton" and device.type == "cpu":
             return ["on a CPU Triton runs only through its interpreter, which is not a benchmark"]
         return backends.not_supported_reasons(provider, "linear_bias_act", {

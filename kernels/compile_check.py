@@ -11,7 +11,8 @@ Kernels: kernels/layer_norm.py, kernels/attention.py (forward, delta, dk/dv, dq)
 kernels/decode.py (split-K forward, combine, cache append), kernels/masked_softmax.py
 (fused and looped paths, forward and backward), kernels/ffn.py (the autotuned GEMMs, pointer
 and persistent TMA, with their forward and dact epilogues for every activation, with and without
-dropout, and the elementwise act-grad / column-sum kernel) and kernels/cross_entropy.py (the fused loss's row kernel).
+dropout, and the elementwise act-grad / column-sum kernel) and kernels/cross_entropy.py (the fused
+loss's row kernel).
 
 How the configurations are found.  The launchers themselves are called, on ``meta`` tensors
 (no memory, no device), with their kernels replaced by recorders; each recorded launch is turned

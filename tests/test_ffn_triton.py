@@ -367,19 +367,19 @@ def test_tma_gpu_configs(K):
     from types import SimpleNamespace
     from unittest import mock
 
-    with mock.patch.object(K, "is_interpreting", return_value=False):
-        configs = K._tma_configs()
-    assert len(configs) > 1
     a = torch.empty(1, dtype=torch.bfloat16)
     named = {"M": 16384, "N": 4096, "A_DESC": SimpleNamespace(base=a)}
-    kept = K._prune_tma_configs(configs, named)
-    assert (kept[0].kwargs["BLOCK_M"], kept[0].kwargs["BLOCK_N"]) == (128, 256)
-    for c in kept:
-        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-        assert (bm * bk + bk * bn) * 2 * c.num_stages <= K._SMEM_BUDGET
-    for heavy in ({"HAS_DROPOUT": True}, {"EPILOGUE": K.EPI_DACT}):
-        for c in K._prune_tma_configs(configs, named, **heavy):
-            assert c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps) <= 64
+    with mock.patch.object(K, "is_interpreting", return_value=False):  # the list and pruning as on a GPU
+        configs = K._tma_configs()
+        assert len(configs) > 1
+        kept = K._prune_tma_configs(configs, named)
+        assert (kept[0].kwargs["BLOCK_M"], kept[0].kwargs["BLOCK_N"]) == (128, 256)
+        for c in kept:
+            bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+            assert (bm * bk + bk * bn) * 2 * c.num_stages <= K._SMEM_BUDGET
+        for heavy in ({"HAS_DROPOUT": True}, {"EPILOGUE": K.EPI_DACT}):
+            for c in K._prune_tma_configs(configs, named, **heavy):
+                assert c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps) <= 64
     desc_a, desc_b = SimpleNamespace(block_shape=None), SimpleNamespace(block_shape=None)
     for a_k, b_k, want_a, want_b in ((True, True, [128, 64], [256, 64]), (False, False, [64, 128], [64, 256])):
         configs[0].pre_hook({**configs[0].all_kwargs(), "A_DESC": desc_a, "B_DESC": desc_b,
