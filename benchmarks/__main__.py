@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -69,6 +70,8 @@ def parse_args(argv=None):
                         f"{' '.join(args.op)} has none; per op the names are {', '.join(PROVIDERS)}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1; got {args.threads}")
+    if args.compile_jobs < 0:
+        p.error(f"--compile-jobs must be >= 0; got {args.compile_jobs}")
     if args.output is not None:
         # A folder, made if missing: refused before any work when a file is in the way.
         existing = args.output.absolute()
@@ -134,7 +137,7 @@ def main(argv=None) -> int:
             common.log(line)
 
     rows: list[dict] = []
-    argv_text = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
+    argv_text = "python -m benchmarks " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     def write_results():
         # After every case, not only at the end: a run killed by its time limit (gpu_suite.sh's
@@ -165,6 +168,9 @@ def main(argv=None) -> int:
     ordered = [item for op in selected
                for item in ([c for c in ops.cases(op, device, dtypes, args.mode) if wanted(c)] if op in ops.OPS
                             else [op] if op in models.MODEL_OPS else [])]
+    if not ordered and args.match:
+        common.log(f"nothing to run: no case of {', '.join(selected)} matches --match {shlex.join(args.match or [])}")
+        return 2
     bar = common.progress(ordered, "cases")
     for item in bar:
         if isinstance(item, str):  # an end-to-end op

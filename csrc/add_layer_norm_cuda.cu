@@ -608,6 +608,10 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
   }
 }
 
+#ifndef TF_LN_MAX_COL_GROUPS
+#define TF_LN_MAX_COL_GROUPS 65535  // grid.y (the CPU emulation's tests set it small)
+#endif
+
 // dweight/dbias partials of the long-row path: block (32 columns x 8 row lanes) sums rows
 // [blockIdx.y * rows_per_group, ...) of its 32 columns; partial row blockIdx.y.
 constexpr int kColsX = 32, kColsY = 8;
@@ -825,13 +829,13 @@ int64_t launch_bwd(BwdArgs& a, bool vectorized, int device, cudaStream_t stream,
       if (c.loop) {
         const void* k = reinterpret_cast<const void*>(&bwd_loop_kernel<T, VEC>);
         const int64_t grid = std::min<int64_t>(a.M, int64_t{sms} * blocks_per_sm(k, kMaxThreads, device));
-        // dweight/dbias: column kernel over groups of 256 rows (partials ~1/128 of dy's bytes)
-        const int64_t rows_per_group = 256;
+        // dweight/dbias: column kernel over groups of >= 256 rows (partials ~1/128 of dy's
+        // bytes), more rows a group where the groups would pass grid.y's limit
+        const int64_t rows_per_group = std::max<int64_t>(256, ceil_div(a.M, int64_t{TF_LN_MAX_COL_GROUPS}));
         P = ceil_div(a.M, rows_per_group);
         alloc_partials(P);
         launch(bwd_loop_kernel<T, VEC>, dim3(static_cast<unsigned>(grid)), dim3(kMaxThreads), stream, a);
         if (a.dw_part || a.db_part) {
-          TORCH_CHECK(P <= 65535, "add_layer_norm (cuda): too many rows for the dweight reduction");
           const dim3 grid2(static_cast<unsigned>(ceil_div(a.N, kColsX)), static_cast<unsigned>(P));
           launch(bwd_dwdb_cols_kernel<T>, grid2, dim3(kColsX, kColsY), stream, a, rows_per_group);
         }

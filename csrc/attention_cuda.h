@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <optional>
 
 #include "philox.h"
@@ -20,9 +21,11 @@ namespace transformer_fast {
 // then give an output whose head merge back to (B, L, H*D) is a view, not a copy.
 inline at::Tensor empty_in_layout_of(const at::Tensor& q, std::array<int64_t, 4> shape,
                                      const at::TensorOptions& options) {
-  std::array<int64_t, 3> order = {0, 1, 2};  // dims by decreasing stride; ties keep B, H, L order
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return q.stride(a) > q.stride(b); });
+  // Dims by decreasing stride; ties keep B, H, L order.  A broadcast (stride-0) dim counts as
+  // outermost, so an expanded q gives a contiguous out, as torch's SDPA does.
+  const auto key = [&](int64_t d) { return q.stride(d) == 0 ? INT64_MAX : q.stride(d); };
+  std::array<int64_t, 3> order = {0, 1, 2};
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key(a) > key(b); });
   std::array<int64_t, 3> inverse{};
   for (int64_t pos = 0; pos < 3; ++pos) inverse[order[pos]] = pos;
   const at::Tensor base =

@@ -462,7 +462,10 @@ __global__ void dact_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t
 }
 
 constexpr int kColThreads = 256;
-constexpr int kColRowsPerChunk = 256;
+constexpr int64_t kColRowsPerChunk = 256;  // at least; more where the chunks would pass grid.y's limit
+#ifndef TF_FFN_MAX_COL_CHUNKS
+#define TF_FFN_MAX_COL_CHUNKS 65535  // grid.y (the CPU emulation's tests set it small)
+#endif
 constexpr int kColUnroll = 4;  // rows loaded ahead of the first store (d may alias g)
 
 // dact_kernel by columns, also writing part[chunk, j] = the sum (double, fixed order) of the
@@ -473,14 +476,14 @@ constexpr int kColUnroll = 4;  // rows loaded ahead of the first store (d may al
 // and stores are consecutive columns.
 template <typename T, bool GROUPS>
 __global__ void dact_colsum_kernel(const T* g, int64_t ldg, const T* aux, T* d, int64_t M, int64_t N,
-                                   int act, DropArgs dr, double* part) {
+                                   int act, DropArgs dr, int64_t chunk_rows, double* part) {
   constexpr int W = GROUPS ? 4 : 1;
   const int64_t j = (blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x) * W;
   if (j >= N) return;
   uint64_t seed = 0, offset = 0;
   load_drop_key(dr, seed, offset);
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRowsPerChunk;
-  const int64_t r1 = r0 + kColRowsPerChunk < M ? r0 + kColRowsPerChunk : M;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < M ? r0 + chunk_rows : M;
   double s[W] = {};
   for (int64_t r = r0; r < r1; r += kColUnroll) {
     const int rows = r1 - r < kColUnroll ? static_cast<int>(r1 - r) : kColUnroll;
@@ -525,14 +528,15 @@ __global__ void dact_colsum_kernel(const T* g, int64_t ldg, const T* aux, T* d, 
   for (int k = 0; k < W; ++k) part[static_cast<int64_t>(blockIdx.y) * N + j + k] = s[k];
 }
 
-// part[chunk, j] = sum of rows [chunk * kColRowsPerChunk, ...) of column j (double, fixed order:
+// part[chunk, j] = sum of rows [chunk * chunk_rows, ...) of column j (double, fixed order:
 // db then carries only the rounding of the summed values).
 template <typename T>
-__global__ void colsum_partial_kernel(const T* x, int64_t ldx, int64_t M, int64_t N, double* part) {
+__global__ void colsum_partial_kernel(const T* x, int64_t ldx, int64_t M, int64_t N, int64_t chunk_rows,
+                                      double* part) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(kColThreads) + threadIdx.x;
   if (j >= N) return;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kColRowsPerChunk;
-  const int64_t r1 = r0 + kColRowsPerChunk < M ? r0 + kColRowsPerChunk : M;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < M ? r0 + chunk_rows : M;
   double s = 0.0;
   for (int64_t r = r0; r < r1; ++r) s += static_cast<float>(x[r * ldx + j]);
   part[static_cast<int64_t>(blockIdx.y) * N + j] = s;
@@ -592,15 +596,17 @@ void launch_act_dropout(const Tensor& in, Tensor& out, int act, const DropArgs& 
 struct ColGrid {
   dim3 grid;
   int64_t chunks;
+  int64_t chunk_rows;
   Tensor part;
 };
 
 ColGrid col_grid(const Tensor& x) {
   const int64_t M = x.size(0), N = x.size(1);
-  const int64_t chunks = (M + kColRowsPerChunk - 1) / kColRowsPerChunk;
-  TORCH_CHECK(chunks <= 65535, "ffn (cuda): too many rows for the bias-gradient kernel: ", M);
+  constexpr int64_t kMaxChunks = TF_FFN_MAX_COL_CHUNKS;
+  const int64_t chunk_rows = std::max(kColRowsPerChunk, (M + kMaxChunks - 1) / kMaxChunks);
+  const int64_t chunks = (M + chunk_rows - 1) / chunk_rows;
   return {dim3(static_cast<unsigned>((N + kColThreads - 1) / kColThreads), static_cast<unsigned>(chunks)), chunks,
-          at::empty({chunks, N}, x.options().dtype(at::kDouble))};
+          chunk_rows, at::empty({chunks, N}, x.options().dtype(at::kDouble))};
 }
 
 template <typename T>
@@ -638,10 +644,10 @@ Tensor launch_dact(const Tensor& g, const Tensor* aux, Tensor& d, int act, const
     if (groups) {
       const dim3 grid(static_cast<unsigned>((N / 4 + kColThreads - 1) / kColThreads), cg.grid.y);
       launch(dact_colsum_kernel<T, true>, grid, kColThreads, stream, gp, g.stride(0), a, dp, M, N, act, dr,
-             cg.part.mutable_data_ptr<double>());
+             cg.chunk_rows, cg.part.mutable_data_ptr<double>());
     } else {
       launch(dact_colsum_kernel<T, false>, cg.grid, kColThreads, stream, gp, g.stride(0), a, dp, M, N, act, dr,
-             cg.part.mutable_data_ptr<double>());
+             cg.chunk_rows, cg.part.mutable_data_ptr<double>());
     }
     launch_colsum_finish<T>(cg, db, stream);
   });
@@ -656,7 +662,7 @@ Tensor launch_colsum(const Tensor& x, cudaStream_t stream) {
   dispatch_ffn_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     launch(colsum_partial_kernel<T>, cg.grid, kColThreads, stream, x.const_data_ptr<T>(), x.stride(0), M, N,
-           cg.part.mutable_data_ptr<double>());
+           cg.chunk_rows, cg.part.mutable_data_ptr<double>());
     launch_colsum_finish<T>(cg, out, stream);
   });
   return out;

@@ -64,6 +64,7 @@ wrong in the interpreter; triton-lang/triton#11584).
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -1128,7 +1129,9 @@ def empty_in_layout_of(q, shape):
     """An empty (B, H, L, D) tensor whose B, H, L dims lie in memory in the order q's do (D last,
     unit stride).  q/k/v viewed from a packed projection, (B, L, 3, H, D) or (L, B, 3, H, D),
     then give an output whose head merge back to (B, L, H*D) or (L, B, H*D) is a view."""
-    order = sorted(range(3), key=lambda i: -q.stride(i))  # stable: ties keep B, H, L order
+    # Stable: ties keep B, H, L order.  A broadcast (stride-0) dim counts as outermost, so an
+    # expanded q gives a contiguous out, as torch's SDPA does.
+    order = sorted(range(3), key=lambda i: -q.stride(i) if q.stride(i) else -math.inf)
     inverse = [order.index(i) for i in range(3)]
     base = torch.empty([shape[i] for i in order] + [shape[3]], dtype=q.dtype, device=q.device)
     return base.permute(*inverse, 3)

@@ -12,6 +12,16 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Row-block kernels index rows as program_id * BLOCK_M + arange(BLOCK_M) in int32: the last
+# block's rows must stay below 2**31 (BLOCK_M <= 4096 everywhere).
+MAX_ROWS = 2**31 - 4096
+
+
+def check_rows(op: str, rows: int, what: str) -> None:
+    if rows > MAX_ROWS:
+        raise ValueError(f"{op}: {what} = {rows} rows exceeds the Triton kernels' limit of {MAX_ROWS}")
+
+
 AUTOTUNE_ENV = "TRANSFORMER_FAST_AUTOTUNE"
 
 

@@ -6,7 +6,8 @@ Contract:
   cross_entropy_rows(logits, target, keep, smoothing, write_grad) -> loss (rows,) float32
 
 * logits: (rows, V) fp16 / bf16 / fp32, stride(-1) == 1, any row stride.  target (rows,) int64
-  class ids in [0, V) where keep; keep (rows,) bool (False = ignored token).
+  class ids in [0, V) where keep (an id outside is never read: the row's target term is then 0);
+  keep (rows,) bool (False = ignored token).
 * loss[r] = lse_r - (1 - eps) * z[r, t_r] - eps * mean_v z[r, v] (no mean term when eps == 0),
   0 where not keep; all arithmetic in fp32.
 * write_grad: logits[r] is overwritten with the unscaled gradient of loss[r]:
@@ -59,7 +60,9 @@ def _cross_entropy_rows_kernel(
     m_lane = tl.where(m == float("-inf"), 0.0, m)
     sum_exp = tl.sum(s * tl.exp2((m_lane - max_safe) * LOG2E), axis=0)
     lse = max_safe + tl.log2(sum_exp) * LN2
-    z_target = tl.load(z_row + t, mask=kept, other=0.0).to(tl.float32)
+    # The callers check targets (a device-side assert on a GPU); the bound here keeps an id out
+    # of range from reading outside the row when those checks are off.
+    z_target = tl.load(z_row + t, mask=kept & (t >= 0) & (t < V), other=0.0).to(tl.float32)
     loss = lse - (1.0 - smoothing) * z_target
     if SMOOTH:
         loss = loss - smoothing * (tl.sum(total, axis=0) / V)

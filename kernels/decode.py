@@ -88,15 +88,18 @@ MAX_SPLITS = 128
 
 @triton.jit
 def _kv_append_kernel(SK, DK, SV, DV, SEQLENS, sk_b, sk_h, sk_n, dk_b, dk_h, dk_n,
-                      sv_b, sv_h, sv_n, dv_b, dv_h, dv_n, Hkv, L_new, L_max, DIM_K, DIM_V,
+                      sv_b, sv_h, sv_n, dv_b, dv_h, dv_n, Hkv, L_new, L_max, DIM_K, DIM_V, T_BLOCKS,
                       BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
-    # Grid axis 2 picks the tensor: 0 appends keys, 1 values (one launch for both).  Each branch
-    # builds its whole pointer blocks and mask, whose types are the same in both (a stride or
-    # head dim alone may be specialised differently per tensor: an int32, int64 or constant 1).
+    # Grid axis 0: (b, h, time block) flattened (axis 1 would stop at 65535 time blocks, a
+    # prefill of ~2M tokens); axis 2 picks the tensor: 0 appends keys, 1 values (one launch for
+    # both).  Each branch builds its whole pointer blocks and mask, whose types are the same in
+    # both (a stride or head dim alone may be specialised differently per tensor: an int32,
+    # int64 or constant 1).
     pid = tl.program_id(0)
-    tb = tl.program_id(1)
-    b64 = (pid // Hkv).to(tl.int64)
-    h64 = (pid % Hkv).to(tl.int64)
+    bh = pid // T_BLOCKS
+    tb = pid % T_BLOCKS
+    b64 = (bh // Hkv).to(tl.int64)
+    h64 = (bh % Hkv).to(tl.int64)
     start = tl.load(SEQLENS + b64)
     offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
@@ -424,10 +427,11 @@ def _append(pairs, seqlens: torch.Tensor) -> None:
     L_max = dk.shape[2]
     block_d = max(16, triton.next_power_of_2(max(sk.shape[3], sv.shape[3])))
     block_t = max(1, min(triton.next_power_of_2(L_new), max(1, 4096 // block_d)))
-    grid = (B * Hkv, triton.cdiv(L_new, block_t), len(pairs))
+    t_blocks = triton.cdiv(L_new, block_t)
+    grid = (B * Hkv * t_blocks, 1, len(pairs))
     _kv_append_kernel[grid](
         sk, dk, sv, dv, seqlens, *sk.stride()[:3], *dk.stride()[:3], *sv.stride()[:3], *dv.stride()[:3],
-        Hkv, L_new, L_max, sk.shape[3], sv.shape[3], BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4,
+        Hkv, L_new, L_max, sk.shape[3], sv.shape[3], t_blocks, BLOCK_D=block_d, BLOCK_T=block_t, num_warps=4,
     )
 
 

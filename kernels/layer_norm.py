@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, is_interpreting
+from transformer_fast.kernels.common import cast_out, check_rows, is_interpreting
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
 
 # Largest row kept whole in registers (elements, a power of two), forward / backward.
@@ -404,6 +404,7 @@ def add_layer_norm_fwd(x, residual, weight, bias, eps: float, dropout_p: float, 
     h = torch.empty((m, n), dtype=x.dtype, device=x.device) if prenorm else x.new_empty(_EMPTY)
     mean = torch.empty((m,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    check_rows("add_layer_norm", m, "x.shape[0]")
     if m == 0:
         return y, h, mean, rstd
     if n == 0:  # mean of nothing: NaN, as the reference

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, imin, is_interpreting
+from transformer_fast.kernels.common import cast_out, check_rows, imin, is_interpreting
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng, load_rng_if
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -123,11 +123,13 @@ def _masked_scores(S, AM, s_off, am_off, qi, cols, ok, scale, s_an,
         ok = ok & (cols <= qi)
     x = tl.load(S + s_off + cols, mask=ok, other=0.0).to(tl.float32)
     s = x * scale
+    # The mask's column offsets in int64: a transposed mask's column stride times Lk passes
+    # 2**31 from Lq * Lk > 2**31 on (its unit stride is specialised to a constant, free).
     if MASK_KIND == 2:  # float, added after scaling
-        am = tl.load(AM + am_off + cols * s_an, mask=ok, other=0.0).to(tl.float32)
+        am = tl.load(AM + am_off + cols.to(tl.int64) * s_an, mask=ok, other=0.0).to(tl.float32)
         s = s + am
     if MASK_KIND == 1:  # bool (as uint8), True = takes part
-        am = tl.load(AM + am_off + cols * s_an, mask=ok, other=0)
+        am = tl.load(AM + am_off + cols.to(tl.int64) * s_an, mask=ok, other=0)
         ok = ok & (am != 0)
     return tl.where(ok, s, float("-inf"))
 
@@ -452,8 +454,7 @@ def masked_softmax_fwd(scores, mask, scale: float, is_causal: bool, dropout_p: f
     probs = torch.empty_like(out) if has_dropout else scores.new_empty(_EMPTY)
     if M == 0 or Lk == 0:
         return out, probs
-    if M >= 2**31:
-        raise ValueError(f"masked_softmax: B*H*Lq = {M} rows exceeds 2**31 - 1")
+    check_rows("masked_softmax", M, "B*H*Lq")
 
     s_strides = tuple(scores.stride()[:3])
     align = dict(ALIGN_S=_align(*s_strides), ALIGN_A=_align(*am_strides[:3]), ALIGN_O=_align(Lk))
@@ -504,8 +505,7 @@ def masked_softmax_bwd(dout, probs, scale: float, dropout_p: float, rng):
     ds = torch.empty((B, H, Lq, Lk), dtype=dout.dtype, device=dout.device)
     if M == 0 or Lk == 0:
         return ds
-    if M >= 2**31:
-        raise ValueError(f"masked_softmax: B*H*Lq = {M} rows exceeds 2**31 - 1")
+    check_rows("masked_softmax", M, "B*H*Lq")
 
     d_strides = tuple(dout.stride()[:3])
     p_strides = tuple(probs.stride()[:3])

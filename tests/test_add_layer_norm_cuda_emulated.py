@@ -49,6 +49,9 @@ void launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t, Args... args) {
 }  // namespace
 }  // namespace transformer_fast
 
+// One dweight/dbias row group at most (a GPU's limit is grid.y's 65535): past 256 rows the group
+// is longer than 256 rows, the path of M > 16.7M rows on a GPU.
+#define TF_LN_MAX_COL_GROUPS 1
 #include "add_layer_norm_cuda.cu"
 #include "add_layer_norm_checks.cpp"  // the real argument checks (a unit of its own in _C)
 
@@ -185,7 +188,8 @@ def test_add_layer_norm_cuda_emulated(as_cuda_backend, case):
 
 def test_partials_over_many_rows_and_one_sm(as_cuda_backend):
     """One emulated SM: one block walks every row, each team's partial row of dweight/dbias sums
-    many rows; 300 rows of a long row: the column kernel's row groups (256 rows each) split."""
+    many rows; 300 rows of a long row: the column kernel's one row group (TF_LN_MAX_COL_GROUPS 1
+    here) takes all 300 rows, as groups grow past 256 rows beyond grid.y's limit on a GPU."""
     as_cuda_backend.set_sms(1)
     _check(40, 48, torch.float32, dropout_p=0.1)
     assert as_cuda_backend.paths(4099, 1)[3] == 1  # odd N: scalar, the backward loop kernel

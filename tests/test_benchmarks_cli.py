@@ -466,6 +466,21 @@ def test_match_keeps_the_cases_named(tmp_path):
                     ("scaled_dot_product_attention", "key_padding", "fwd+bwd")}, seen
 
 
+def test_match_of_nothing_fails_and_the_command_line_is_recorded_quoted(tmp_path):
+    """A --match that keeps no case exits 2 (as `verify` with nothing to verify), not 0 with an
+    empty table; results.md records the command line shell-quoted, so that it can be pasted
+    back (a --match of 'causal fwd+bwd' is one argument)."""
+    from benchmarks import __main__ as cli
+
+    common = ["--smoke", "--op", "add_layer_norm", "--providers", "torch", "--device", "cpu", "--no-plots"]
+    assert cli.main([*common, "--match", "zzz", "--output", str(tmp_path / "none")]) == 2
+    assert cli.main([*common, "--match", "N=32 none fwd+bwd", "--output", str(tmp_path / "some")]) == 0
+    assert "--match 'N=32 none fwd+bwd'" in (tmp_path / "some" / "results.md").read_text()
+    with pytest.raises(SystemExit) as refused:
+        cli.main([*common, "--compile-jobs", "-3"])
+    assert refused.value.code == 2
+
+
 def test_swap_rows_time_torch_models_with_our_layers(tmp_path, monkeypatch):
     """ours:auto+swap: torch.nn's own model after transformer_fast.swap() (the drop-in use),
     timed in the training step and inference beside torch.nn."""

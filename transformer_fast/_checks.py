@@ -194,8 +194,16 @@ CHECKS_ENV = "TRANSFORMER_FAST_CHECKS"
 _CHECKS_OFF = ("0", "false", "False", "no", "off")
 
 
+def _fake_mode_active() -> bool:
+    # FakeTensorMode (torch.export, shape propagation): tensors without values to read.  (Not
+    # asked while torch.compile traces: dynamo cannot, and its fake mode is its own business.)
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 def host_checks_enabled(device: torch.device) -> bool:
-    if torch.compiler.is_compiling() or device.type == "meta":
+    if torch.compiler.is_compiling() or device.type == "meta" or _fake_mode_active():
         return False
     flag = os.environ.get(CHECKS_ENV, "").strip()
     if flag:
@@ -226,7 +234,7 @@ def value_check_mode(device: torch.device) -> str:
     """How a check of tensor values runs: "host" (read on the host, ValueError), "device" (a
     sync-free device-side assert) or "off" (TRANSFORMER_FAST_CHECKS=0, trusted_values(), the
     meta device)."""
-    if _trusted.depth or device.type == "meta":
+    if _trusted.depth or device.type == "meta" or _fake_mode_active():
         return "off"
     if host_checks_enabled(device):
         return "host"

@@ -304,10 +304,20 @@ def _check_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     return dropout_p, is_causal, scale, enable_gqa
 
 
+def _gqa_flag(enable_gqa, heads, kv_heads) -> bool:
+    """torch's enable_gqa for ``heads`` query heads over ``kv_heads``: only where they differ
+    (some of torch's SDPA kernels refuse enable_gqa), but while torch.compile traces, as asked:
+    head counts may be symbols there, and torch's SDPA refuses a SymBool (enable_gqa with equal
+    heads is exact)."""
+    if torch.compiler.is_compiling():
+        return bool(enable_gqa)
+    return bool(enable_gqa) and heads != kv_heads
+
+
 def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 key_padding_mask):
     lq, lk = query.shape[-2], key.shape[-2]
-    gqa = enable_gqa and query.shape[-3] != key.shape[-3]
+    gqa = _gqa_flag(enable_gqa, query.shape[-3], key.shape[-3])
     if lk == 0:  # nothing to attend to: zeros (through autograd, as the reference)
         return reference.scaled_dot_product_attention(
             query, key, value, scale=scale, enable_gqa=gqa
@@ -333,7 +343,9 @@ def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     out = F.scaled_dot_product_attention(
         query, key, value, mask, dropout_p, False, scale=scale, enable_gqa=gqa
     )
-    return out.masked_fill(dead, 0.0)
+    # In place on a copy, not masked_fill: that returns a contiguous tensor, where torch's SDPA
+    # returns q's memory order (a (B, L, H, D) projection's head merge after it is a view).
+    return out.clone().masked_fill_(dead, 0.0)
 
 
 FUSED_ATTENTION_HEAD_DIMS = "16..256, a multiple of 8"
@@ -739,7 +751,7 @@ def _torch_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
     allowed = allowed.unsqueeze(1)  # (B, 1, Lq, L_max)
     if l_max == 0:
         return reference.scaled_dot_product_attention(
-            q, k_cache, v_cache, allowed, scale=scale, enable_gqa=heads != kv_heads
+            q, k_cache, v_cache, allowed, scale=scale, enable_gqa=_gqa_flag(True, heads, kv_heads)
         )
     dead = masks.dead_rows(allowed)  # only without k_new, when cache_seqlens[b] < Lq
     allowed = masks.revive(allowed, dead)
@@ -750,7 +762,7 @@ def _torch_kv_cache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, scale):
     junk = ~in_cache.reshape(batch, 1, l_max, 1)
     k_cache, v_cache = k_cache.masked_fill(junk, 0.0), v_cache.masked_fill(junk, 0.0)
     out = F.scaled_dot_product_attention(
-        q, k_cache, v_cache, allowed, scale=scale, enable_gqa=heads != kv_heads
+        q, k_cache, v_cache, allowed, scale=scale, enable_gqa=_gqa_flag(True, heads, kv_heads)
     )
     return out.masked_fill(dead, 0.0)
 

@@ -124,7 +124,9 @@ def _apply_masks(scores, attn_mask=None, is_causal=False, key_padding_mask=None,
         batch = key_padding_mask.shape[0]
         padding = key_padding_mask.reshape((batch,) + (1,) * (scores.dim() - 2) + (lk,))
         if padding.dtype == torch.bool:
-            scores = scores.masked_fill(padding, float("-inf"))
+            # A copy: masked_fill keeps its mask for backward, and a caller may reuse the padding
+            # mask's buffer before backward (torch.nn's MultiheadAttention converts it first).
+            scores = scores.masked_fill(padding.clone(), float("-inf"))
         else:
             scores = scores + padding.to(scores.dtype)
     if is_causal:

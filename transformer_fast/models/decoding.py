@@ -515,13 +515,15 @@ def _beam_search(model, src, k, max_len, alpha, use_cache, cuda_graph=False):
     step = _stepper(model, memory, src_padding, max_len, use_cache, cuda_graph)
 
     neg_inf = float("-inf")
-    scores = torch.full((b, k), neg_inf, device=device)  # (B, K) sum of log p of live beams
+    # Ranked in float32, or float64 for a float64 model (as its greedy decoding's argmax).
+    sdtype = torch.float64 if memory.dtype == torch.float64 else torch.float32
+    scores = torch.full((b, k), neg_inf, dtype=sdtype, device=device)  # (B, K) sum of log p of live beams
     scores[:, 0] = 0.0  # one live beam at the start, so the first expansion has no duplicates
     seqs = torch.empty(n, 0, dtype=torch.long, device=device)  # (B*K, t)
     tokens = torch.full((n,), model.bos_id, dtype=torch.long, device=device)
     best = torch.full((b, max_len), model.pad_id, dtype=torch.long, device=device)
-    best_score = torch.full((b,), neg_inf, device=device)  # normalised
-    finished = torch.full((b, k), neg_inf, device=device)  # (B, K) best K finished scores, normalised
+    best_score = torch.full((b,), neg_inf, dtype=sdtype, device=device)  # normalised
+    finished = torch.full((b, k), neg_inf, dtype=sdtype, device=device)  # (B, K) best K finished scores, normalised
     best_len = torch.zeros(b, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     rows = torch.arange(b, device=device)
@@ -532,7 +534,7 @@ def _beam_search(model, src, k, max_len, alpha, use_cache, cuda_graph=False):
     for t in range(max_len):
         length = t + 1  # tokens generated once this step's token is appended
         norm = float(length) ** alpha
-        logp = torch.log_softmax(_forbid_specials(step(tokens).float(), specials), dim=-1)  # (B*K, V)
+        logp = torch.log_softmax(_forbid_specials(step(tokens).to(sdtype), specials), dim=-1)  # (B*K, V)
         cand = (scores.view(n, 1) + logp).view(b, k * vocab)  # (B, K*V)
         top_s, top_i = cand.topk(n_cand, dim=-1)  # (B, 2K), best first
         parent_beam = torch.div(top_i, vocab, rounding_mode="floor")

@@ -32,12 +32,20 @@ def check_targets(target, shape: tuple, vocab: int, smoothing, ignore_index, red
         ignore_index = _validate.integer("ignore_index", ignore_index)
     keep = torch.ones_like(target, dtype=torch.bool) if ignore_index is None else target != ignore_index
     safe_target = torch.where(keep, target, torch.zeros_like(target)).long()
-    # (Under torch.func.vmap a batched target's values cannot be read: torch refuses the branch.)
-    if (_checks.host_checks_enabled(target.device) and not torch._C._functorch.is_functorch_wrapped_tensor(target)
-            and bool(keep.any())):
+    mode = _checks.value_check_mode(target.device)
+    # (Under torch.func.vmap a batched target's values cannot be read: torch refuses the branch.
+    # Dynamo cannot trace the question, and while it traces the mode is "device".)
+    if mode != "off" and not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(target):
+        mode = "off"
+    if mode == "host" and bool(keep.any()):
         low, high = int(safe_target[keep].min()), int(safe_target[keep].max())
         if low < 0 or high >= vocab:
             raise ValueError(f"target must hold class ids in [0, {vocab}); got [{low}, {high}]")
+    elif mode == "device" and target.numel():
+        # A GPU's hot path: no host sync; the fused row kernel reads logits at the target, so an
+        # id out of range stops the stream here (as torch's cross entropy asserts on the device).
+        torch._assert_async(((safe_target >= 0) & (safe_target < vocab)).all(),
+                            f"cross entropy: target holds a class id outside [0, {vocab})")
     return keep, safe_target
 
 

@@ -20,6 +20,7 @@ with no key to attend to has output 0 and gradient 0.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -34,7 +35,9 @@ def empty_in_layout_of(q, shape):
     unit stride): the rule of every launcher's ``out`` (kernels/attention.py's function of the same
     name, csrc/attention_cuda.h's for the cpu / cuda backends).  With q a (B, H, L, D) view of a
     (B, L, H, D) projection the module's head merge of ``out`` is then a view, not a copy."""
-    order = sorted(range(3), key=lambda i: -q.stride(i))  # stable: ties keep B, H, L order
+    # Stable: ties keep B, H, L order.  A broadcast (stride-0) dim counts as outermost, so an
+    # expanded q gives a contiguous out, as torch's SDPA does.
+    order = sorted(range(3), key=lambda i: -q.stride(i) if q.stride(i) else -math.inf)
     inverse = [order.index(i) for i in range(3)]
     base = q.new_empty([shape[i] for i in order] + [shape[3]])
     return base.permute(*inverse, 3)
@@ -122,6 +125,11 @@ def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, drop
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32, backend = inputs
     out, lse = output
+    if key_padding_mask is not None:
+        # A copy ((B, Lk), small): torch.nn's MultiheadAttention converts the mask before use, so a
+        # caller may reuse its buffer between forward and backward; saved as is, that would trip
+        # autograd's in-place check.
+        key_padding_mask = key_padding_mask.clone()
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, rng)
     ctx.flags = (is_causal, scale, dropout_p, allow_tf32, backend)
     ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
