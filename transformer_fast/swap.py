@@ -10,6 +10,7 @@ forward or rely on torch internals, so it is left alone with a warning.
 from __future__ import annotations
 
 import dataclasses
+import types
 import warnings
 
 import torch
@@ -63,10 +64,22 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _rebind_methods(module: torch.nn.Module, old_cls: type, new_cls: type) -> None:
+    """Methods of ``module`` stored on the instance, bound from its old class (accelerate's
+    ``module._old_forward = module.forward`` under a wrapper ``forward``, say), bound again
+    from the new class: else they would run the old class's code on the new class's object."""
+    for key, value in list(vars(module).items()):
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            name = value.__func__.__name__
+            if getattr(old_cls, name, None) is value.__func__ and callable(getattr(new_cls, name, None)):
+                setattr(module, key, types.MethodType(getattr(new_cls, name), module))
+
+
 def _convert(model: torch.nn.Module, table: dict, who: str) -> SwapReport:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     report = SwapReport()
+    left_alone: dict[type, list[str]] = {}
     seen: set[int] = set()
     # named_modules(remove_duplicate=False) visits every path, so a module shared by two parents
     # is found under both names; `seen` changes it once.  The list is built before any class
@@ -79,6 +92,7 @@ def _convert(model: torch.nn.Module, table: dict, who: str) -> SwapReport:
         new_cls = table.get(cls)
         if new_cls is not None:
             module.__class__ = new_cls
+            _rebind_methods(module, cls, new_cls)
             report.swapped.append((name, _qualname(cls), _qualname(new_cls)))
             continue
         base = next((t for t in table if issubclass(cls, t)), None)
@@ -87,8 +101,12 @@ def _convert(model: torch.nn.Module, table: dict, who: str) -> SwapReport:
             report.skipped.append((name, _qualname(cls), why))
             # (unswap meets one when a module of ours was parametrized after swap: torch's
             # parametrize made a subclass of it.)
-            warnings.warn(f"transformer_fast.{who}: {name or 'the model'} ({_qualname(cls)}) is a {why}",
-                          stacklevel=3)
+            left_alone.setdefault(cls, []).append(name or "the model")
+    for cls, names in left_alone.items():  # one warning per class, not per layer
+        base = next(t for t in table if issubclass(cls, t))
+        where = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warnings.warn(f"transformer_fast.{who}: {where} ({_qualname(cls)}) is a subclass of {_qualname(base)}; "
+                      f"it may override forward, so it is left alone", stacklevel=3)
     return report
 
 
