@@ -619,6 +619,20 @@ def _variant_switch(provider: str):
 
 
 _VARIANT_OF = {"cuda.mma_sync": "cuda", "triton.dq_kernel": "triton", "triton.pointer": "triton"}
+_GEMM_OPS = ("feed_forward", "linear_bias_act", "ffn_gemm")
+
+
+def _gemm_kernel_note(case: Case, provider: str, device) -> str | None:
+    """Which Triton GEMM kernel an FFN row timed: under "auto" a TMA failure falls back to the
+    pointer kernel for the process (with a warning only), and the row must not pass for the
+    TMA kernel's."""
+    if device.type != "cuda" or not provider.startswith("triton") or case.op not in _GEMM_OPS:
+        return None
+    from transformer_fast.kernels import ffn as triton_ffn
+
+    kernels, failure = triton_ffn.recent_gemm_kernels()
+    note = "gemm: " + "+".join(sorted(kernels))
+    return note + (f" (the TMA kernel failed: {failure[:160]})" if failure else "")
 
 
 def _call(case: Case, inputs: dict, provider: str):
@@ -776,8 +790,9 @@ def _run_case(case: Case, providers, device: torch.device, mode: str, peaks: dic
             shape = dict(case.shape)
             if timing[3] not in ("do_bench", "torch.utils.benchmark"):
                 shape["timer"] = timing[3]
-            if ref_note:
-                shape["note"] = ref_note
+            notes = [n for n in (ref_note, _gemm_kernel_note(case, provider, device)) if n]
+            if notes:
+                shape["note"] = "; ".join(notes)
             if tuned:
                 shape["tuned"] = tuned
             rows.append(common.make_row(

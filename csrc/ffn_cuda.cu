@@ -173,12 +173,12 @@ struct AlgoKey {
   int device, dtype, compute, ta, tb, epilogue;
   bool bias, aux;
   int64_t m, n, k, lda, ldb, ldd, ld_aux;
-  uint32_t align_a, align_b, align_d;
+  uint32_t align_a, align_b, align_d, align_bias, align_aux;
   bool operator<(const AlgoKey& o) const {
     return std::tie(device, dtype, compute, ta, tb, epilogue, bias, aux, m, n, k, lda, ldb, ldd, ld_aux,
-                    align_a, align_b, align_d) <
+                    align_a, align_b, align_d, align_bias, align_aux) <
            std::tie(o.device, o.dtype, o.compute, o.ta, o.tb, o.epilogue, o.bias, o.aux, o.m, o.n, o.k,
-                    o.lda, o.ldb, o.ldd, o.ld_aux, o.align_a, o.align_b, o.align_d);
+                    o.lda, o.ldb, o.ldd, o.ld_aux, o.align_a, o.align_b, o.align_d, o.align_bias, o.align_aux);
   }
 };
 
@@ -249,10 +249,12 @@ bool run_gemm(const Gemm& g, c10::ScalarType dtype, bool allow_tf32, int device,
   // alignment), and a query costs tens of microseconds of host time, several per FFN call: it is
   // asked once per key (cuBLASLt's documentation suggests caching it).
   const uint32_t align_a = alignment_of(g.a), align_b = alignment_of(g.b), align_d = alignment_of(g.d);
+  // (The bias and aux pointers' alignments too: bias / aux epilogues may need aligned vectors.)
   const AlgoKey key{device, static_cast<int>(t), static_cast<int>(compute), static_cast<int>(g.ta),
                     static_cast<int>(g.tb), static_cast<int>(g.epilogue), g.bias != nullptr,
                     g.aux != nullptr, g.m, g.n, g.k, g.lda, g.ldb, g.ldd, g.aux ? g.ld_aux : 0,
-                    align_a, align_b, align_d};
+                    align_a, align_b, align_d, g.bias ? alignment_of(g.bias) : 0u,
+                    g.aux ? alignment_of(g.aux) : 0u};
   CachedAlgo cached;
   if (!find_algo(key, &cached)) {
     Pref pref;
@@ -266,9 +268,11 @@ bool run_gemm(const Gemm& g, c10::ScalarType dtype, bool allow_tf32, int device,
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, op.d, la.l, lb.l, ld.l, ld.l,
                                                              pref.p, 1, &result, &found);
-    cached.found = st == CUBLAS_STATUS_SUCCESS && found > 0;
+    cached.found = st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS;
     cached.algo = result.algo;
-    remember_algo(key, cached);
+    // Remembered when the answer is the description's ("none" included), not a transient
+    // failure (an allocation, say), which a later call asks again.
+    if (st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED) remember_algo(key, cached);
   }
   if (!cached.found) return false;
   const float alpha = 1.0f, beta = 0.0f;

@@ -561,15 +561,17 @@ def _num_sms(index: int) -> int:
 
 def _tma_view(t, rows, cols, stride_r, stride_c, k_is_cols):
     """(shape, strides, k_major) of a TMA descriptor over the (rows, cols) operand with these
-    strides, or None when TMA cannot address it: the contiguous dimension must have stride 1, the
-    other a multiple of 16 bytes, the base 16-byte aligned.  k_major: the K dimension is the
-    contiguous one (k_is_cols says which of rows / cols is K)."""
+    strides, or None when TMA cannot address it: no empty dimension (a descriptor's dims are
+    positive), the contiguous dimension with stride 1, the other a multiple of 16 bytes and at
+    least one line long (cuTensorMapEncodeTiled: no broadcast or overlapping lines), the base
+    16-byte aligned.  k_major: the K dimension is the contiguous one (k_is_cols says which of
+    rows / cols is K)."""
     esize = t.element_size()
-    if t.data_ptr() % 16:
+    if t.data_ptr() % 16 or rows == 0 or cols == 0:
         return None
-    if stride_c == 1 and (stride_r * esize) % 16 == 0:
+    if stride_c == 1 and (stride_r * esize) % 16 == 0 and stride_r >= cols:
         return [rows, cols], [stride_r, 1], k_is_cols
-    if stride_r == 1 and (stride_c * esize) % 16 == 0:
+    if stride_r == 1 and (stride_c * esize) % 16 == 0 and stride_c >= rows:
         return [cols, rows], [stride_c, 1], not k_is_cols
     return None
 
@@ -638,6 +640,12 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
 
 # The last GEMM launches (a failing numerics test prints them: which config computed what).
 _RECENT_LAUNCHES = collections.deque(maxlen=16)
+
+
+def recent_gemm_kernels() -> tuple[set, str | None]:
+    """The kernels ("tma", "pointer") of the recent GEMM launches, and why the TMA kernel was
+    given up for the process (None if it was not): a benchmark row says what it timed."""
+    return {launch[8] for launch in _RECENT_LAUNCHES}, (_TMA_FAILED[0] if _TMA_FAILED else None)
 
 
 def recent_gemm_launches() -> str:

@@ -546,3 +546,27 @@ def test_plot_results_draws_a_committed_runs_plots(run, tmp_path):
     assert all(p.stat().st_size > 1000 for p in written)
     assert plot_results.main([str(tmp_path / "missing")]) == 2
     shutil.rmtree(folder)
+
+
+def test_ffn_rows_say_which_triton_gemm_ran(monkeypatch):
+    """Under "auto" a TMA failure falls back to the pointer kernel for the process with a warning
+    only: a GPU row of the FFN ops names the kernel it timed (and the failure), so that the
+    pointer kernel's speed never passes for the TMA kernel's."""
+    import types
+
+    from benchmarks import ops
+    from transformer_fast.kernels import ffn as triton_ffn
+
+    case = types.SimpleNamespace(op="ffn_gemm")
+    cuda = types.SimpleNamespace(type="cuda")
+    launch = (8, 8, 8, triton_ffn.EPI_FWD, 0, False, torch.bfloat16, False, "tma", None)
+    monkeypatch.setattr(triton_ffn, "_RECENT_LAUNCHES", [launch])
+    monkeypatch.setattr(triton_ffn, "_TMA_FAILED", [])
+    assert ops._gemm_kernel_note(case, "triton", cuda) == "gemm: tma"
+    monkeypatch.setattr(triton_ffn, "_RECENT_LAUNCHES", [launch[:8] + ("pointer", None)])
+    monkeypatch.setattr(triton_ffn, "_TMA_FAILED", ["CompilationError: out of resources"])
+    assert ops._gemm_kernel_note(case, "triton", cuda) == (
+        "gemm: pointer (the TMA kernel failed: CompilationError: out of resources)")
+    assert ops._gemm_kernel_note(case, "torch", cuda) is None
+    assert ops._gemm_kernel_note(case, "triton", torch.device("cpu")) is None
+    assert ops._gemm_kernel_note(types.SimpleNamespace(op="add_layer_norm"), "triton", cuda) is None

@@ -360,6 +360,22 @@ def test_tma_falls_back_to_pointers(K, monkeypatch):
         K.linear_fwd(_rand(8, 16), _rand(8, 16), None, "none", 0.0, None, False, False)
 
 
+def test_tma_refuses_what_a_descriptor_cannot_describe(K, monkeypatch):
+    """(A review of the unverified TMA path, 2026-11-30.)  A sliced zero-width K (a descriptor's
+    dims must be positive: Triton asserted, outside the fallback) and broadcast rows (row stride
+    0: cuTensorMapEncodeTiled wants each line at least a line apart) take the pointer kernel."""
+    monkeypatch.setenv(K.GEMM_PATH_ENV, "tma")
+    w = _rand(TMA_N, TMA_K, dtype=torch.bfloat16, scale=TMA_K ** -0.5)
+    b = _rand(TMA_N, dtype=torch.bfloat16)
+    x = _rand(9, TMA_K, dtype=torch.bfloat16)
+    y, _ = K.linear_fwd(x[:, :0], w[:, :0], b, "none", 0.0, None, False, False)  # row pitch 176 bytes
+    assert _last_kernel(K) == "pointer" and torch.equal(y, b.expand(9, TMA_N))
+    rows = _rand(1, TMA_K, dtype=torch.bfloat16).expand(9, TMA_K)  # strides (0, 1)
+    y, _ = K.linear_fwd(rows, w, None, "none", 0.0, None, False, False)
+    assert _last_kernel(K) == "pointer"
+    assert _err(y, rows.double() @ w.double().t()) <= TOL[torch.bfloat16]
+
+
 def test_tma_gpu_configs(K):
     """The TMA autotune list as on a GPU: 16-bit tiles that fit shared memory; the heavy
     epilogues (dropout, dact) keep only tiles of <= 64 accumulators per thread; the pre-hook

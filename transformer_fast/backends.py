@@ -491,6 +491,20 @@ def recording_resolutions():
         _recording.lists.pop()
 
 
+@contextlib.contextmanager
+def recording_suspended():
+    """Inside, no recording is open: for code a layer calls that is not its own (a callable
+    activation that may call our modules or ops).  Its resolutions then belong to no enclosing
+    record, as they belong to no enclosing replay: the code runs the same way in both (a module
+    in it replays its own calls), so a layer's replay does not go out of step with its record."""
+    saved = _recording.lists
+    _recording.lists = []
+    try:
+        yield
+    finally:
+        _recording.lists = saved
+
+
 def recording() -> bool:
     """Whether a recording_resolutions is open (on this thread)."""
     return bool(_recording.lists)

@@ -170,12 +170,7 @@ def combine(
         mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.to(dtype)
     if key_padding_mask is not None:
         padding = padding_as_mask(key_padding_mask, ndim)
-        if padding.dtype != torch.bool:  # (a bool one is inverted: a new tensor already)
-            # Not a view of the caller's mask ((B, 1, .., Lk), small): the kernels keep their mask
-            # for backward, and a caller may reuse the padding mask's buffer before it (torch.nn's
-            # MultiheadAttention converts it first).
-            padding = padding.to(dtype, copy=True)
-        mask = _and(mask, padding)
+        mask = _and(mask, padding if padding.dtype == torch.bool else padding.to(dtype))
     if is_causal:
         mask = _and(mask, causal_allowed(lq, lk, device, bottom_right))
     return mask

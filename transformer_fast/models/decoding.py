@@ -30,6 +30,8 @@ ops pick their backends as everywhere else ("auto", ``with transformer_fast.use_
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -50,18 +52,33 @@ __all__ = [
 ]
 
 
+# Models inside _inference, across threads: model -> [calls inside, the modes to restore].
+_INFERENCE_LOCK = threading.Lock()
+_IN_INFERENCE: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
 @contextlib.contextmanager
 def _inference(model: nn.Module, device: torch.device):
     # Each module's own flag, not model.train(flag): a frozen encoder in eval inside a model in
-    # training (or a dropout left in train for MC dropout) keeps its mode.
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
+    # training (or a dropout left in train for MC dropout) keeps its mode.  Counted per model:
+    # decodings overlapping in several threads (or nested in a hook) see eval, and the first
+    # one in saves the modes that the last one out restores.
+    with _INFERENCE_LOCK:
+        entry = _IN_INFERENCE.get(model)
+        if entry is None:
+            entry = _IN_INFERENCE[model] = [0, [(m, m.training) for m in model.modules()]]
+            model.eval()
+        entry[0] += 1
     try:
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             yield
     finally:
-        for m, training in modes:
-            m.training = training
+        with _INFERENCE_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _IN_INFERENCE[model]
+                for m, training in entry[1]:
+                    m.training = training
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,8 +222,12 @@ class CachedStepper:
             w_q, w_k, w_v, b_q, b_k, b_v = weights
             q, k, v = F.linear(h, w_q, b_q), F.linear(h, w_k, b_k), F.linear(h, w_v, b_v)
         q, k, v = (_heads(t, sa.num_heads) for t in (q, k, v))  # (N, H, 1, Dh) each
-        out = tf.attention_with_kv_cache(q, cache["k"], cache["v"], self.seqlens, k, v,
-                                        backend=self.backend["attention_with_kv_cache"])
+        # The cache lengths are this stepper's own (bounded by max_len before every step): no
+        # device-side bounds assert, which is 5 more kernels per attention call on a GPU.  (Only
+        # around these calls: a user's hook run by the step, on out_proj say, is checked.)
+        with _checks.trusted_values():
+            out = tf.attention_with_kv_cache(q, cache["k"], cache["v"], self.seqlens, k, v,
+                                            backend=self.backend["attention_with_kv_cache"])
         return sa.out_proj(_merge_heads(out))  # (N, 1, d)
 
     def _cross_attention(self, layer, cache, h):
@@ -215,8 +236,9 @@ class CachedStepper:
         if self.src_lengths is not None:
             # The memory as a read-only cache of src_lengths keys per row: one decoding kernel,
             # where SDPA with a key_padding_mask on the torch path is ~7 (mask, dead rows, ...).
-            out = tf.attention_with_kv_cache(q, cache["mem_k"], cache["mem_v"], self.src_lengths,
-                                            backend=self.backend["attention_with_kv_cache"])
+            with _checks.trusted_values():
+                out = tf.attention_with_kv_cache(q, cache["mem_k"], cache["mem_v"], self.src_lengths,
+                                                backend=self.backend["attention_with_kv_cache"])
         else:
             out = tf.scaled_dot_product_attention(
                 q, cache["mem_k"], cache["mem_v"], key_padding_mask=self.src_padding,
@@ -249,11 +271,8 @@ class CachedStepper:
     def _decoder_step(self, x: torch.Tensor) -> torch.Tensor:
         """Embedded tokens (N, 1, d) -> next-token logits (N, V), the caches one step longer."""
         model = self.model
-        # The cache lengths are this stepper's own (bounded by max_len before every step): no
-        # device-side bounds assert, which is 5 more kernels per attention call on a GPU.
-        with _checks.trusted_values():
-            for layer, cache in zip(model.decoder.layers, self.layers):
-                x = self._layer(layer, cache, x)
+        for layer, cache in zip(model.decoder.layers, self.layers):
+            x = self._layer(layer, cache, x)
         if model.decoder.norm is not None:
             x = _layer_norm(x, model.decoder.norm)
         self.seqlens += 1  # the caller of attention_with_kv_cache advances the lengths

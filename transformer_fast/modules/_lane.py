@@ -125,7 +125,11 @@ def _attr_getter(module):
     instance with another number of attributes, or missing a name, gets a fresh one."""
     d = module.__dict__
     names = tuple(k for k in d if k not in _BOOKKEEPING)
-    entry = (len(d), names, operator.itemgetter(*names) if names else (lambda d: ()))
+    if len(names) == 1:  # (itemgetter of one name gives the value itself, not a 1-tuple)
+        getter = lambda d, name=names[0]: (d[name],)  # noqa: E731
+    else:
+        getter = operator.itemgetter(*names) if names else (lambda d: ())
+    entry = (len(d), names, getter)
     _ATTR_GETTERS[type(module)] = entry
     return entry
 
@@ -156,6 +160,11 @@ def _modules_key(root) -> list:
         except KeyError:
             entry = _attr_getter(m)
             values = entry[2](d)
+        if torch.Tensor in map(type, values):
+            # A tensor kept as an attribute (a subclass storing its last output, say): its
+            # metadata, which is what the checks read; the key must not keep the tensor (and its
+            # autograd graph) alive, and a new one each call would miss every time.
+            values = tuple(_tensor_key(v) if type(v) is torch.Tensor else v for v in values)
         append(id(m))
         append(type(m))
         append(entry[1])
@@ -225,6 +234,9 @@ def remember(layer, key, names) -> None:
         return
     plans = _PLANS.setdefault(layer, {})
     if len(plans) >= _MAX_PLANS:
-        plans.pop(next(iter(plans)))
+        try:
+            plans.pop(next(iter(plans)), None)
+        except (RuntimeError, StopIteration):  # another thread changed the dict meanwhile
+            pass
     plans[key] = (tuple(names), {})
 

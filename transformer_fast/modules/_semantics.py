@@ -58,9 +58,18 @@ def layer_arguments(role: str):
         raise type(exc)(f"{exc.args[0]} (in the layer's {role})").with_traceback(exc.__traceback__) from None
 
 
-def check_layer_inputs(d_model: int, features: str = "d_model", **tensors) -> None:
+def layer_d_model(layer) -> int | None:
+    """A layer's d_model: its self-attention's embed_dim, or (a wrapper in that slot, without
+    one) its first linear's in_features; None when neither says (then torch's modules decide)."""
+    d_model = getattr(layer.self_attn, "embed_dim", None)
+    if d_model is None:
+        d_model = getattr(getattr(layer, "linear1", None), "in_features", None)
+    return d_model if isinstance(d_model, int) else None
+
+
+def check_layer_inputs(d_model: int | None, features: str = "d_model", **tensors) -> None:
     """(L, E) or (N, L, E) / (L, N, E) tensors with E = d_model (named ``features`` in the
-    message), checked before any kernel."""
+    message; not checked when d_model is None), checked before any kernel."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -73,7 +82,7 @@ def check_layer_inputs(d_model: int, features: str = "d_model", **tensors) -> No
             raise LayerInputError(
                 f"{name} must be 2-D (unbatched) or 3-D (batched); got shape {tuple(t.shape)}"
             )
-        if t.shape[-1] != d_model:
+        if d_model is not None and t.shape[-1] != d_model:
             raise LayerInputError(
                 f"{name} must have {features}={d_model} features (last dim); got shape {tuple(t.shape)}"
             )

@@ -127,7 +127,9 @@ class _FusedFFN:
     def _ffn(self, x, p, lane=None):
         name = sem.fused_activation(self.activation)
         if name is None:
-            hidden = self.activation(F.linear(x, self.linear1.weight, self.linear1.bias))
+            hidden = F.linear(x, self.linear1.weight, self.linear1.bias)
+            with backends.recording_suspended():  # the user's code: outside this layer's record
+                hidden = self.activation(hidden)
             if p > 0.0:
                 hidden = F.dropout(hidden, p)
             return F.linear(hidden, self.linear2.weight, self.linear2.bias)
@@ -246,7 +248,7 @@ class TransformerEncoderLayer(_FusedFFN, Module):
         lane = _lane.plan(self, key)
         if lane is not None:  # this signature's checks passed before: replay (modules/_lane.py)
             return self._fused(src, src_mask, src_key_padding_mask, is_causal, lane=lane)[0]
-        sem.check_layer_inputs(self.self_attn.embed_dim, src=src)
+        sem.check_layer_inputs(sem.layer_d_model(self), src=src)
         masks = sem.canonical_pair(
             src_mask, src_key_padding_mask, src.dtype, "src_mask", "src_key_padding_mask"
         )
@@ -452,12 +454,12 @@ class TransformerDecoderLayer(_FusedFFN, Module):
         lane = _lane.plan(self, key)
         if lane is not None:  # this signature's checks passed before: replay (modules/_lane.py)
             return self._fused(*inputs, tgt_is_causal, memory_is_causal, lane=lane)[0]
-        sem.check_layer_inputs(self.self_attn.embed_dim, tgt=tgt)
+        d_model = sem.layer_d_model(self)
+        sem.check_layer_inputs(d_model, tgt=tgt)
         # memory feeds the cross-attention's key / value projections: its width is their kdim
         # (d_model unless multihead_attn was built with kdim / vdim, as torch's layer accepts)
-        kdim = getattr(self.multihead_attn, "kdim", self.self_attn.embed_dim)
-        sem.check_layer_inputs(kdim, "d_model" if kdim == self.self_attn.embed_dim else "multihead_attn.kdim",
-                               memory=memory)
+        kdim = getattr(self.multihead_attn, "kdim", d_model)
+        sem.check_layer_inputs(kdim, "d_model" if kdim == d_model else "multihead_attn.kdim", memory=memory)
         if self._can_fuse(tgt):
             with backends.recording_resolutions() as names:
                 out, _ = self._fused(*inputs, tgt_is_causal, memory_is_causal)
@@ -728,8 +730,11 @@ class TransformerEncoder(Module):
         quirks = _fast_path_may_differ(src, mask, src_key_padding_mask, is_causal) and any(
             _torch_layer_fast_path(m, src) for m in self.layers if isinstance(m, TransformerEncoderLayer))
         def chain(lane):
-            if lane is not None and nested is not None and nested[1] is True:
-                # torch's NestedTensor path: the valid tokens alone (modules/_native.py)
+            if (lane is not None and nested is not None and nested[1] is True
+                    and not torch.are_deterministic_algorithms_enabled()):
+                # torch's NestedTensor path: the valid tokens alone (modules/_native.py).  Not in
+                # deterministic mode: GEMMs over fewer rows round apart from the first (checked,
+                # padded) call's, and that mode promises the same bits every call.
                 out = _native.packed_encoder(self, lane, src, src_key_padding_mask)
                 if out is not None:
                     return out if self.norm is None else _layer_norm(out, self.norm)

@@ -125,11 +125,6 @@ def _(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal, scale, drop
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, rng, allow_tf32, backend = inputs
     out, lse = output
-    if key_padding_mask is not None:
-        # A copy ((B, Lk), small): torch.nn's MultiheadAttention converts the mask before use, so a
-        # caller may reuse its buffer between forward and backward; saved as is, that would trip
-        # autograd's in-place check.
-        key_padding_mask = key_padding_mask.clone()
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, rng)
     ctx.flags = (is_causal, scale, dropout_p, allow_tf32, backend)
     ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
