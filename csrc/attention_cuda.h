@@ -102,6 +102,8 @@ P fill_attention_params(const at::Tensor& q, const at::Tensor& k, const at::Tens
   p.Lq = static_cast<int>(q.size(2));
   p.D = static_cast<int>(q.size(3));
   p.Hkv = static_cast<int>(k.size(1));
+  TORCH_CHECK(k.size(2) < (int64_t{1} << 30), "attention: key length ", k.size(2),
+              " too large for the kernels' 32-bit key indices");
   p.Lk = static_cast<int>(k.size(2));
   p.scale = static_cast<float>(scale);
   p.causal = causal;

@@ -25,11 +25,13 @@ Contract (the ``triton`` backend of scaled_dot_product_attention builds on it):
   the scaled scores: lse[b,h,i] = log(sum_j exp(s_ij)) (as torch's own SDPA kernels return it).
   A row with nothing to attend to has lse = -inf and output 0; backward gives it zero gradient
   (its probabilities are recomputed as exactly 0).
-* dq, dk, dv: contiguous with the shapes (and dtypes) of q, k, v.  Backward is deterministic (no
-  atomics): delta = rowsum(do * out) in a small kernel; one kernel over key blocks computes dk, dv
-  (looping over the query heads of its GQA group; when that leaves too few programs for the GPU,
-  the group is split over programs that write fp32 partials, summed afterwards); one kernel over
-  query blocks computes dq.
+* dq, dk, dv: contiguous with the shapes (and dtypes) of q, k, v.  Backward: delta =
+  rowsum(do * out) in a small kernel; one kernel over key blocks computes dk, dv (looping over the
+  query heads of its GQA group; when that leaves too few programs for the GPU, the group is split
+  over programs that write fp32 partials, summed afterwards); dq either in one kernel over query
+  blocks (deterministic) or, for fp16 / bf16 at head dims <= 128 with more than 128 keys and
+  torch's deterministic mode off, by fp32 atomics from the dk/dv kernel (_atomic_dq; its last
+  bits may differ run to run on a GPU).
 
 Work skipping: key tiles entirely beyond the causal diagonal are outside the loop bounds; with a
 key_padding_mask the key loop runs over [first valid key, last valid key] of each batch row only
