@@ -79,7 +79,6 @@ def _convert(model: torch.nn.Module, table: dict, who: str) -> SwapReport:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     report = SwapReport()
-    left_alone: dict[type, list[str]] = {}
     seen: set[int] = set()
     # named_modules(remove_duplicate=False) visits every path, so a module shared by two parents
     # is found under both names; `seen` changes it once.  The list is built before any class
@@ -101,12 +100,12 @@ def _convert(model: torch.nn.Module, table: dict, who: str) -> SwapReport:
             report.skipped.append((name, _qualname(cls), why))
             # (unswap meets one when a module of ours was parametrized after swap: torch's
             # parametrize made a subclass of it.)
-            left_alone.setdefault(cls, []).append(name or "the model")
-    for cls, names in left_alone.items():  # one warning per class, not per layer
-        base = next(t for t in table if issubclass(cls, t))
+    by_class: dict[tuple[str, str], list[str]] = {}  # one warning per class, not per layer
+    for name, cls_name, why in report.skipped:
+        by_class.setdefault((cls_name, why), []).append(name or "the model")
+    for (cls_name, why), names in by_class.items():
         where = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        warnings.warn(f"transformer_fast.{who}: {where} ({_qualname(cls)}) is a subclass of {_qualname(base)}; "
-                      f"it may override forward, so it is left alone", stacklevel=3)
+        warnings.warn(f"transformer_fast.{who}: {where} ({cls_name}) is a {why}", stacklevel=3)
     return report
 
 
