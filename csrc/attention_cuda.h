@@ -16,8 +16,8 @@
 namespace transformer_fast {
 
 // An empty (B, H, L, D') tensor whose B, H, L dims lie in memory in the order q's do, D' last
-// with unit stride: kernels/attention.py's empty_in_layout_of (and the fake in
-// transformer_fast/ops/attention.py).  q/k/v viewed from a packed (B, L, 3, H, D) projection
+// with unit stride: the rule of kernels/layout.py's empty_in_layout_of (the Triton launcher and
+// the fake kernel).  q/k/v viewed from a packed (B, L, 3, H, D) projection
 // then give an output whose head merge back to (B, L, H*D) is a view, not a copy.
 inline at::Tensor empty_in_layout_of(const at::Tensor& q, std::array<int64_t, 4> shape,
                                      const at::TensorOptions& options) {

@@ -66,7 +66,6 @@ wrong in the interpreter; triton-lang/triton#11584).
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -74,6 +73,7 @@ import triton
 import triton.language as tl
 
 from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, imax, imin
+from transformer_fast.kernels.layout import empty_in_layout_of
 from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
 LOG2E = 1.4426950408889634
@@ -1125,18 +1125,6 @@ class _Common:
                     DOT_FP32=self.dot_fp32, IEEE=self.ieee,
                     OFF64=FORCE_OFF64 or self.max_offset >= 2**31 - 1,
                     PRECISE=self.precise, DCHUNK=self.dchunk, INTERPRET=_INTERPRET)
-
-
-def empty_in_layout_of(q, shape):
-    """An empty (B, H, L, D) tensor whose B, H, L dims lie in memory in the order q's do (D last,
-    unit stride).  q/k/v viewed from a packed projection, (B, L, 3, H, D) or (L, B, 3, H, D),
-    then give an output whose head merge back to (B, L, H*D) or (L, B, H*D) is a view."""
-    # Stable: ties keep B, H, L order.  A broadcast (stride-0) dim counts as outermost, so an
-    # expanded q gives a contiguous out, as torch's SDPA does.
-    order = sorted(range(3), key=lambda i: -q.stride(i) if q.stride(i) else -math.inf)
-    inverse = [order.index(i) for i in range(3)]
-    base = torch.empty([shape[i] for i in order] + [shape[3]], dtype=q.dtype, device=q.device)
-    return base.permute(*inverse, 3)
 
 
 def attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal: bool, scale: float,

@@ -420,7 +420,7 @@ def _emu_id(c):
 
 def _run_emulated(emu, case, scale=None, seed=None):
     from test_triton_attention import _ref_run
-    from transformer_fast.ops.attention import empty_in_layout_of
+    from transformer_fast.kernels.layout import empty_in_layout_of
 
     B, H, Hkv, Lq, Lk, D, dtype, kind, p = case
     g = generator() if seed is None else torch.Generator().manual_seed(seed)

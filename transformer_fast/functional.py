@@ -357,15 +357,11 @@ def _fused_attention_support(backend):
         mask = inputs.get("attn_mask")
         reasons = _checks.kernel_dtype_reasons(backend, query=q)
         reasons += _head_dim_reasons(backend, q.shape[-1], v.shape[-1])
-        if k.shape[-2] == 0:
-            reasons.append(f"{backend} needs at least one key")
         if mask is not None and mask.requires_grad and torch.is_grad_enabled():
             reasons.append(f"{backend} does not compute the gradient of a float attn_mask")
         kpm = inputs.get("key_padding_mask")
         if kpm is not None and kpm.requires_grad and torch.is_grad_enabled():
             reasons.append(f"{backend} does not compute the gradient of a float key_padding_mask")
-        if k.dim() > 3 and k.shape[-3] == 0:
-            reasons.append(f"{backend} needs at least one key / value head")
         return reasons
 
     return check
@@ -638,7 +634,9 @@ def run_scaled_dot_product_attention(name, query, key, value, attn_mask, dropout
     checked (3-D or more, batch dims broadcast, key and value with a common number of heads)."""
     if attn_mask is not None or key_padding_mask is not None:
         attn_mask, key_padding_mask = _autocast_masks(query, attn_mask, key_padding_mask)
-    if name == "reference":
+    if name == "reference" or key.shape[-2] == 0 or (key.dim() > 3 and key.shape[-3] == 0):
+        # No key (or no head): every row attends to nothing, zeros and zero gradients on every
+        # backend (DESIGN 4); the reference's empty matmuls give them without a kernel launch.
         return reference.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             key_padding_mask=key_padding_mask,
@@ -860,7 +858,11 @@ def run_masked_softmax(name, scores, mask, scale, is_causal, dropout_p):
     if name == "reference":
         return reference.masked_softmax(scores, mask, scale, is_causal, dropout_p)
     if name == "torch":
-        x = scores * scale if scale != 1.0 else scores
+        x = scores
+        if scale != 1.0:
+            # 16-bit scores scaled in fp32, as the fused kernels do: scale * scores may overflow
+            # fp16 where the probabilities are finite.
+            x = (scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores) * scale
         mask_dtype = reference.mask_compute_dtype(scores, mask)
         combined = masks.combine(
             mask, is_causal, None, scores.shape[-2] if scores.dim() > 1 else 1, scores.shape[-1],

@@ -8,7 +8,7 @@ Launcher contract (on 4-D tensors; q (B, H, Lq, D), k/v (B, Hkv, Lk, D), any str
 stride along D):
 
   fwd(q, k, v, attn_mask?, key_padding_mask?, is_causal, scale, dropout_p, rng?, allow_tf32)
-      -> (out (B, H, Lq, D) in q's dtype and memory order (empty_in_layout_of below), lse (B, H, Lq) fp32)
+      -> (out (B, H, Lq, D) in q's dtype and memory order (kernels/layout.py's empty_in_layout_of), lse (B, H, Lq) fp32)
   bwd(do, q, k, v, out, lse, attn_mask?, key_padding_mask?, is_causal, scale, dropout_p, rng?,
       allow_tf32) -> (dq, dk, dv)   (dk/dv summed over each GQA group; cpu / cuda: laid out like
       q / k / v, torch.empty_like; triton: contiguous)
@@ -20,27 +20,14 @@ with no key to attend to has output 0 and gradient 0.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import backends, philox, reference
+from ..kernels.layout import empty_in_layout_of
 from . import call, eager_autograd, half_to_float, own, recomputed_grads, recording_backward
-
-
-def empty_in_layout_of(q, shape):
-    """An empty (B, H, L, D) tensor whose B, H, L dims lie in memory in the order q's do (D last,
-    unit stride): the rule of every launcher's ``out`` (kernels/attention.py's function of the same
-    name, csrc/attention_cuda.h's for the cpu / cuda backends).  With q a (B, H, L, D) view of a
-    (B, L, H, D) projection the module's head merge of ``out`` is then a view, not a copy."""
-    # Stable: ties keep B, H, L order.  A broadcast (stride-0) dim counts as outermost, so an
-    # expanded q gives a contiguous out, as torch's SDPA does.
-    order = sorted(range(3), key=lambda i: -q.stride(i) if q.stride(i) else -math.inf)
-    inverse = [order.index(i) for i in range(3)]
-    base = q.new_empty([shape[i] for i in order] + [shape[3]])
-    return base.permute(*inverse, 3)
 
 
 @functools.cache  # a dict lookup per call instead of imports and torch.ops lookups
