@@ -756,11 +756,12 @@ Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional
     return {y, pre};
   }
   // Nothing kept but y: one in-place pass over mm adds the bias, applies the activation and
-  // the dropout (torch eager: addmm's bias copy, then an out-of-place relu, then dropout).  fp16
-  // adds the bias in its fp32 GEMM instead, so that pre is rounded once (as addmm's), and so do
-  // the small fp32 GEMMs summed in double (there it costs nothing).
+  // the dropout (torch eager: addmm's bias copy, then an out-of-place relu, then dropout).  16-bit
+  // GEMMs add the bias inside instead, so that pre is rounded once (as torch's addmm / linear:
+  // a bf16 product rounded before the bias is added is one bf16 ulp off in ~30% of elements),
+  // and so do the small fp32 GEMMs summed in double (there it costs nothing).
   Tensor mm = linear_onednn_fp32(x, w, b);  // (M, N), the bias added (when it applies)
-  const bool bias_in_gemm = fp16_gemm(x) || mm.defined() || exact_gemm(x, N);
+  const bool bias_in_gemm = x.scalar_type() != at::kFloat || mm.defined() || exact_gemm(x, N);
   if (!mm.defined()) mm = cpu_gemm(x, w.t(), bias_in_gemm ? b : std::nullopt);  // (M, N), contiguous
   if (!mm.is_contiguous()) mm = mm.contiguous();
   const Tensor b32 = present(b) && !bias_in_gemm ? b->to(at::kFloat).contiguous() : Tensor();

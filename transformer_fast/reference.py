@@ -285,6 +285,25 @@ def _as_tuple(x):
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def copy_keeping_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with ``t``'s strides, so that the kernel under test sees the caller's
+    layout: ``clone()`` keeps a dense layout (transposed, permuted) but makes a sliced view
+    contiguous and materialises an expanded (stride-0) one."""
+    if t.numel() == 0 or t.is_contiguous():
+        return t.clone()
+    core = t
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.size(d) > 1:
+            core = core.narrow(d, 0, 1)  # the broadcast dim is expanded again below
+    span = 1 + sum((n - 1) * s for n, s in zip(core.shape, core.stride()))
+    copy = core.new_empty(span).as_strided(core.shape, core.stride())
+    try:
+        copy.copy_(core)
+    except RuntimeError:  # self-overlapping strides other than broadcasts: a dense copy
+        return t.clone()
+    return copy.expand(t.shape)
+
+
 def run_oracle(
     kernel_fn: Callable[..., object],
     reference_fn: Callable[..., object],
@@ -347,7 +366,7 @@ def run_oracle(
     ref64_out, ref64_grads = run(reference_fn, lambda t: t.to(torch.float64), grads_out)
     reflp_out, reflp_grads = run(reference_fn, lambda t: t.clone(), grads_out)
     with poisoned_outputs():
-        out, grads = run(kernel_fn, lambda t: t.clone(), grads_out)
+        out, grads = run(kernel_fn, copy_keeping_layout, grads_out)
 
     results = []
     if len(out) != len(ref64_out):

@@ -179,14 +179,17 @@ def _backward(ctx, dy, dh, dmean, drstd):
         return (None,) * 9
     if recording_backward():
         return _recorded_backward(ctx, dy, dh, x, residual, weight, bias, rng)
-    if dy is None:  # pre-LN, only the residual sum used
+    normed_used = dy is not None
+    if not normed_used:  # pre-LN, only the residual sum used
         dy = torch.zeros_like(x)
     dx, dres, dw, db = call(add_layer_norm_bwd, _add_layer_norm_bwd_impl,
                             dy, dh, x, residual, weight, bias, mean, rstd, ctx.dropout_p, rng, ctx.backend)
     if ctx.dropout_p == 0.0:
         dx = dres
-    dweight = dw if weight is not None else None
-    dbias = db if bias is not None else None
+    # weight and bias only reach the normed output: without it their grads stay None, as torch's
+    # (an optimizer skips a None grad, but would decay / carry momentum on a zero one).
+    dweight = dw if weight is not None and normed_used else None
+    dbias = db if bias is not None and normed_used else None
     return dx, dres, dweight, dbias, None, None, None, None, None
 
 
