@@ -901,14 +901,14 @@ def test_float_key_padding_mask_needing_grad_is_refused_by_fused_backends():
 
 def test_zero_heads():
     """Zero key heads under enable_gqa: a ValueError naming key (not ZeroDivisionError); zero
-    heads everywhere: an empty output on auto, as torch, and a BackendError on a fused backend."""
+    heads everywhere: an empty output on auto, as torch, and on a fused backend (since the
+    eleventh session; it raised a BackendError before)."""
     with pytest.raises(ValueError, match="key"):
         tf.functional.scaled_dot_product_attention(
             torch.randn(2, 4, 5, 16), torch.randn(2, 0, 7, 16), torch.randn(2, 0, 7, 16), enable_gqa=True)
     q = torch.randn(2, 0, 5, 16)
     assert tf.functional.scaled_dot_product_attention(q, q, q).shape == (2, 0, 5, 16)
-    with pytest.raises(tf.BackendError, match="head"):
-        tf.functional.scaled_dot_product_attention(q, q, q, backend="cpu")
+    assert tf.functional.scaled_dot_product_attention(q, q, q, backend="cpu").shape == (2, 0, 5, 16)
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", *backend_params("cpu", "triton")])
