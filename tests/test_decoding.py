@@ -236,25 +236,29 @@ def test_wide_beam_finds_the_exhaustive_best(length_penalty):
     """With more beams than live prefixes the search is exhaustive: it must return the best of
     all hypotheses (ending in eos, or max_len long) by sum(log p) / length ** length_penalty.
     With length_penalty > 0 a longer hypothesis may overtake a finished one, so the beam is
-    wider than the count of finished hypotheses (15): the stop waits for beam_size of them."""
-    seed = fresh_seed()
-    model = small_model(vocab=5).double()  # symbols 3, 4 and eos
-    src = ragged_src([4, 2], vocab=5)
+    wider than the count of finished hypotheses (15): the stop waits for beam_size of them.
+    Seven models, the session's draw and six fixed seeds: one draw let a length penalty off by
+    one (length + 1) pass under 3 session seeds in 8, seed 3 catches it (the mutation audit of
+    2026-11-30)."""
     max_len = 4
     beam = 8 if length_penalty == 0.0 else 64
-    found = beam_search(model, src, beam_size=beam, max_len=max_len, length_penalty=length_penalty)
-    for b in range(2):
-        hyps = []
-        for n in range(1, max_len + 1):
-            for body in itertools.product([3, 4], repeat=n - 1):
-                hyps.append(list(body) + [EOS])
-            if n == max_len:
-                hyps += [list(body) for body in itertools.product([3, 4], repeat=n)]
-        scores = [_sequence_logprob(model, src[b : b + 1], h) / len(h) ** length_penalty for h in hyps]
-        best = hyps[max(range(len(hyps)), key=scores.__getitem__)]
-        row = [t for t in found[b].tolist()]
-        row = row[: row.index(EOS) + 1] if EOS in row else row
-        assert row == best, (seed, b, row, best)
+    hyps = []
+    for n in range(1, max_len + 1):
+        for body in itertools.product([3, 4], repeat=n - 1):
+            hyps.append(list(body) + [EOS])
+        if n == max_len:
+            hyps += [list(body) for body in itertools.product([3, 4], repeat=n)]
+    for seed in [int(torch.randint(0, 2**31, ()))] + list(range(6)):
+        torch.manual_seed(seed)
+        model = small_model(vocab=5).double()  # symbols 3, 4 and eos
+        src = ragged_src([4, 2], vocab=5)
+        found = beam_search(model, src, beam_size=beam, max_len=max_len, length_penalty=length_penalty)
+        for b in range(2):
+            scores = [_sequence_logprob(model, src[b : b + 1], h) / len(h) ** length_penalty for h in hyps]
+            best = hyps[max(range(len(hyps)), key=scores.__getitem__)]
+            row = found[b].tolist()
+            row = row[: row.index(EOS) + 1] if EOS in row else row
+            assert row == best, (seed, b, row, best)
 
 
 def test_length_penalty_prefers_longer_hypotheses():

@@ -7,18 +7,15 @@ the mutant, checked both ways):
   is needed: "cannot resize variables that require grad"; a bf16 residual against an fp32 x);
   the native plan's bool-only padding check loosened (a float memory_key_padding_mask); the
   native encoder plan taking norm1's eps for norm2;
-- beam search's length penalty off by one (the exhaustive test caught it on some seeds only:
-  now over six fixed seeds);
+- beam search's length penalty off by one (tests/test_decoding.py's exhaustive test caught it
+  under some session seeds only: it now also runs six fixed seeds);
 - verify no longer checking add_layer_norm's gradients (a 1% gradient error reported PASS).
 """
-import itertools
-
 import pytest
 import torch
 
 import transformer_fast as tf
 from transformer_fast import verify
-from transformer_fast.models import Seq2SeqTransformer, beam_search
 from transformer_fast.modules import TransformerDecoderLayer, TransformerEncoderLayer
 
 from conftest import require_backend
@@ -117,40 +114,6 @@ def test_float_memory_key_padding_mask_on_a_replayed_decoder_layer():
             outs = [layer(x, mem, memory_key_padding_mask=fpad) for _ in range(3)]
     for out in outs:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-
-
-PAD, BOS, EOS = 0, 1, 2
-
-
-def _logprob(model, src_row, seq):
-    tgt_in = torch.tensor([[BOS] + seq[:-1]])
-    with torch.no_grad():
-        logits = model(src_row, tgt_in)[0].double()
-    logits[:, [PAD, BOS]] = float("-inf")
-    logp = torch.log_softmax(logits, dim=-1)
-    return float(sum(logp[t, s] for t, s in enumerate(seq)))
-
-
-def test_length_penalty_ranks_by_generated_length_over_several_models():
-    """Exhaustive beam (64 > every prefix) over fixed seeds: the best hypothesis by
-    sum(log p) / len ** 1.0 (len counts eos), on every seed, not only on a lucky one."""
-    max_len = 4
-    for seed in range(6):
-        torch.manual_seed(seed)
-        model = Seq2SeqTransformer(5, 5, d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
-                                   dim_feedforward=64, dropout=0.1).eval().double()
-        src = torch.randint(3, 5, (2, 4))
-        src[1, 2:] = PAD
-        found = beam_search(model, src, beam_size=64, max_len=max_len, length_penalty=1.0)
-        for b in range(2):
-            hyps = [list(body) + [EOS] for n in range(1, max_len + 1)
-                    for body in itertools.product([3, 4], repeat=n - 1)]
-            hyps += [list(body) for body in itertools.product([3, 4], repeat=max_len)]
-            scores = [_logprob(model, src[b:b + 1], h) / len(h) for h in hyps]
-            best = hyps[max(range(len(hyps)), key=scores.__getitem__)]
-            row = found[b].tolist()
-            row = row[: row.index(EOS) + 1] if EOS in row else row
-            assert row == best, (seed, b, row, best)
 
 
 class _WrongGrad(torch.autograd.Function):
