@@ -83,6 +83,15 @@ def _reads_attn_mask(is_causal, key_padding_mask, need_weights) -> bool:
     return not (is_causal and key_padding_mask is None and not need_weights)
 
 
+def _project(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """F.linear, except that a bias of another dtype than the weight is added after the GEMM,
+    as torch's in-projection of batched inputs does (matmul, then add_: the bias is promoted),
+    where addmm would refuse the mix."""
+    if b is None or b.dtype == w.dtype:
+        return F.linear(x, w, b)
+    return F.linear(x, w).add_(b)
+
+
 class MultiheadAttention(Module):
     """Drop-in for torch.nn.MultiheadAttention (see the module docstring for what is fused)."""
 
@@ -459,7 +468,7 @@ class MultiheadAttention(Module):
                 # One GEMM; q/k/v are views of its output (.., 3, H, D).  unbind (not three
                 # selects): its backward stacks dq/dk/dv into the packed gradient in one pass,
                 # where select's would zero-fill and add three full-size buffers.
-                proj = F.linear(query, w, b).unflatten(-1, (3, h, d))
+                proj = _project(query, w, b).unflatten(-1, (3, h, d))
                 return proj.unbind(-3)
             if key is value:  # encoder-decoder attention: k and v from one GEMM
                 # split (not chunk + a slice): its backward concatenates dwq and dwkv into the
@@ -467,19 +476,19 @@ class MultiheadAttention(Module):
                 # buffer and add it to the chunk's (itself zero-filled where dwk, dwv are).
                 wq, wkv = w.split([e, 2 * e])
                 bq, bkv = (None, None) if b is None else b.split([e, 2 * e])
-                q = F.linear(query, wq, bq).unflatten(-1, (h, d))
-                k, v = F.linear(key, wkv, bkv).unflatten(-1, (2, h, d)).unbind(-3)
+                q = _project(query, wq, bq).unflatten(-1, (h, d))
+                k, v = _project(key, wkv, bkv).unflatten(-1, (2, h, d)).unbind(-3)
                 return q, k, v
             bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
             wq, wk, wv = w.chunk(3)
-            q = F.linear(query, wq, bq).unflatten(-1, (h, d))
-            k = F.linear(key, wk, bk).unflatten(-1, (h, d))
-            v = F.linear(value, wv, bv).unflatten(-1, (h, d))
+            q = _project(query, wq, bq).unflatten(-1, (h, d))
+            k = _project(key, wk, bk).unflatten(-1, (h, d))
+            v = _project(value, wv, bv).unflatten(-1, (h, d))
             return q, k, v
         bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
-        q = F.linear(query, self.q_proj_weight, bq).unflatten(-1, (h, d))
-        k = F.linear(key, self.k_proj_weight, bk).unflatten(-1, (h, d))
-        v = F.linear(value, self.v_proj_weight, bv).unflatten(-1, (h, d))
+        q = _project(query, self.q_proj_weight, bq).unflatten(-1, (h, d))
+        k = _project(key, self.k_proj_weight, bk).unflatten(-1, (h, d))
+        v = _project(value, self.v_proj_weight, bv).unflatten(-1, (h, d))
         return q, k, v
 
     def _heads(self, t, is_batched):
