@@ -10,22 +10,48 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 #include "philox.h"
 
 namespace transformer_fast {
 
+// q's B, H, L dims from outermost to innermost in memory, as torch.empty_like orders a tensor
+// that is not dense (ATen's infer_dense_strides; kernels/layout.py's memory_order): an insertion
+// sort by stride from the innermost dim, where a broadcast (stride-0) dim compares as a tie, so
+// it stays where it is among its neighbours, and of two equal strides the larger dim goes outside.
+inline std::array<int64_t, 3> memory_order(const at::Tensor& q) {
+  // > 0: dim b belongs inside dim a (swap), < 0: it does not, 0: undecided (look further out)
+  const auto inner_first = [&](int64_t a, int64_t b) -> int {
+    const int64_t sa = q.stride(a), sb = q.stride(b);
+    if (sa == 0 || sb == 0) return 0;
+    if (sa != sb) return sa > sb ? 1 : -1;
+    return q.size(a) > q.size(b) ? 1 : 0;
+  };
+  std::array<int64_t, 3> perm = {2, 1, 0};  // innermost first
+  for (int i = 1; i < 3; ++i) {
+    int moving = i;
+    for (int j = i - 1; j >= 0; --j) {
+      const int cmp = inner_first(perm[j], perm[moving]);
+      if (cmp > 0) {
+        std::swap(perm[j], perm[moving]);
+        moving = j;
+      } else if (cmp < 0) {
+        break;
+      }
+    }
+  }
+  return {perm[2], perm[1], perm[0]};
+}
+
 // An empty (B, H, L, D') tensor whose B, H, L dims lie in memory in the order q's do, D' last
 // with unit stride: the rule of kernels/layout.py's empty_in_layout_of (the Triton launcher and
 // the fake kernel).  q/k/v viewed from a packed (B, L, 3, H, D) projection
-// then give an output whose head merge back to (B, L, H*D) is a view, not a copy.
+// then give an output whose head merge back to (B, L, H*D) is a view, not a copy; an expanded q
+// gives the order torch.empty_like(q) gives, as torch's CPU SDPA does.
 inline at::Tensor empty_in_layout_of(const at::Tensor& q, std::array<int64_t, 4> shape,
                                      const at::TensorOptions& options) {
-  // Dims by decreasing stride; ties keep B, H, L order.  A broadcast (stride-0) dim counts as
-  // outermost, so an expanded q gives a contiguous out, as torch's SDPA does.
-  const auto key = [&](int64_t d) { return q.stride(d) == 0 ? INT64_MAX : q.stride(d); };
-  std::array<int64_t, 3> order = {0, 1, 2};
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key(a) > key(b); });
+  const std::array<int64_t, 3> order = memory_order(q);
   std::array<int64_t, 3> inverse{};
   for (int64_t pos = 0; pos < 3; ++pos) inverse[order[pos]] = pos;
   const at::Tensor base =

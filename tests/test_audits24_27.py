@@ -7,6 +7,14 @@ through the CPU emulation; 2026-11-30, twelfth session):
   test_multihead_attn_fast_path_query_and_bias_have_different_dtypes): torch's in-projection of
   a batched, non-contiguous query runs matmul then add_, promoting the bias; ours refused it in
   addmm.
+- The modules' input errors were AssertionError and RuntimeError at once everywhere; torch's
+  test_transformer_args_check needs an AssertionError that is not a RuntimeError in training.
+- Attention's output of a query broadcast over heads (or over the length) was laid out with the
+  broadcast dim outermost: not contiguous, where torch's SDPA gives torch.empty_like's order.
+- Mutants no test caught: the oracle's bound 10x looser, a NaN the reference lacks not counted,
+  poisoned_outputs no longer poisoning (here); the Triton backward's delta kernel reading out
+  with dO's strides, a key block whose only valid key is its last skipped in backward
+  (tests/test_triton_attention.py).
 """
 from __future__ import annotations
 
@@ -14,6 +22,10 @@ import pytest
 import torch
 
 import transformer_fast as tf
+from transformer_fast import functional as tff, reference
+from transformer_fast.kernels.layout import empty_in_layout_of
+
+from conftest import backend_params, require_backend
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float16, torch.float32])
@@ -42,3 +54,182 @@ def test_mha_in_proj_bias_of_another_dtype(bias_dtype, kind, training):
         got.sum().backward()
         assert ours.in_proj_bias.grad.dtype == bias_dtype
         torch.testing.assert_close(ours.in_proj_bias.grad, ref.in_proj_bias.grad)
+
+
+# --------------------------------------------------------------------------------------------
+# Error classes: torch's own test_transformer_args_check nests assertRaises(RuntimeError) inside
+# assertRaises(AssertionError) for a key padding mask of the wrong shape in training: the error
+# must be an AssertionError and NOT a RuntimeError there (ours was both everywhere).
+
+_FAMILY = (AssertionError, RuntimeError)
+_E, _H, _N, _S, _T = 8, 2, 3, 5, 4
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the class is what is compared
+        return exc
+    return None
+
+
+def _seq(batch_first, length, n=_N, e=_E):
+    return torch.randn(n, length, e) if batch_first else torch.randn(length, n, e)
+
+
+def _bad_calls(kind, batch_first):
+    """(name, args, kwargs) of malformed calls of one module kind."""
+    s, t = _seq(batch_first, _S), _seq(batch_first, _T)
+    bool_ = torch.bool
+    if kind == "mha":
+        yield "kpm shape", (s, s, s), dict(key_padding_mask=torch.zeros(_N + 1, _S, dtype=bool_))
+        yield "kpm rank", (s, s, s), dict(key_padding_mask=torch.zeros(_N, _S, 1, dtype=bool_))
+        yield "mask shape", (s, s, s), dict(attn_mask=torch.zeros(_S + 1, _S, dtype=bool_))
+        yield "mask int", (s, s, s), dict(attn_mask=torch.zeros(_S, _S, dtype=torch.int64))
+        yield "embed", (s[..., :-1],) * 3, {}
+        yield "cross kpm", (t, s, s), dict(key_padding_mask=torch.zeros(_N, _S + 1, dtype=bool_))
+        yield "key rank", (s, s[0], s[0]), {}
+    elif kind == "encoder_layer":
+        yield "kpm shape", (s,), dict(src_key_padding_mask=torch.zeros(_N + 1, _S, dtype=bool_))
+        yield "mask int", (s,), dict(src_mask=torch.zeros(_S, _S, dtype=torch.int64))
+        yield "kpm int", (s,), dict(src_key_padding_mask=torch.zeros(_N, _S, dtype=torch.int64))
+    elif kind == "decoder":
+        yield "tgt kpm", (t, s), dict(tgt_key_padding_mask=torch.zeros(_N + 1, _T, dtype=bool_))
+        yield "memory kpm", (t, s), dict(memory_key_padding_mask=torch.zeros(_N, _S + 1, dtype=bool_))
+        yield "tgt mask int", (t, s), dict(tgt_mask=torch.zeros(_T, _T, dtype=torch.int64))
+        yield "tgt mask int 3-D", (t, s), dict(tgt_mask=torch.zeros(_N * _H, _T, _T, dtype=torch.int64))
+    else:  # transformer
+        yield "src kpm", (s, t), dict(src_key_padding_mask=torch.zeros(_N + 2, _S + 1, dtype=bool_))
+        yield "memory kpm", (s, t), dict(memory_key_padding_mask=torch.zeros(_N + 2, _S + 1, dtype=bool_))
+
+
+def _build(mod, kind, batch_first):
+    kw = dict(dim_feedforward=16, dropout=0.0, batch_first=batch_first)
+    if kind == "mha":
+        return mod.MultiheadAttention(_E, _H, batch_first=batch_first)
+    if kind == "encoder_layer":
+        return mod.TransformerEncoderLayer(_E, _H, **kw)
+    if kind == "decoder":
+        return mod.TransformerDecoder(mod.TransformerDecoderLayer(_E, _H, **kw), 2)
+    return mod.Transformer(_E, _H, 1, 1, **kw)
+
+
+@pytest.mark.parametrize("kind", ["mha", "encoder_layer", "decoder", "transformer"])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mode", ["train", "eval", "eval_no_grad"])
+def test_input_errors_are_of_torchs_class(kind, batch_first, mode):
+    """Where torch surely runs its Python path (training, batch_first=False, grad needed) our
+    error is of exactly torch's classes among AssertionError / RuntimeError; where its inference
+    fast path may run (eval, batch_first, no grad) at least torch's class."""
+    ref, ours = _build(torch.nn, kind, batch_first), _build(tf, kind, batch_first)
+    ours.load_state_dict(ref.state_dict())
+    ref.train(mode == "train")
+    ours.train(mode == "train")
+    surely_slow = mode != "eval_no_grad" or not batch_first
+    for name, args, kwargs in _bad_calls(kind, batch_first):
+        with torch.set_grad_enabled(mode != "eval_no_grad"):
+            want = _raised(lambda: ref(*args, **kwargs))
+            got = _raised(lambda: ours(*args, **kwargs))
+        assert want is not None and got is not None, (name, want, got)
+        assert isinstance(got, (ValueError, TypeError)), (name, type(got).__mro__)
+        want_family = {c for c in _FAMILY if isinstance(want, c)}
+        got_family = {c for c in _FAMILY if isinstance(got, c)}
+        assert want_family <= got_family, (name, type(want), type(got).__mro__)
+        if surely_slow:
+            assert got_family == want_family, (name, type(want), type(got).__mro__)
+
+
+def test_transformer_key_padding_mask_error_is_an_assertion_not_a_runtime_error():
+    """torch's test_transformer_args_check, the nesting that failed on ours."""
+    model = tf.Transformer(16, 2, 1, 1, 32, 0.3)  # training, batch_first=False
+    src, tgt = torch.randn(7, 3, 16), torch.randn(5, 3, 16)
+    with pytest.raises(AssertionError) as info:
+        model(src, tgt, src_key_padding_mask=torch.rand(4, 8) >= 0.5)
+    assert not isinstance(info.value, RuntimeError)
+    assert "src_key_padding_mask" in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle itself (DESIGN section 6): its factor of 2, its NaN rule, its poisoning.
+
+
+def test_oracle_bound_is_twice_the_reference_error():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    a, b = (torch.randn(64, 64, generator=g) * 100 for _ in range(2))
+    ref64 = a.double() @ b.double()
+    err = (a @ b).double() - ref64
+    assert float(err.abs().max()) > 100 * reference.ATOL[torch.float32]  # atol negligible
+    for factor, ok in ((1.5, True), (1.9, True), (2.2, False), (3.0, False)):
+        # (in float64: a rounding to float32 would move the result by up to half an ulp)
+        result = reference.oracle_compare("out", ref64 + factor * err, a @ b, ref64, torch.float32)
+        assert result.ok is ok, (factor, result)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_oracle_counts_a_non_finite_value_the_reference_lacks(bad):
+    ref = torch.zeros(4, dtype=torch.float64)
+    out = torch.tensor([0.0, bad, 0.0, 0.0])
+    assert reference.max_abs_error(out, ref) == float("inf")
+    assert not reference.oracle_compare("out", out, ref.float(), ref, torch.float32).ok
+    # where the reference has it too, it is not an error
+    assert reference.max_abs_error(out, out.double()) == 0.0
+
+
+def test_poisoned_outputs_fill_new_tensors_with_nan():
+    was = torch.are_deterministic_algorithms_enabled()
+    with reference.poisoned_outputs():
+        fresh = torch.empty(16)
+        from_cxx = torch.empty_like(torch.zeros(3, 5).t())  # at::empty_strided
+    assert fresh.isnan().all() and from_cxx.isnan().all()
+    assert torch.are_deterministic_algorithms_enabled() == was
+
+
+# --------------------------------------------------------------------------------------------
+# Attention's output layout: torch.empty_like's order for an expanded or sliced query.
+
+
+def _layouts():
+    B, H, L, D = 2, 3, 5, 16
+    yield "heads broadcast", torch.randn(B, 1, L, D).expand(B, H, L, D)
+    yield "batch broadcast", torch.randn(1, H, L, D).expand(B, H, L, D)
+    yield "length broadcast", torch.randn(B, H, 1, D).expand(B, H, L, D)
+    yield "heads broadcast of (B, L, H, D)", torch.randn(B, L, 1, D).expand(B, L, H, D).transpose(1, 2)
+    yield "packed (B, L, 3, H, D)", torch.randn(B, L, 3, H, D)[:, :, 0].transpose(1, 2)
+    yield "packed (L, B, 3, H, D)", torch.randn(L, B, 3, H, D)[:, :, 0].permute(1, 2, 0, 3)
+    yield "sliced heads", torch.randn(B, 2 * H, L, D)[:, ::2]
+
+
+@pytest.mark.parametrize("backend", backend_params("torch", "cpu", "triton"))
+def test_attention_output_in_torchs_layout(backend):
+    device = require_backend(backend)
+    for name, q in _layouts():
+        q = q.to(device)
+        k, v = (torch.randn(2, 3, 7, 16, device=device) for _ in range(2))
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        got = tff.scaled_dot_product_attention(q, k, v, backend=backend)
+        assert got.stride() == torch.empty_like(q).stride(), (name, got.stride())
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_in_layout_of_is_empty_likes_order():
+    """Every (B, H, L) stride pattern of small sizes: sliced, permuted, broadcast, size 1; the
+    C++ twin (csrc/attention_cuda.h) through the cpu backend's outputs above."""
+    import itertools
+
+    count = 0
+    for sizes in itertools.product((1, 2, 3), repeat=3):
+        for perm in itertools.permutations(range(3)):
+            for gap, broadcast in itertools.product((1, 2), range(8)):
+                buf = torch.empty([sizes[p] for p in perm] + [gap, 4])[..., 0, :]
+                q = buf.permute(*[perm.index(i) for i in range(3)], 3)
+                shape = list(q.shape[:3])
+                for d in range(3):
+                    if broadcast >> d & 1:
+                        q, shape[d] = q.narrow(d, 0, 1), shape[d] + 1
+                q = q.expand(*shape, 4)
+                got, want = empty_in_layout_of(q, (*shape, 4)), torch.empty_like(q)
+                # (a dim of size 1 may have any stride: empty_like keeps q's for a dense q)
+                assert all(got.stride(d) == want.stride(d) for d in range(4) if q.shape[d] > 1), (
+                    sizes, perm, gap, broadcast, got.stride(), want.stride())
+                count += 1
+    assert count == 27 * 6 * 16

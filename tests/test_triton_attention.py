@@ -269,6 +269,35 @@ def test_packed_qkv_views(dtype):
     check_attention(wide[..., D:], k2, v2, None, None, False, context="cross")
 
 
+def test_packed_qkv_past_128_keys():
+    """Past 128 keys, backward's delta = rowsum(dO * O) has a kernel of its own: out laid out like
+    a packed q, (B, L, H, D), while dO is contiguous (B, H, L, D), so each is read through its own
+    strides (a mutant reading out with dO's strides passed every shorter packed case)."""
+    torch.manual_seed(14)
+    B, L, H, D = 1, 130, 2, 16
+    qkv = _randn(B, L, 3, H, D, dtype=F16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    out, *_ = check_attention(q, k, v, None, None, False, context="packed, Lk 130")
+    assert out.stride(2) != D  # out (B, L, H, D) in memory, not (B, H, L, D)
+
+
+def test_key_block_whose_only_valid_key_is_its_last():
+    """A key block is skipped in backward only when all of it is padding: one whose single valid
+    key is its last one (and a batch row with that key alone) is still visited."""
+    torch.manual_seed(15)
+    B, H, Lq, Lk, D = 2, 2, 5, 130, 16
+    q, k, v = make_qkv(B, H, H, Lq, Lk, D, F32)
+    kpm = torch.ones((B, Lk), dtype=torch.bool, device=DEVICE)
+    for last in (15, 31, 63, 127):  # the last key of a block for block sizes 16 ... 128
+        kpm[:, last] = False
+    kpm[1, 100:] = False
+    check_attention(q, k, v, None, kpm, False, context="last key of a block")
+    kpm = torch.ones((B, Lk), dtype=torch.bool, device=DEVICE)
+    kpm[0, 31] = False  # row 0: key 31 alone
+    kpm[1, 63:] = False
+    check_attention(q, k, v, None, kpm, False, context="one key in all")
+
+
 # ---------------------------------------------------------------------------------------------
 # Dropout
 

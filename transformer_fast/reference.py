@@ -262,7 +262,7 @@ def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     same_nonfinite = (out64.isnan() & ref64.isnan()) | (out64 == ref64)
     diff = (out64 - ref64).abs()
     diff = torch.where(same_nonfinite, torch.zeros_like(diff), diff)
-    diff = torch.nan_to_num(diff, nan=float("inf"))
+    diff = torch.nan_to_num(diff, nan=float("inf"), posinf=float("inf"))
     return float(diff.max())
 
 

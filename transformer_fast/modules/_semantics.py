@@ -3,7 +3,9 @@
 The modules must accept exactly what torch's accept and reject what torch's reject.  torch
 raises AssertionError / RuntimeError for malformed inputs; our project contract (DESIGN section 9)
 is ValueError / TypeError naming the argument.  The error classes below are both at once, so
-code written against either convention keeps working.
+code written against either convention keeps working, and of torch's class for the same input:
+AssertionError alone where torch's Python path asserts, RuntimeError alone where it raises one,
+both where torch's inference fast path (RuntimeError) or its Python path may run.
 
 Mask polarity: torch.nn's masks say True = NOT allowed (bool attn_mask) and True = padding (bool
 key_padding_mask); float masks are added.  The functional ops take SDPA polarity for attn_mask
@@ -22,7 +24,12 @@ from .. import backends
 
 class InputError(ValueError, AssertionError, RuntimeError):
     """A malformed module input (torch raises AssertionError for these on its slow path and
-    RuntimeError on its inference fast path, so it is both)."""
+    RuntimeError on its inference fast path, so it is both where either may run)."""
+
+
+class InputAssertionError(ValueError, AssertionError):
+    """An InputError where torch surely runs its slow path (training, batch_first=False, ...):
+    an AssertionError and not a RuntimeError, as torch's there."""
 
 
 class InputRuntimeError(ValueError, RuntimeError):
@@ -52,7 +59,8 @@ def layer_arguments(role: str):
     and the start of the message stay torch's."""
     try:
         yield
-    except (InputError, InputRuntimeError, LayerInputError, MaskTypeError) as exc:
+    except (InputError, InputAssertionError, InputRuntimeError, LayerInputError, MaskTypeError,
+            MaskRuntimeError) as exc:
         if len(exc.args) != 1 or not isinstance(exc.args[0], str) or role in exc.args[0]:
             raise
         raise type(exc)(f"{exc.args[0]} (in the layer's {role})").with_traceback(exc.__traceback__) from None
@@ -88,10 +96,23 @@ def check_layer_inputs(d_model: int | None, features: str = "d_model", **tensors
             )
 
 
-class MaskTypeError(TypeError, AssertionError, RuntimeError):
-    """A mask of a dtype torch rejects (neither bool nor floating point): AssertionError from
-    its mask checks, or RuntimeError where a stack's causal-mask detection meets it first (an
-    integer 3-D tgt_mask in TransformerDecoder)."""
+class MaskTypeError(TypeError, AssertionError):
+    """A mask of a dtype torch rejects (neither bool nor floating point), met by its mask checks
+    (``_canonical_mask``, before any fast path): AssertionError."""
+
+
+class MaskRuntimeError(TypeError, RuntimeError):
+    """Such a mask met first by a stack's causal-mask detection (TransformerDecoder's tgt_mask),
+    where torch fails building its comparison mask in the mask's dtype: RuntimeError."""
+
+
+def as_slow_path_error(exc: Exception, slow: bool) -> Exception:
+    """The error torch raises for ``exc``'s input: an InputError (both AssertionError and
+    RuntimeError) becomes an InputAssertionError where torch surely runs its slow path
+    (``slow``); anything else as is."""
+    if not (slow and isinstance(exc, InputError)):
+        return exc
+    return InputAssertionError(*exc.args).with_traceback(exc.__traceback__)
 
 
 def check_mask_kind(mask, name: str, other=None, other_name: str = "") -> None:
@@ -164,7 +185,7 @@ def seq_len(src: torch.Tensor, batch_first: bool) -> int | None:
     return src.shape[1 if batch_first else 0]
 
 
-def detect_is_causal_mask(mask, is_causal=None, size=None) -> bool:
+def detect_is_causal_mask(mask, is_causal=None, size=None, name: str = "mask") -> bool:
     """torch's ``_detect_is_causal_mask``: an explicit hint wins; with ``is_causal=None`` a mask
     equal to the square subsequent mask counts as causal.  Bool masks (True = not allowed) are
     compared with their float meaning, as torch compares them after ``_canonical_mask``.  Like
@@ -177,6 +198,10 @@ def detect_is_causal_mask(mask, is_causal=None, size=None) -> bool:
             # torch's own stacks do in training).  The hint only lets kernels skip tiles: the
             # mask itself is still applied, so the numbers do not change.
             return False
+        if mask.dtype != torch.bool and not torch.is_floating_point(mask):
+            # torch builds its comparison mask in the mask's dtype before comparing shapes:
+            # -inf does not fit an integer dtype (RuntimeError), whatever the mask's shape.
+            raise MaskRuntimeError(f"only bool and floating types of {name} are supported; got {mask.dtype}")
         sz = size if size is not None else mask.size(-2)
         if tuple(mask.shape) != (sz, sz):
             return False

@@ -41,6 +41,7 @@ from . import _lane
 from ._semantics import (
     InputError,
     InputRuntimeError,
+    as_slow_path_error,
     autocast_enabled,
     backend_for,
     check_float_kinds,
@@ -223,6 +224,31 @@ class MultiheadAttention(Module):
 
     def _checked_forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
                          average_attn_weights, is_causal):
+        try:
+            self._check_inputs(query, key, value, key_padding_mask, need_weights, attn_mask,
+                               is_causal)
+        except InputError as exc:
+            raise as_slow_path_error(exc, self._torch_surely_slow(query, key, value)) from None
+        return self._attend(query, key, value, key_padding_mask, need_weights, attn_mask,
+                            average_attn_weights, is_causal)
+
+    def _torch_surely_slow(self, query, key, value) -> bool:
+        """Whether torch's MultiheadAttention, and any layer fast path around it, surely runs
+        its Python slow path for this call (its input errors are then AssertionErrors): one of
+        the conditions every torch fast path (MHA's, the encoder layer's, the encoder's nested
+        one) refuses.  False where one may run (their RuntimeErrors: InputError is both)."""
+        params = (self.in_proj_weight, self.in_proj_bias, self.out_proj.weight, self.out_proj.bias)
+        return (not torch.backends.mha.get_fastpath_enabled() or self.training
+                or not self.batch_first or not isinstance(query, Tensor) or query.dim() != 3
+                or query is not key or key is not value or self.num_heads % 2 == 1
+                or not self._qkv_same_embed_dim or self.in_proj_bias is None
+                or torch.is_autocast_enabled()
+                or (torch.is_grad_enabled()
+                    and any(isinstance(t, Tensor) and t.requires_grad for t in (query, *params))))
+
+    def _check_inputs(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                      is_causal) -> None:
+        """torch's checks of MultiheadAttention's inputs, in its order."""
         check_mask_kind(key_padding_mask, "key_padding_mask", attn_mask, "attn_mask")
         check_mask_kind(attn_mask, "attn_mask")
         if isinstance(query, Tensor):
@@ -252,8 +278,6 @@ class MultiheadAttention(Module):
                 )
         _check_float_mask_dtype(attn_mask if use_attn_mask else None, key_padding_mask, query,
                                 need_weights)
-        return self._attend(query, key, value, key_padding_mask, need_weights, attn_mask,
-                            average_attn_weights, is_causal)
 
     def _lengths(self, query, key):
         """(batch size, query length, key length) of checked inputs."""

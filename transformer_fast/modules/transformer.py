@@ -795,6 +795,12 @@ class TransformerEncoder(Module):
                 # each row: its kept keys first, then padding
                 positions = torch.arange(keep.shape[-1], device=keep.device)
                 aligned = (keep == (positions < keep.sum(-1, keepdim=True))).all()
+            elif tuple(keep.shape) != tuple(src.shape[:2]):
+                # torch's left-alignment check fails on it first, with a RuntimeError
+                raise sem.InputRuntimeError(
+                    f"src_key_padding_mask must have shape {tuple(src.shape[:2])} (batch, source "
+                    f"length); got {tuple(keep.shape)}"
+                )
             elif not torch._nested_tensor_from_mask_left_aligned(src, keep):
                 return None
         if mask is not None or torch.is_autocast_enabled():
@@ -833,7 +839,7 @@ class TransformerDecoder(Module):
     ) -> Tensor:
         """torch.nn.TransformerDecoder.forward (``tgt_is_causal=None`` detects a causal tgt_mask)."""
         seq_len = sem.seq_len(tgt, self.layers[0].self_attn.batch_first)
-        tgt_is_causal = sem.detect_is_causal_mask(tgt_mask, tgt_is_causal, seq_len)
+        tgt_is_causal = sem.detect_is_causal_mask(tgt_mask, tgt_is_causal, seq_len, "tgt_mask")
 
         inputs = (tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask)
 
