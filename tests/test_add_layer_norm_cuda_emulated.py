@@ -196,6 +196,15 @@ def test_partials_over_many_rows_and_one_sm(as_cuda_backend):
     _check(300, 4099, torch.float16, prenorm=True)
 
 
+@pytest.mark.parametrize("sms", [2, 5])
+def test_dweight_partials_reach_every_reduce_lane(as_cuda_backend, sms):
+    """The second stage of dweight / dbias (reduce_cols_kernel) sums the partial rows lane by lane
+    (kRedY lanes); with 2 emulated SMs and at most ~9 rows no partial row past the 15th held data,
+    so a lane dropped from its sum went unseen: 40 rows per SM fill them all."""
+    as_cuda_backend.set_sms(sms)
+    _check(40 * sms, 48, torch.float32)
+
+
 @pytest.mark.parametrize("n, dtype, affine", [(64, torch.float16, True), (4099, torch.float32, False)],
                          ids=["reg-vectors", "loop-scalar"])
 def test_strided_dy_dh(emu, n, dtype, affine):

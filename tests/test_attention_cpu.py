@@ -647,6 +647,63 @@ def test_cuda_wgmma_dense_forward_emulated(cuda_emulation, case):
         _run_emulated(cuda_emulation, case)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("which", ["key_padding_mask", "attn_mask"])
+def test_cuda_masks_read_through_their_strides_emulated(cuda_emulation, dtype, which):
+    """A key_padding_mask sliced along the keys and a transposed float attn_mask (both reach the
+    launcher as views) give the bits of their contiguous copies, forward and backward: the mask
+    reads use the last-dim strides (every other case's masks have unit ones)."""
+    g = generator()
+    B, H, Lq, Lk, D = 2, 2, 33, 70, 64
+    q, k, v = (randn(B, H, n, D, dtype=dtype, g=g) for n in (Lq, Lk, Lk))
+    do = randn(B, H, Lq, D, dtype=dtype, g=g)
+    if which == "key_padding_mask":
+        kpm = (torch.rand(B, 2 * Lk, generator=g) < 0.3)[:, ::2]  # stride (2 Lk, 2)
+        strided, contiguous = (None, kpm), (None, kpm.contiguous())
+    else:
+        am = torch.randn(Lk, Lq, generator=g).t()  # (Lq, Lk), strides (1, Lq)
+        strided = (am.expand(B, H, Lq, Lk), None)
+        contiguous = (am.contiguous().expand(B, H, Lq, Lk), None)
+    assert next(m for m in strided if m is not None).stride(-1) != 1
+    runs = []
+    for mask, kpm in (strided, contiguous):
+        out, lse = cuda_emulation.fwd(q, k, v, mask, kpm, False, D ** -0.5, 0.0, None)
+        grads = cuda_emulation.bwd(do, q, k, v, out, lse, mask, kpm, False, D ** -0.5, 0.0, None)
+        runs.append((out, lse, *grads))
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
+
+
+def test_cuda_dense_switch_with_misaligned_keys_emulated(cuda_emulation):
+    """With the dense switch on but k's rows not 16-byte aligned, the generic kernels run their
+    kDense instantiations (no mask tensors), causal diagonal included: under the oracle."""
+    cuda_emulation.launched_kernels()
+    with _dense_forward(cuda_emulation):
+        _run_emulated(cuda_emulation, (1, 2, 2, 70, 67, 64, torch.float16, "misaligned_k+causal", 0.0))
+    assert "dkdv_dense_kernel" not in cuda_emulation.launched_kernels()
+
+
+@pytest.mark.parametrize("valid", [1, 129], ids=["key0", "key128"])
+def test_cuda_wgmma_padding_ending_at_a_tile_start_emulated(cuda_emulation, valid):
+    """Right padding whose last real key is the first of a 128-key tile (key 0, key 128): the
+    wgmma kernels' count of key tiles per row (wg_kpm_end) must still include that tile."""
+    g = generator()
+    B, H, Lq, Lk, D = 2, 2, 64, 200, 64
+    q, k, v = (randn(B, H, n, D, dtype=torch.float16, g=g) for n in (Lq, Lk, Lk))
+    do = randn(B, H, Lq, D, dtype=torch.float16, g=g)
+    kpm = torch.arange(Lk)[None, :] >= torch.tensor([valid, Lk])[:, None]
+    scale = D ** -0.5
+    with _wgmma_dense_forward(cuda_emulation):
+        out, lse = cuda_emulation.fwd(q, k, v, None, kpm, False, scale, 0.0, None)
+        grads = cuda_emulation.bwd(do, q, k, v, out, lse, None, kpm, False, scale, 0.0, None)
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    want = reference.scaled_dot_product_attention(*leaves, key_padding_mask=kpm, scale=scale)
+    want_grads = torch.autograd.grad(want, leaves, do.double())
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=0)
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=0)
+
+
 def test_cuda_wgmma_dense_forward_runs_emulated(cuda_emulation):
     """The switches reach the new kernel: its 128-key tiles round the online softmax differently
     from fwd_dense_kernel's 64-key ones, so the two outputs differ somewhere (both within the

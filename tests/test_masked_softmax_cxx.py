@@ -553,7 +553,8 @@ int64_t warp_items(int64_t lk) { return transformer_fast::warp_items(lk); }
 @pytest.fixture(scope="module")
 def cuda_emulation():
     return cuda_emulation_build("tf_masked_softmax_cuda_emu", _EMU_HARNESS,
-                                ("masked_softmax_cuda.cu", "masked_softmax.h", "ops.h", "philox.h"),
+                                ("masked_softmax_cuda.cu", "masked_softmax.h", "attention_cuda.h", "ops.h",
+                                 "philox.h"),
                                 ("fwd", "bwd", "warp_items"))
 
 
