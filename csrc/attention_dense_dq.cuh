@@ -17,10 +17,14 @@
 constexpr int kDenseDqBN = 32;  // keys per tile
 
 // Row i of head bh as the dense dQ kernels use it: lse times log2 e (+inf for a row past Lq or
-// whose lse is -inf, i.e. no key visible: P = 0 on the whole row) and delta (0 past Lq).
+// whose lse is -inf, i.e. no key visible: P = 0 on the whole row) and delta (0 past Lq).  A row
+// whose scores all saturated at +-FLT_MAX (dense_to_log2 of a huge float mask) had that lse; its
+// round trip through the natural-log store can land an ulp (2^104) inside, and exp2(s - lse2)
+// of the saturated scores would be inf: it is snapped back.
 __device__ __forceinline__ void dense_row_stats(const Params& p, int bh, int i, float& lse2, float& delta) {
   const float l = i < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + i] : -INFINITY;
-  lse2 = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  lse2 = l == -INFINITY ? INFINITY : dense_to_log2(l);
+  if (fabsf(lse2) >= 3.4028e38f && fabsf(lse2) != INFINITY) lse2 = copysignf(kFloatMax, lse2);
   delta = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
 }
 

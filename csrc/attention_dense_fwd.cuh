@@ -105,17 +105,27 @@ __device__ __forceinline__ float dense_masked(float x, bool edge, int j, int row
   return edge && (j >= Lk || (kCausal && j > row)) ? -INFINITY : x;
 }
 
+constexpr float kFloatMax = 3.402823466e+38f;
+
+// x * log2 e for x in natural units, a finite x saturating at +-FLT_MAX instead of overflowing
+// to +-inf (kernels/attention.py's _to_log2): a row masked with a huge finite float bias
+// (torch.finfo(dtype).min) stays finite and uniform, as torch's, instead of dead.
+__device__ __forceinline__ float dense_to_log2(float x) {
+  const float y = x * 1.4426950408889634f;
+  return fabsf(x) <= kFloatMax ? fminf(fmaxf(y, -kFloatMax), kFloatMax) : y;
+}
+
 // attn_mask (p.am, read through its strides) applied to the base-2 score x of (query i, key j)
 // of head (b, h), i < Lq and j < Lk: a bool mask's False gives -inf, a float mask is added
-// (times log2 e, the scores' unit).  The type switch is uniform over the grid.
+// (times log2 e, the scores' unit; fp16 cannot overflow there).  The type switch is uniform over
+// the grid.
 __device__ __forceinline__ float dense_attn_masked(const Params& p, float x, int b, int h, int i, int j) {
   const int64_t off = b * p.am_sb + h * p.am_sh + static_cast<int64_t>(i) * p.am_sm + static_cast<int64_t>(j) * p.am_sn;
-  constexpr float kLog2e = 1.4426950408889634f;
   switch (p.am_type) {
     case kMaskBool: return static_cast<const bool*>(p.am)[off] ? x : -INFINITY;
-    case kMaskHalf: return x + __half2float(static_cast<const __half*>(p.am)[off]) * kLog2e;
-    case kMaskBf16: return x + __bfloat162float(static_cast<const __nv_bfloat16*>(p.am)[off]) * kLog2e;
-    default: return x + static_cast<const float*>(p.am)[off] * kLog2e;
+    case kMaskHalf: return x + __half2float(static_cast<const __half*>(p.am)[off]) * 1.4426950408889634f;
+    case kMaskBf16: return x + dense_to_log2(__bfloat162float(static_cast<const __nv_bfloat16*>(p.am)[off]));
+    default: return x + dense_to_log2(static_cast<const float*>(p.am)[off]);
   }
 }
 

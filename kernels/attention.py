@@ -160,6 +160,16 @@ def _exp_sub(s, m, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _to_log2(x):
+    """x * log2(e) for x in natural units, a finite x saturating at +-FLT_MAX rather than
+    overflowing to +-inf: a finite float mask past FLT_MAX / log2(e) (torch.finfo(dtype).min, the
+    usual "masked" bias) then leaves its row finite and uniform, as torch's, instead of dead."""
+    y = x * 1.4426950408889634
+    return tl.where(tl.abs(x) <= 3.4028234663852886e38,
+                    tl.minimum(tl.maximum(y, -3.4028234663852886e38), 3.4028234663852886e38), y)
+
+
+@triton.jit
 def _mask_scores(s, om, on, Lq, Lk, AMh, s_amm, s_amn, KPMb, s_kpn,
                  BOUNDS: tl.constexpr, CAUSAL: tl.constexpr,
                  MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, OFF64: tl.constexpr,
@@ -176,7 +186,7 @@ def _mask_scores(s, om, on, Lq, Lk, AMh, s_amm, s_amn, KPMb, s_kpn,
         if PRECISE:
             s = s + am.to(tl.float32)
         else:
-            s = s + am.to(tl.float32) * 1.4426950408889634
+            s = s + _to_log2(am.to(tl.float32))
     if MASK_KIND == 1:  # bool (as uint8), True = takes part
         am = tl.load(am_ptrs, mask=(om < Lq) & (on < Lk), other=0)
         s = tl.where(am != 0, s, float("-inf"))
@@ -457,7 +467,12 @@ def _load_lse(LSEh, offs, ok, PRECISE: tl.constexpr):
     # recomputed probabilities exp(s - lse) are exactly 0.
     lse = tl.load(LSEh + offs, mask=ok, other=float("-inf"))
     if not PRECISE:
-        lse = lse * 1.4426950408889634
+        lse = _to_log2(lse)
+        # A row whose scores all saturated at +-FLT_MAX (_to_log2 of a huge float mask) had that
+        # lse; its round trip through the natural-log store can land an ulp (2^104) inside,
+        # and exp2(s - lse) of the saturated scores would then be inf: snap it back.
+        saturated = (tl.abs(lse) >= 3.4028e38) & (tl.abs(lse) != float("inf"))
+        lse = tl.where(saturated, tl.where(lse > 0, 3.4028234663852886e38, -3.4028234663852886e38), lse)
     return tl.where(lse == float("-inf"), float("inf"), lse)
 
 

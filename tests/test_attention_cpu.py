@@ -704,6 +704,44 @@ def test_cuda_wgmma_padding_ending_at_a_tile_start_emulated(cuda_emulation, vali
         torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cuda_dense_huge_finite_float_mask_emulated(cuda_emulation, mask_dtype):
+    """A float mask of torch.finfo(dtype).min on every key of a row leaves it uniform, as
+    torch's, in the dense kernels' log2 domain (saturated at +-FLT_MAX, not -inf), and the
+    backward finite (the lse's round trip snapped back); +-3e38 biases likewise.  Such a row's
+    own gradient is not exact (its fp32 lse absorbs log l, as any fp32 flash backward's, torch's
+    CPU SDPA included): its upstream gradient is 0 here, as for padded queries whose loss is
+    masked, and everything else is under the oracle."""
+    g = generator()
+    B, H, Lq, Lk, D = 1, 2, 40, 67, 64
+    q, k, v = (randn(B, H, n, D, dtype=torch.bfloat16, g=g) for n in (Lq, Lk, Lk))
+    do = randn(B, H, Lq, D, dtype=torch.bfloat16, g=g)
+    do[:, :, [0, 2, 4]] = 0
+    big = torch.finfo(mask_dtype).max
+    am = torch.randn(Lq, Lk, generator=g).to(mask_dtype)
+    am[0], am[1, 3], am[3, 7], am[4] = -big, -big, big, big
+    am[2] = -3e38 if mask_dtype == torch.float32 else -big
+    mask = am.expand(B, H, Lq, Lk)
+    scale = D ** -0.5
+    cuda_emulation.launched_kernels()
+    with _dense_forward(cuda_emulation):
+        out, lse = cuda_emulation.fwd(q, k, v, mask, None, False, scale, 0.0, None)
+        grads = cuda_emulation.bwd(do, q, k, v, out, lse, mask, None, False, scale, 0.0, None)
+    assert {"fwd_dense_kernel", "dq_dense_kernel", "dkdv_dense_kernel"} <= set(cuda_emulation.launched_kernels())
+
+    def run(cast):
+        leaves = [cast(t).detach().requires_grad_(True) for t in (q, k, v)]
+        o = reference.scaled_dot_product_attention(*leaves, attn_mask=cast(mask), scale=scale)
+        return [o] + list(torch.autograd.grad(o, leaves, cast(do)))
+
+    want64, want_lp = run(lambda t: t.double()), run(lambda t: t)
+    results = [reference.oracle_compare(name, got, lp, r64, torch.bfloat16) for name, got, lp, r64
+               in zip(("out", "dq", "dk", "dv"), (out, *grads), want_lp, want64)]
+    reference.assert_oracle(results, "finfo mask, dense kernels")
+    torch.testing.assert_close(out[0, :, 0].float(), v[0].float().mean(1), atol=2e-2, rtol=0)
+    assert all(t.isfinite().all() for t in (out, *grads))
+
+
 def test_cuda_wgmma_dense_forward_runs_emulated(cuda_emulation):
     """The switches reach the new kernel: its 128-key tiles round the online softmax differently
     from fwd_dense_kernel's 64-key ones, so the two outputs differ somewhere (both within the

@@ -233,3 +233,225 @@ def test_empty_in_layout_of_is_empty_likes_order():
                     sizes, perm, gap, broadcast, got.stride(), want.stride())
                 count += 1
     assert count == 27 * 6 * 16
+
+
+# --------------------------------------------------------------------------------------------
+# torch 2.11 (the GPU machines' version): its dynamo cannot trace torch.amp.is_autocast_available
+# nor read a walrus target inside a generator expression; both broke every fullgraph compile of
+# the layers there while torch 2.14 (CI) traced them.  CI cannot run 2.11: these pin the idioms.
+
+
+def test_layers_never_ask_is_autocast_available_for_cpu(monkeypatch):
+    def refuse(device_type):
+        raise AssertionError(f"is_autocast_available({device_type!r}) called (torch 2.11's dynamo cannot trace it)")
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", refuse)
+    torch.manual_seed(0)
+    model = tf.Transformer(16, 2, 1, 1, 32, dropout=0.1, batch_first=True)
+    src, tgt = torch.randn(2, 5, 16), torch.randn(2, 4, 16)
+    model(src, tgt, tgt_mask=model.generate_square_subsequent_mask(4)).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        model(src, tgt, src_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
+    tf.MultiheadAttention(16, 2)(src, src, src)
+
+
+def test_no_walrus_inside_a_comprehension():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(tf.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)):
+                if any(isinstance(inner, ast.NamedExpr) for inner in ast.walk(node)):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, found
+
+
+# --------------------------------------------------------------------------------------------
+# torch.nn.attention.bias.CausalBias as attn_mask (torch's SDPA takes it through
+# __torch_function__; ours read its uninitialised storage as a float mask).
+
+
+@pytest.mark.parametrize("backend", backend_params("reference", "torch", "cpu", "triton"))
+@pytest.mark.parametrize("lengths", [(4, 6), (6, 4), (5, 5)], ids=str)
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+def test_causal_bias_as_attn_mask(backend, lengths, variant):
+    from torch.nn.attention import bias as attn_bias
+
+    device = require_backend(backend)
+    lq, lk = lengths
+    make = getattr(attn_bias, f"causal_{variant}")
+    q, k, v = (torch.randn(2, 2, n, 16, device=device, requires_grad=True) for n in (lq, lk, lk))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=make(lq, lk))
+    got = tff.scaled_dot_product_attention(q, k, v, attn_mask=make(lq, lk), backend=backend)
+    live = ~want.isnan().any(-1, keepdim=True)  # torch: NaN where a row sees no key; ours 0
+    torch.testing.assert_close(got * live, torch.nan_to_num(want) * live, atol=1e-5, rtol=1e-5)
+    assert (got[~live.expand_as(got)] == 0).all()
+    grads = torch.autograd.grad((got * live).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((torch.nan_to_num(want) * live).sum(), (q, k, v))
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, torch.nan_to_num(b), atol=1e-5, rtol=1e-5)
+
+
+def test_causal_bias_errors():
+    from torch.nn.attention.bias import causal_lower_right
+
+    q = torch.randn(1, 2, 4, 16)
+    k = torch.randn(1, 2, 6, 16)
+    with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+        tff.scaled_dot_product_attention(q, k, k, attn_mask=causal_lower_right(4, 6), is_causal=True)
+    with pytest.raises(ValueError, match="attn_mask"):
+        tff.scaled_dot_product_attention(q, k, k, attn_mask=causal_lower_right(4, 7))
+
+
+# --------------------------------------------------------------------------------------------
+# From the mutation round 5b (audit 28): masked_softmax's second derivative with dropout, and
+# the survivors' killing tests.
+
+
+@pytest.mark.parametrize("backend", backend_params("reference", "cpu", "triton"))
+@pytest.mark.parametrize("create_graph", [False, True], ids=["plain", "recorded"])
+def test_masked_softmax_second_derivative_with_dropout(backend, create_graph):
+    """With dropout the op's pre-dropout probabilities are an output that the recorded first
+    derivative reads, so a second derivative reaches them as their gradient: the plain second
+    call (create_graph=False) dropped it (exactly 0 where float64 gives ~0.2)."""
+    require_backend(backend)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    scores = torch.randn(2, 3, 6, 9, generator=g)
+    mask = torch.rand(6, 9, generator=g) < 0.7
+    p, scale = 0.3, 0.7
+    x = scores.clone().requires_grad_()
+    out = tff.masked_softmax(x, mask, scale=scale, is_causal=True, dropout_p=p, backend=backend)
+    keep = out.detach() != 0  # the dropout mask, read off the output
+    u, w = (torch.randn(out.shape, generator=g) for _ in range(2))
+    (first,) = torch.autograd.grad(out, x, u, create_graph=True)
+    (second,) = torch.autograd.grad((first * w).sum(), x, create_graph=create_graph)
+    x64 = scores.double().requires_grad_()
+    ref = reference.masked_softmax(x64, mask, scale, True, p, keep)
+    (first64,) = torch.autograd.grad(ref, x64, u.double(), create_graph=True)
+    (second64,) = torch.autograd.grad((first64 * w.double()).sum(), x64)
+    torch.testing.assert_close(first.detach().double(), first64.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(second.detach().double(), second64, rtol=1e-4, atol=1e-5)
+    assert second64.abs().max() > 1e-2
+
+
+def test_oracle_upstream_gradient_is_not_uniform():
+    """Under a ones upstream gradient softmax's exact gradient is 0 (rows sum to 1): a kernel
+    whose backward returns zeros would pass.  run_oracle's must be random."""
+    results = reference.run_oracle(
+        lambda x: torch.softmax(x.detach(), dim=-1) + 0.0 * x,  # no gradient through softmax
+        lambda x: torch.softmax(x, dim=-1), {"x": torch.randn(4, 9)}, grad_names=("x",), seed=0)
+    assert [r.ok for r in results] == [True, False], results
+
+
+def test_oracle_counts_an_infinity_of_the_wrong_sign():
+    ref = torch.tensor([0.0, float("-inf")], dtype=torch.float64)
+    assert reference.max_abs_error(torch.tensor([0.0, float("inf")]), ref) == float("inf")
+    assert reference.max_abs_error(torch.tensor([0.0, float("-inf")]), ref) == 0.0
+
+
+@pytest.mark.parametrize("backend", backend_params("cpu", "triton"))
+def test_kv_cache_op_fake_kernel_takes_the_value_head_dim(backend):
+    require_backend(backend)
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, L, Lmax, D, Dv = 2, 2, 1, 1, 12, 16, 32
+    q = torch.randn(B, H, L, D, generator=g)
+    k_cache, v_cache = torch.randn(B, Hkv, Lmax, D, generator=g), torch.randn(B, Hkv, Lmax, Dv, generator=g)
+    k_new, v_new = torch.randn(B, Hkv, L, D, generator=g), torch.randn(B, Hkv, L, Dv, generator=g)
+    lengths = torch.tensor([0, 9], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.transformer_fast.attention_with_kv_cache,
+                          (q, k_cache, v_cache, lengths, k_new, v_new, 0.25, False, backend))
+
+
+@pytest.mark.parametrize("backend", backend_params("reference", "cpu", "triton"))
+def test_float32_key_padding_mask_keeps_its_precision_with_half_queries(backend):
+    """A float32 key_padding_mask near -1e5 on every key (a shift, which softmax ignores) with
+    fp16 q / k / v is added in float32, as a float32 attn_mask is: rounded to fp16 it would be
+    -inf and every row dead."""
+    require_backend(backend)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    q, k, v = (torch.randn(2, 2, 5, 16, generator=g) for _ in range(3))
+    kpm = torch.full((2, 5), -1e5) + torch.randn(2, 5, generator=g)
+    want = reference.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                  key_padding_mask=kpm.double())
+    got = tff.scaled_dot_product_attention(q.half(), k.half(), v.half(), key_padding_mask=kpm,
+                                           backend=backend)
+    assert got.abs().max() > 0.1
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
+
+
+def test_cached_decoding_with_a_tanh_gelu_activation():
+    """A decoder layer whose activation is nn.GELU(approximate="tanh"): the cached step uses
+    gelu_tanh, not the exact gelu, so its logits equal the uncached decoder's."""
+    from transformer_fast.models import Seq2SeqTransformer
+    from transformer_fast.models.decoding import CachedStepper, UncachedStepper, _inference
+
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(19, 19, d_model=32, nhead=2, num_encoder_layers=1,
+                               num_decoder_layers=2, dim_feedforward=64, dropout=0.0).eval()
+    for layer in model.decoder.layers:
+        layer.activation = torch.nn.GELU(approximate="tanh")
+        with torch.no_grad():
+            layer.linear1.weight.mul_(8.0)  # wide pre-activations: the two gelus differ by ~1e-4
+    src = torch.randint(3, 19, (3, 6))
+    with _inference(model, src.device):
+        memory, padding = model.encode(src)
+        cached = CachedStepper(model, memory, padding, 5)
+        plain = UncachedStepper(model, memory, padding, 5)
+        tokens = torch.full((3,), 1)
+        for _ in range(4):
+            a, b = cached(tokens), plain(tokens)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+            tokens = b.argmax(-1).clamp(min=3)
+
+
+def test_beam_keeps_k_live_beams_when_two_candidates_end_in_eos(monkeypatch):
+    """Step 2's best candidates: "a a" -1.386, "a eos" -1.492, "b eos" -1.533, "b a" -1.554.
+    Two of the top k + 1 end in eos, so the two live beams are "a a" and "b a", which only the
+    2k candidates reach; "b a eos" (-1.584 / 3) then beats "a eos" (-1.492 / 2)."""
+    import math
+
+    from transformer_fast.models import decoding
+
+    pad, bos, eos, a, b, z = range(6)
+    table = {
+        (): {a: 0.5, b: 0.45, z: 0.04, eos: 0.01},
+        (a,): {a: 0.5, eos: 0.45, b: 0.025, z: 0.025},
+        (b,): {eos: 0.48, a: 0.47, z: 0.05},
+        (a, a): {eos: 0.25, a: 0.25, b: 0.25, z: 0.25},
+        (b, a): {eos: 0.97, a: 0.01, b: 0.01, z: 0.01},
+    }
+
+    class Stub(torch.nn.Module):
+        src_vocab_size = tgt_vocab_size = 6
+        pad_id, bos_id, eos_id = pad, bos, eos
+
+        def __init__(self):
+            super().__init__()
+            self.generator = torch.nn.Linear(1, 6)
+
+        def encode(self, src):
+            return torch.zeros(src.shape[0], 1, 4), torch.zeros(src.shape[0], 1, dtype=torch.bool)
+
+    class Scripted:  # log-probabilities by prefix, in place of the model's decoder
+        def __init__(self, model, memory, src_padding, max_len, use_cache, cuda_graph=False):
+            self.prefix = [[] for _ in range(memory.shape[0])]
+
+        def __call__(self, tokens):
+            rows = []
+            for i, t in enumerate(tokens.tolist()):
+                if t != bos:
+                    self.prefix[i].append(t)
+                probs = table.get(tuple(self.prefix[i]), {eos: 0.25, a: 0.25, b: 0.25, z: 0.25})
+                rows.append([math.log(probs[v]) if probs.get(v, 0) > 0 else -math.inf for v in range(6)])
+            return torch.tensor(rows)
+
+        def reorder(self, index):
+            self.prefix = [list(self.prefix[i]) for i in index.tolist()]
+
+    monkeypatch.setattr(decoding, "_stepper", Scripted)
+    out = decoding.beam_search(Stub(), torch.tensor([[3, 4]]), beam_size=2, max_len=3, length_penalty=1.0)
+    assert out.tolist() == [[b, a, eos]]

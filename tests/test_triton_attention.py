@@ -298,6 +298,67 @@ def test_key_block_whose_only_valid_key_is_its_last():
     check_attention(q, k, v, None, kpm, False, context="one key in all")
 
 
+@pytest.mark.parametrize("dtype,mask_dtype", [(BF16, F32), (BF16, BF16), (F16, F32)])
+def test_huge_finite_float_mask(dtype, mask_dtype):
+    """A float mask of torch.finfo(dtype).min (the usual "masked" bias) on every key of a row
+    leaves that row uniform, as torch's, not dead: in the 16-bit kernels' log2 domain such a
+    bias saturates at +-FLT_MAX instead of overflowing to -inf; +-3e38 biases likewise."""
+    torch.manual_seed(16)
+    B, H, Lq, Lk, D = 2, 2, 6, 40, 32
+    q, k, v = make_qkv(B, H, H, Lq, Lk, D, dtype)
+    big = torch.finfo(mask_dtype).max
+    am = torch.randn(Lq, Lk, device=DEVICE).to(mask_dtype)
+    am[0] = -big  # a row of finfo.min only
+    am[1, 3] = -big  # one key of a row
+    am[2] = -3e38 if mask_dtype == F32 else -big
+    am[3, 7] = big  # one key dominating its row
+    am[4] = big  # every key at the top
+    out, *_ = check_attention(q, k, v, am.expand(B, H, Lq, Lk), None, False, context="finfo mask")
+    torch.testing.assert_close(out[:, :, 0].float(), v.float().mean(2), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "dq_kernel"])
+def test_one_visible_key_past_128_keys(deterministic):
+    """Every query sees one key (p = 1 exactly): past 128 keys delta comes from rowsum(dO * O),
+    whose rounding differs from rowsum(p * dp), so the exact-zero dq and dk rest on the p = 1
+    case of both backward paths (deterministic algorithms take the dq kernel, else atomics)."""
+    torch.manual_seed(17)
+    B, H, Lq, Lk, D = 1, 2, 64, 200, 64
+    q = _randn(B, H, Lq, D, dtype=F16) * 4
+    k = _randn(B, H, Lk, D, dtype=F16) * 4
+    v = _randn(B, H, Lk, D, dtype=F16) * 1000
+    kpm = torch.ones((B, Lk), dtype=torch.bool, device=DEVICE)
+    kpm[0, 150] = False
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        check_attention(q, k, v, None, kpm, False, context="one visible key")
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_short_peaked_rows_take_the_exact_delta():
+    """Rows of a few keys with a peaked softmax (scale 1, D 128): delta = rowsum(dO * O) from
+    the 16-bit O misses the oracle in ~20% of draws (up to 4.4x); short rows take rowsum(p * dp)."""
+    for seed in range(20):
+        torch.manual_seed(1000 + seed)
+        for dtype in (F16, BF16):
+            q, k, v = make_qkv(1, 1, 1, 4, 3, 128, dtype)
+            check_attention(q, k, v, None, None, False, scale=1.0, context=f"draw {seed}")
+
+
+def test_atomic_dq_under_a_large_negative_float_mask():
+    """The atomic-dq path's keys past Lk (k = v = 0, mask 0: s = 0) against an lse near -200
+    (a finite mask of -200 on every key): exp(0 - lse) = inf there, so their ds must be zeroed
+    before ds^T k, or dq turns NaN."""
+    torch.manual_seed(18)
+    B, H, Lq, Lk, D = 1, 2, 20, 150, 32
+    q, k, v = make_qkv(B, H, H, Lq, Lk, D, F16)
+    am = (torch.randn(B, H, Lq, Lk, device=DEVICE) - 200.0).to(F16)
+    assert attention._atomic_dq(attention._Common(q, k, v, am, None, False, D ** -0.5, 0.0, None, False), F16)
+    check_attention(q, k, v, am, None, False, context="mask near -200, atomic dq")
+
+
 # ---------------------------------------------------------------------------------------------
 # Dropout
 

@@ -506,3 +506,16 @@ def test_oracle_grid_slow(kind, lk, dtype):
     scores = _scores((B, H, Lq, lk), dtype, g)
     mask, causal = _mask_for(kind, B, H, Lq, lk, g, dtype)
     _oracle(scores, mask, scale=0.4, causal=causal, p=0.15, noncontig=True, context=f"{kind} seed={seed}")
+
+
+def test_looped_row_of_large_negative_scores(monkeypatch):
+    """Looped path with 3 splits per row (a masked fourth partial): every score near -300 (a
+    finite float mask; softmax ignores the shift).  A masked partial's max must not count as 0,
+    or exp(-300 - 0) underflows and the row comes out 0."""
+    _force_loop(monkeypatch, 64, max_splits=3)
+    g, seed = _gen()
+    scores = torch.randn(1, 2, 3, 150, generator=g).to(DEVICE)
+    mask = (torch.randn(1, 2, 3, 150, generator=g) - 300.0).to(DEVICE)
+    plan = K._plan(6, 150, K.FWD_MAX_FUSED, scores.device)
+    assert plan[0] == "looped" and plan[1] == 3, plan
+    _oracle(scores, mask, context=f"scores near -300, looped, seed {seed}")

@@ -23,7 +23,8 @@ def cmd_info(args) -> int:
     print(f"python     {platform.python_version()}")
     print(f"torch      {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
     ok, why = backends.triton_status()
-    print(f"triton     {why}{' [TRITON_INTERPRET=1]' if backends.triton_interpreting() else ''}")
+    version = why.removeprefix("triton ") if ok else why
+    print(f"triton     {version}{' [TRITON_INTERPRET=1]' if backends.triton_interpreting() else ''}")
     ok, why = backends.extension_status()
     print(f"_C         {why}")
     if ok:

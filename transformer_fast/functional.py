@@ -537,6 +537,35 @@ def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale,
     return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
 
 
+def _is_causal_bias(attn_mask) -> bool:
+    if not isinstance(attn_mask, torch.Tensor) or type(attn_mask) is torch.Tensor:
+        return False
+    try:
+        from torch.nn.attention.bias import CausalBias
+    except ImportError:  # (torch without it cannot make one)
+        return False
+    return isinstance(attn_mask, CausalBias)
+
+
+def _from_causal_bias(bias, is_causal, query, key):
+    """torch.nn.attention.bias.CausalBias as (attn_mask, is_causal): torch's SDPA takes it as its
+    attn_mask (through __torch_function__).  Upper left is is_causal; lower right (the diagonal
+    ending at the last query and key) is that too when Lq == Lk, else its bool mask."""
+    from torch.nn.attention.bias import CausalVariant
+
+    if is_causal:
+        raise ArgumentValueError("CausalBias should not be used with causal=True (attn_mask is a "
+                                 "CausalBias: it says the causal variant itself)")
+    lq, lk = (t.shape[-2] if isinstance(t, torch.Tensor) and t.dim() >= 2 else None for t in (query, key))
+    if (bias.seq_len_q, bias.seq_len_kv) != (lq, lk):
+        raise ArgumentValueError(
+            f"attn_mask: a CausalBias for {bias.seq_len_q} queries and {bias.seq_len_kv} keys; "
+            f"query and key have {lq} and {lk}")
+    if bias.variant == CausalVariant.UPPER_LEFT or lq == lk:
+        return None, True
+    return bias._materialize(query.device), False  # (Lq, Lk) bool, True = takes part
+
+
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     enable_gqa=False, *, key_padding_mask=None, backend=None,
@@ -558,7 +587,8 @@ def scaled_dot_product_attention(
         attn_mask: broadcastable to the scores (..., Hq, Lq, Lk), e.g. (Lq, Lk), (B, 1, Lq, Lk)
             or (B, Hq, Lq, Lk).  torch SDPA polarity: bool True = the key TAKES PART (False
             removes it); a float mask (query's dtype or float32) is ADDED to the scaled scores
-            (-inf removes the key).
+            (-inf removes the key).  A torch.nn.attention.bias.CausalBias (causal_upper_left /
+            causal_lower_right) works as with torch's SDPA.
         dropout_p: probability of dropping an attention probability, in [0, 1); applied
             whenever > 0 (pass 0.0 in eval mode, as with torch's function).
         is_causal: mask key j > query i, top-left aligned as torch SDPA (also when Lq != Lk).
@@ -578,6 +608,8 @@ def scaled_dot_product_attention(
     Raises:
         TypeError / ValueError naming the argument for any malformed input, before computing.
     """
+    if _is_causal_bias(attn_mask):
+        attn_mask, is_causal = _from_causal_bias(attn_mask, is_causal, query, key)
     if all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (query, key, value)):
         # (L, D) inputs, which torch's SDPA also takes: one sequence without heads.
         if isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dim() == 1:

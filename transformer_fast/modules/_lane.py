@@ -34,6 +34,7 @@ import torch
 from torch.nn.modules import module as _module
 
 from .. import backends
+from . import _semantics as sem
 
 # Plans kept per layer: a few signatures (e.g. train and eval, two sequence lengths) at once.
 _MAX_PLANS = 8
@@ -203,7 +204,7 @@ def signature(layer, tensors, flags) -> tuple | None:
     device_type = tensors[0].device.type  # (a plain strided tensor: _tensor_key passed it)
     key.append(flags)
     key.append(grad)
-    key.append(torch.is_autocast_enabled(device_type) if torch.amp.is_autocast_available(device_type) else None)
+    key.append(sem.autocast_enabled(device_type))
     key.append(torch.is_autocast_enabled())  # CUDA's, which the encoder's torch mimicry reads
     key.append(backends.requested_backend())
     key.append(_triton_interpret_flag())

@@ -216,7 +216,10 @@ def detect_is_causal_mask(mask, is_causal=None, size=None, name: str = "mask") -
 def autocast_enabled(device_type: str) -> bool:
     """torch.is_autocast_enabled(device_type), False for a device type autocast does not know
     (meta: torch's modules run there, shapes only; torch.is_autocast_enabled("meta") raises)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    # (cpu / cuda answered without is_autocast_available: torch 2.11's dynamo cannot trace it)
+    if device_type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device_type):
+        return False
+    return torch.is_autocast_enabled(device_type)
 
 
 def fused_activation(activation) -> str | None:

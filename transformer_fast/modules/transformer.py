@@ -151,7 +151,9 @@ class _FusedFFN:
             return False
         # Not a plain Dropout, or one that drops everything (p = 1: the functional ops take
         # [0, 1); torch's Dropout zeroes the branch, which the unfused blocks then do).
-        if not all((p := sem.dropout_p(d)) is not None and p < 1.0 for d in dropouts):
+        # (a list first: torch 2.11's dynamo cannot read a walrus target inside a generator)
+        rates = [sem.dropout_p(d) for d in dropouts]
+        if not all(p is not None and p < 1.0 for p in rates):
             return False
         if not all(_norm_fusable(n, x) for n in norms):
             return False

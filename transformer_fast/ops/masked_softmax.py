@@ -91,15 +91,19 @@ def _recorded_backward(dout, dprobs, probs, rng, scale, dropout_p):
     """create_graph=True: softmax's backward in differentiable torch ops (fp32) from the saved
     probabilities, an output of this op; so a second derivative flows through them back into
     this formula as ``dprobs``, which it adds to the dropped-out upstream gradient."""
-    p = probs.float()
     g = dout.float()
     if dropout_p > 0.0:
         keep = philox.dropout_keep_mask(rng, probs.shape, dropout_p)
         g = g * keep / (1.0 - dropout_p)
     if dprobs is not None and dprobs.numel() == probs.numel():
         g = g + dprobs.float()
-    dscores = scale * p * (g - (g * p).sum(dim=-1, keepdim=True))
-    return dscores.to(probs.dtype), None, None, None, None, None, None
+    return _softmax_backward_of(g, probs, scale).to(probs.dtype), None, None, None, None, None, None
+
+
+def _softmax_backward_of(dprobs, probs, scale):
+    """softmax's backward of a gradient reaching the probabilities themselves (fp32)."""
+    p, g = probs.float(), dprobs.float()
+    return scale * p * (g - (g * p).sum(dim=-1, keepdim=True))
 
 
 def _backward(ctx, dout, dprobs):
@@ -110,6 +114,11 @@ def _backward(ctx, dout, dprobs):
     if recording_backward():
         return _recorded_backward(dout, dprobs, probs, rng, scale, dropout_p)
     dscores = call(masked_softmax_bwd, _masked_softmax_bwd_impl, dout, probs, scale, dropout_p, rng, backend)
+    if dprobs is not None and dprobs.numel() == probs.numel():
+        # probs is an output only with dropout, where a recorded first derivative reads it: a
+        # second derivative taken without create_graph arrives here as dprobs (the backward is
+        # linear in the upstream gradient, so its part adds to the kernel's).
+        dscores = (dscores.float() + _softmax_backward_of(dprobs, probs, scale)).to(dscores.dtype)
     return dscores, None, None, None, None, None, None
 
 
