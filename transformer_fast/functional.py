@@ -14,6 +14,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _checks, backends, masks, philox, reference
 from ._checks import ArgumentTypeError, ArgumentValueError
@@ -537,22 +538,10 @@ def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale,
     return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
 
 
-def _is_causal_bias(attn_mask) -> bool:
-    if not isinstance(attn_mask, torch.Tensor) or type(attn_mask) is torch.Tensor:
-        return False
-    try:
-        from torch.nn.attention.bias import CausalBias
-    except ImportError:  # (torch without it cannot make one)
-        return False
-    return isinstance(attn_mask, CausalBias)
-
-
 def _from_causal_bias(bias, is_causal, query, key):
     """torch.nn.attention.bias.CausalBias as (attn_mask, is_causal): torch's SDPA takes it as its
     attn_mask (through __torch_function__).  Upper left is is_causal; lower right (the diagonal
     ending at the last query and key) is that too when Lq == Lk, else its bool mask."""
-    from torch.nn.attention.bias import CausalVariant
-
     if is_causal:
         raise ArgumentValueError("CausalBias should not be used with causal=True (attn_mask is a "
                                  "CausalBias: it says the causal variant itself)")
@@ -608,7 +597,7 @@ def scaled_dot_product_attention(
     Raises:
         TypeError / ValueError naming the argument for any malformed input, before computing.
     """
-    if _is_causal_bias(attn_mask):
+    if isinstance(attn_mask, CausalBias):
         attn_mask, is_causal = _from_causal_bias(attn_mask, is_causal, query, key)
     if all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (query, key, value)):
         # (L, D) inputs, which torch's SDPA also takes: one sequence without heads.

@@ -110,6 +110,8 @@ def _backward(ctx, dout, dprobs):
     probs, rng = ctx.saved_tensors
     scale, dropout_p, backend = ctx.flags
     if dout is None:  # only probs was differentiated (a second derivative through it)
+        if not recording_backward():  # (no kernel pass over a zero upstream gradient)
+            return _softmax_backward_of(dprobs, probs, scale).to(probs.dtype), None, None, None, None, None, None
         dout = torch.zeros_like(probs)
     if recording_backward():
         return _recorded_backward(dout, dprobs, probs, rng, scale, dropout_p)
