@@ -337,6 +337,9 @@ def not_supported_reasons(backend: str, op: str, inputs: Mapping[str, object]) -
             return [f"{backend} has no rules for torch.func's differentiating transforms or forward-mode "
                     "AD (grad, vjp, jvp, also under vmap, gave wrong or no results): torch and reference "
                     "run them"]
+        if onnx_exporting():
+            return [f"{backend}'s kernels are not ONNX operators: under torch.onnx.export the torch and "
+                    "reference backends record torch's own ops"]
     try:
         return list(checks[backend](inputs))
     except KeyError as exc:  # a partial mapping (the ops pass every input; a caller may not)
@@ -346,6 +349,17 @@ def not_supported_reasons(backend: str, op: str, inputs: Mapping[str, object]) -
         # list, the op's own checks name the argument when it is called.
         return [f"{op} on {backend}: the inputs are malformed ({type(exc).__name__}: {exc}); "
                 "the op's checks say which"]
+
+
+def onnx_exporting() -> bool:
+    """Inside ``torch.onnx.export`` (either exporter): the graph must hold ONNX-translatable ops,
+    which our kernels' custom ops are not, so ``auto`` takes ``torch`` (as torch.nn's modules,
+    whose exports then match).  Not while dynamo traces (torch.compile, strict export: it would
+    bake the answer in); torch.onnx first exports non-strict, which runs this Python."""
+    if torch.compiler.is_dynamo_compiling():
+        return False
+    onnx = sys.modules.get("torch.onnx")  # not imported: nobody exports (and no import cost here)
+    return onnx is not None and onnx.is_in_onnx_export()
 
 
 def forward_ad_active() -> bool:

@@ -144,10 +144,11 @@ _NEG_INF = float("-inf")
 
 def _zero_dead_rows_softmax(x):
     """softmax over the last dim with all -inf rows -> zeros and zero gradients (torch's own
-    ``_safe_softmax`` where it exists, the path SDPA's math backend uses)."""
-    if hasattr(torch.ops.aten, "_safe_softmax"):  # the aten op, which torch.compile traces
+    ``_safe_softmax`` where it exists, the path SDPA's math backend uses; not under
+    torch.onnx.export's TorchScript exporter, which has no ONNX form for it)."""
+    if hasattr(torch.ops.aten, "_safe_softmax") and not backends.onnx_exporting():  # torch.compile traces it
         return torch.ops.aten._safe_softmax(x, -1)
-    dead = torch.isneginf(x).all(dim=-1, keepdim=True)
+    dead = (x == _NEG_INF).all(dim=-1, keepdim=True)  # (== -inf: ONNX has no isneginf)
     probs = torch.softmax(x.masked_fill(dead, 0.0), dim=-1)
     return probs.masked_fill(dead, 0.0)
 
