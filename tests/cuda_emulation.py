@@ -364,6 +364,22 @@ def cuda_include_dir():
     return None
 
 
+def _remove_stale_lock(name: str, max_age_s: float = 3600.0) -> None:
+    """torch's JIT build waits, without a timeout, for a ``lock`` file that a killed build leaves
+    behind: every later run of the same sources then hangs at 0% CPU.  A lock older than any build
+    here (minutes) is such a leftover."""
+    import time
+
+    from torch.utils import cpp_extension
+
+    try:
+        lock = os.path.join(cpp_extension._get_build_directory(name, False), "lock")
+        if time.time() - os.path.getmtime(lock) > max_age_s:
+            os.remove(lock)
+    except (AttributeError, OSError):  # no lock (the usual case), or a torch without the helper
+        pass
+
+
 def build(name: str, harness: str, csrc_files, functions):
     """Compiles PRELUDE + harness (which #includes the kernel file) as a host extension module.
 
@@ -380,6 +396,8 @@ def build(name: str, harness: str, csrc_files, functions):
     for file in csrc_files:
         with open(os.path.join(CSRC, file), "rb") as f:
             digest.update(f.read())
-    return load_inline(f"{name}_{digest.hexdigest()[:12]}", cpp_sources=[PRELUDE + harness],
+    full_name = f"{name}_{digest.hexdigest()[:12]}"
+    _remove_stale_lock(full_name)
+    return load_inline(full_name, cpp_sources=[PRELUDE + harness],
                        functions=list(functions), extra_include_paths=[CSRC, inc],
                        extra_cflags=["-O1", "-std=c++20"])
