@@ -247,7 +247,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if g is None:
                 return None
             wide = torch.float64 if g.dtype == torch.float64 else torch.float32
-            return (g.to(wide) * scale.to(wide)).to(dtype)
+            w = g.to(wide)
+            # In place on the widened copy (the same bits): one fp32 weight-sized temporary, not two
+            w = w.mul_(scale.to(wide)) if w is not g else w * scale.to(wide)
+            return w.to(dtype)
 
         hidden_dtype, weight_dtype = ctx.dtypes
         return (scaled(d_hidden, hidden_dtype), scaled(d_weight, weight_dtype), scaled(d_bias, weight_dtype),
