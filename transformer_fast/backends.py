@@ -496,8 +496,13 @@ _recording = _Recording()
 def recording_resolutions():
     """Collect ``(op, backend)`` for every ``resolve`` inside, in call order (the modules'
     replayed calls, transformer_fast.modules._lane, reuse them).  Nested recordings (a layer's
-    and its attention module's) each get every resolution inside them."""
+    and its attention module's) each get every resolution inside them.  Not while torch.compile
+    or torch.export traces: traced calls are never replayed, and strict export warned of the
+    thread-local list's append / pop as a side effect of the model's forward."""
     names: list = []
+    if torch.compiler.is_compiling():
+        yield names
+        return
     _recording.lists.append(names)
     try:
         yield names

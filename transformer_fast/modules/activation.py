@@ -87,7 +87,12 @@ def _reads_attn_mask(is_causal, key_padding_mask, need_weights) -> bool:
 def _project(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """F.linear, except that a bias of another dtype than the weight is added after the GEMM,
     as torch's in-projection of batched inputs does (matmul, then add_: the bias is promoted),
-    where addmm would refuse the mix."""
+    where addmm would refuse the mix.  An inference tensor that the GEMM must save for the weight's
+    gradient is copied first: torch's batch-first modules project a transposed copy of theirs,
+    and autograd cannot save an inference tensor (training on data made under inference_mode)."""
+    if (not torch.compiler.is_compiling() and x.is_inference() and w.requires_grad
+            and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
+        x = x.clone()
     if b is None or b.dtype == w.dtype:
         return F.linear(x, w, b)
     return F.linear(x, w).add_(b)
