@@ -6,8 +6,9 @@ killed here (the test passes on the code and fails on the mutant, checked both w
 - delta_kernel (Lk > 128) reading O with dO's strides (packed q/k/v give O in (B, L, H, D));
 - add_layer_norm's loop forward writing the prenorm sum with the residual's row stride;
   the long-row dweight column kernel ignoring dropout;
-- the FFN's scalar-path bias gradient summing 16-bit-rounded values; the bias gradient of a
-  dy whose rows are longer than N read with N as the row stride;
+- the FFN's scalar-path bias gradient summing 16-bit-rounded values (killed by
+  test_ffn_cuda_emulated.py's N 63 case); the bias gradient of a dy whose rows are longer than N
+  read with N as the row stride;
 - the decode kernel loading V only up to D columns (Dv > D never ran);
 - the decode kernel's fp32 path rounding its double score to fp32, or the splits' log-sum-exp
   to fp32 before the combine (the large-logit draws of test_decode_cuda_emulated.py stayed
@@ -16,15 +17,12 @@ killed here (the test passes on the code and fails on the mutant, checked both w
 import pytest
 import torch
 
-from transformer_fast import philox
-
 from test_attention_cpu import cuda_emulation, _run_emulated, _run_dense_emulated  # noqa: F401
 from test_decode_cxx import cuda_emulation as decode_emulation  # noqa: F401
 from test_decode_cxx import check as kv_check, fresh_seed, to_device, make_case, forced_splits
 from _functional_helpers import assert_kv_cache_on_oracle, very_large_logit_kv_cases
 import test_add_layer_norm_cuda_emulated as ln_emu
 from test_add_layer_norm_cuda_emulated import emu, as_cuda_backend as ln_backend  # noqa: F401  (ln_backend needs `emu`)
-import test_ffn_cuda_emulated as ffn_emu
 from test_ffn_cuda_emulated import emu as ffn_emulation  # noqa: F401
 
 
@@ -62,26 +60,6 @@ def test_dweight_of_the_column_kernel_with_dropout(ln_backend):
 
 
 # -- ffn (csrc/ffn_cuda.cu) -----------------------------------------------------------------------
-
-def test_bias_gradient_scalar_path_sums_unrounded_values(ffn_emulation):
-    """test_bias_gradient_sums_unrounded_values on the scalar (N % 4 != 0) dact_colsum_kernel."""
-    emu = ffn_emulation
-    emu.set_fused_epilogues(False)
-    try:
-        rows, n, p = 1000, 63, 0.3
-        g = torch.Generator().manual_seed(3)
-        dy = torch.randn(rows, n, generator=g).bfloat16()
-        torch.manual_seed(11)
-        rng = philox.new_rng("cpu")
-        d, db = emu.act_bwd(dy, None, "none", p, rng, True)
-        keep = philox.dropout_keep_mask(rng, (rows, n), p)
-        v = torch.where(keep, dy.float() * torch.tensor(1.0 / (1.0 - p), dtype=torch.float32), 0.0)
-        assert torch.equal(d, v.bfloat16())
-        assert torch.equal(db, v.double().sum(0).float().bfloat16())
-        assert (d.double().sum(0).float().bfloat16() != db).any()
-    finally:
-        emu.set_fused_epilogues(True)
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_wgrad_bias_gradient_of_a_strided_dy(ffn_emulation, dtype):
