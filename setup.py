@@ -176,8 +176,20 @@ def _build_ext_class(cpp_extension):
 def _extensions():
     if _env_flag("TRANSFORMER_FAST_NO_EXT"):
         return [], {}
-    import torch
-    from torch.utils import cpp_extension
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        # pip's default build isolation runs this file in a fresh environment without the
+        # user's torch; adding torch to the build requirements would compile against whichever
+        # torch pip picks there, not the one _C is later loaded into.
+        raise RuntimeError(
+            "transformer_fast: building the extension transformer_fast._C needs torch installed "
+            "in the environment that runs the build (it is compiled against that torch). Install "
+            "torch first, then `pip install --no-build-isolation .` (pip's build isolation hides "
+            "the installed torch), or set TRANSFORMER_FAST_NO_EXT=1 for a pure-Python install "
+            f"(reference and torch backends only). Import error: {exc}"
+        ) from exc
 
     want_cuda = _env_flag("TRANSFORMER_FAST_CUDA")
     # TRANSFORMER_FAST_SANITIZE=1: the C++ CPU kernels under AddressSanitizer + UBSan, for

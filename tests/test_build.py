@@ -1,5 +1,8 @@
 """The extension: built and loaded, with the kernels the build promised."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,3 +32,29 @@ def test_cuda_kernels_compiled_when_required(op):
     if os.environ.get("TRANSFORMER_FAST_CUDA") != "1" and not torch.cuda.is_available():
         pytest.skip("CUDA part not required here")
     assert backends.cxx_op_has_kernel(op, "CUDA")
+
+
+def _run_setup_without_torch(*, no_ext):
+    """setup.py as pip's default build isolation runs it: in an environment without torch."""
+    script = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--name']; "
+              "runpy.run_path('setup.py', run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMER_FAST_NO_EXT"}
+    if no_ext:
+        env["TRANSFORMER_FAST_NO_EXT"] = "1"
+    return subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_build_without_torch_says_how_to_install():
+    """`pip install .` hides the installed torch from setup.py: a message saying what to do, not a
+    bare "No module named 'torch'"."""
+    proc = _run_setup_without_torch(no_ext=False)
+    assert proc.returncode != 0
+    assert "--no-build-isolation" in proc.stderr, proc.stderr[-2000:]
+    assert "TRANSFORMER_FAST_NO_EXT=1" in proc.stderr
+
+
+def test_pure_python_build_needs_no_torch():
+    proc = _run_setup_without_torch(no_ext=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "transformer_fast"
