@@ -58,3 +58,30 @@ def test_pure_python_build_needs_no_torch():
     proc = _run_setup_without_torch(no_ext=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "transformer_fast"
+
+
+def test_wheel_installs_transformer_fast_alone(tmp_path):
+    """A non-editable install: kernels/ goes inside as transformer_fast.kernels, no other top-level
+    name (the pure-Python wheel; the extension's build is what the rest of CI covers)."""
+    import shutil
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("*.so", "__pycache__", "*.egg-info")
+    for name in ("transformer_fast", "kernels"):
+        shutil.copytree(root / name, src / name, ignore=ignore)
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    env = dict(os.environ, TRANSFORMER_FAST_NO_EXT="1")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
+                           "--no-index", "-q", "-w", str(tmp_path / "dist"), str(src)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("transformer_fast-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"transformer_fast"}, top
+    expected = {p.relative_to(root).as_posix() for p in (root / "kernels").glob("*.py")}
+    assert {"transformer_fast/" + n for n in expected} <= set(names)
+    assert "transformer_fast/modules/transformer.py" in names
