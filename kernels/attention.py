@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, imax, imin
+from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, imax, imin, sm_count
 from transformer_fast.kernels.layout import empty_in_layout_of
 from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
@@ -1052,11 +1052,6 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 class _Common:
     """Shapes, mask arguments and constexpr flags shared by forward and backward."""
 
@@ -1178,7 +1173,7 @@ def _gqa_split(c: _Common, device: torch.device) -> int:
     if c.group == 1 or device.type != "cuda":
         return 1
     programs = triton.cdiv(c.Lk, 128) * c.B * c.Hkv
-    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    target = 2 * sm_count(device)
     if programs >= target:
         return 1
     want = triton.cdiv(target, programs)

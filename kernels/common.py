@@ -1,8 +1,10 @@
 """Small @triton.jit helpers shared by the kernels in this package."""
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -10,6 +12,16 @@ import triton.language as tl
 def is_interpreting() -> bool:
     """True when Triton runs kernels through its interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's SM count (the current device where `device` has no index)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # Row-block kernels index rows as program_id * BLOCK_M + arange(BLOCK_M) in int32: the last

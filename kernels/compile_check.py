@@ -381,7 +381,7 @@ def _ffn_jobs(dtypes=DTYPES, quick=False):
                         for path in (("pointer", "tma") if dt != "fp32" else ("pointer",)):
                             rec = []
                             with _recording(K, ("_gemm_kernel", "_gemm_tma_kernel", "_act_bwd_kernel"), rec), \
-                                    _patched(K, _gemm_path=lambda path=path: path, _num_sms=lambda index: H100_SMS):
+                                    _patched(K, _gemm_path=lambda path=path: path, sm_count=lambda device: H100_SMS):
                                 hidden, pre = K.linear_fwd(x, w1, b1, act, p, rng, K.needs_pre(act), tf32)
                                 out, _ = K.linear_fwd(hidden, w2, b2, "none", 0.0, None, False, tf32)
                                 aux = hidden if act == "relu" else (pre if K.needs_pre(act) else None)

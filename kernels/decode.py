@@ -55,14 +55,13 @@ cast to fp32 (bf16 tl.dot is wrong in the interpreter; triton-lang/triton#11584)
 from __future__ import annotations
 
 import contextlib
-import functools
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, dot, imax, imin, is_interpreting
+from transformer_fast.kernels.common import cast_out, dot, imax, imin, is_interpreting, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -364,17 +363,11 @@ def _config(m_total: int, block_d: int, block_dv: int, dtype: torch.dtype, ieee:
     return 64, 64, 8, 2
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _slots(device: torch.device) -> int:
     """Programs that run concurrently on the device (2 per SM for 4-warp programs)."""
     if device.type != "cuda":
         return INTERPRETER_SLOTS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return 2 * _sm_count(index)
+    return 2 * sm_count(device)
 
 
 def num_splits_heuristic(programs: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:

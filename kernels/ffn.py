@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, is_interpreting
+from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, is_interpreting, sm_count
 from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -554,11 +554,6 @@ def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _tma_view(t, rows, cols, stride_r, stride_c, k_is_cols):
     """(shape, strides, k_major) of a TMA descriptor over the (rows, cols) operand with these
     strides, or None when TMA cannot address it: no empty dimension (a descriptor's dims are
@@ -610,7 +605,7 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
     with _device_guard(c):
         if tma is not None:
             desc_a, a_kmajor, desc_b, b_kmajor = tma
-            programs = _INTERPRET_PROGRAMS if is_interpreting() else _num_sms(c.device.index)
+            programs = _INTERPRET_PROGRAMS if is_interpreting() else sm_count(c.device)
             kernel = _gemm_tma_kernel
             grid = lambda meta: (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
             try:

@@ -38,13 +38,12 @@ Kernel plan (bandwidth bound, tuned for H100):
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, check_rows, is_interpreting
+from transformer_fast.kernels.common import cast_out, check_rows, is_interpreting, sm_count
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
 
 # Largest row kept whole in registers (elements, a power of two), forward / backward.
@@ -311,14 +310,9 @@ def _bwd_kernel(
 # Launch configuration
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return sm_count(device)
     return 4  # the interpreter (CPU tensors): few programs, each looping
 
 

@@ -44,13 +44,12 @@ Kernel plan (bandwidth bound; the conventions of kernels/layer_norm.py):
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, check_rows, imin, is_interpreting
+from transformer_fast.kernels.common import cast_out, check_rows, imin, is_interpreting, sm_count
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng, load_rng_if
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -340,14 +339,9 @@ def _bwd_apply_kernel(
 # Launch configuration
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return sm_count(device)
     return 4  # the interpreter (CPU tensors): few programs
 
 
