@@ -173,9 +173,21 @@ def _build_ext_class(cpp_extension):
     return BuildExt
 
 
+# The oldest torch the package runs on.  The test suite has run on torch 2.11-2.14 and Triton
+# 3.6-3.8 (README, "Supported versions"); `python -m transformer_fast info` notes others.
+TORCH_MIN = (2, 11)
+
+
+def _minor(version):
+    """(major, minor) of a version string such as '2.14.1+cu130'."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 def _extensions():
+    """(ext_modules, cmdclass, the torch requirement of what is built)."""
     if _env_flag("TRANSFORMER_FAST_NO_EXT"):
-        return [], {}
+        return [], {}, "torch>={}.{}".format(*TORCH_MIN)
     try:
         import torch
         from torch.utils import cpp_extension
@@ -190,6 +202,15 @@ def _extensions():
             "the installed torch), or set TRANSFORMER_FAST_NO_EXT=1 for a pure-Python install "
             f"(reference and torch backends only). Import error: {exc}"
         ) from exc
+
+    built_against = _minor(torch.__version__)
+    if built_against < TORCH_MIN:
+        raise RuntimeError("transformer_fast needs torch >= {}.{}; this environment has torch {}"
+                           .format(*TORCH_MIN, torch.__version__))
+    # _C is compiled against this torch: the install must keep it.  A range here would let pip
+    # swap the user's torch for one inside the range after building against the installed one
+    # (torch 2.15 installed and "<2.15" required: pip built _C for 2.15, then put 2.14 in).
+    torch_requirement = "torch=={}.{}.*".format(*built_against)
 
     want_cuda = _env_flag("TRANSFORMER_FAST_CUDA")
     # TRANSFORMER_FAST_SANITIZE=1: the C++ CPU kernels under AddressSanitizer + UBSan, for
@@ -252,10 +273,10 @@ def _extensions():
         )
     print(f"transformer_fast: building _C with CUDA={'yes (' + cuda_home + ')' if use_cuda else 'no'}")
     cmdclass = {"build_ext": _build_ext_class(cpp_extension)}
-    return [ext], cmdclass
+    return [ext], cmdclass, torch_requirement
 
 
-ext_modules, cmdclass = _extensions()
+ext_modules, cmdclass, torch_requirement = _extensions()
 
 setup(
     name="transformer_fast",
@@ -265,8 +286,8 @@ setup(
     packages=find_packages(include=["transformer_fast", "transformer_fast.*"])
     + ["transformer_fast.kernels"],
     package_dir={"transformer_fast.kernels": "kernels"},
-    install_requires=["torch>=2.11,<2.15", "numpy"],
-    extras_require={"triton": ["triton>=3.6,<3.9"]},
+    install_requires=[torch_requirement, "numpy"],
+    extras_require={"triton": ["triton>=3.6"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,

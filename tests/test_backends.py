@@ -235,6 +235,20 @@ def test_info_cli_lists_every_backend():
     assert "torch" in result.stdout and "triton" in result.stdout
 
 
+@pytest.mark.parametrize("name,version,outside", [
+    ("torch", "2.11.0", False), ("torch", "2.14.1+cu130", False), ("torch", "2.15.0+cu132", True),
+    ("torch", "2.10.0", True), ("triton", "3.6.0", False), ("triton", "3.8.0", False),
+    ("triton", "3.9.0", True),
+])
+def test_info_notes_versions_outside_the_tested_range(name, version, outside):
+    from transformer_fast.__main__ import untested_version_note
+
+    note = untested_version_note(name, version)
+    assert (note is not None) == outside
+    if outside:
+        assert f"{name} {version} is outside" in note
+
+
 def test_verify_cli_cpu_backend():
     if not backends.extension_status()[0]:
         pytest.skip("the C++ extension is not built")

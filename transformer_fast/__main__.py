@@ -16,15 +16,37 @@ def _device_name(device: str) -> str:
     return f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
+# The (major, minor) versions the test suite has run on (README, "Supported versions").
+TESTED = {"torch": ((2, 11), (2, 14)), "triton": ((3, 6), (3, 8))}
+
+
+def untested_version_note(name: str, version: str) -> str | None:
+    """A line saying that `version` of torch / triton is outside the tested range, or None."""
+    try:
+        minor = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None
+    low, high = TESTED[name]
+    if low <= minor <= high:
+        return None
+    return (f"note       {name} {version} is outside the versions transformer_fast is tested with "
+            f"({name} {low[0]}.{low[1]}-{high[0]}.{high[1]})")
+
+
 def cmd_info(args) -> int:
     from . import __version__, backends
 
     print(f"transformer_fast {__version__}")
     print(f"python     {platform.python_version()}")
     print(f"torch      {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
+    notes = [untested_version_note("torch", torch.__version__)]
     ok, why = backends.triton_status()
     version = why.removeprefix("triton ") if ok else why
     print(f"triton     {version}{' [TRITON_INTERPRET=1]' if backends.triton_interpreting() else ''}")
+    if ok:
+        notes.append(untested_version_note("triton", version))
+    for note in filter(None, notes):
+        print(note)
     ok, why = backends.extension_status()
     print(f"_C         {why}")
     if ok:
