@@ -134,7 +134,12 @@ def _torch_zero_dim(q, k, v, key_padding_mask=None, **kw):
     if key_padding_mask is not None:
         keep = ~key_padding_mask[:, None, None, :]
         mask = keep if mask is None else mask & keep
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    # torch's math kernel: torch 2.12's F.scaled_dot_product_attention returns zeros for head dim 0
+    add = mask
+    if mask is not None and mask.dtype == torch.bool:  # the math op adds its mask as given
+        add = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    out = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask=add, **kw)[0]
+    out = torch.nan_to_num(out) if mask is not None else out  # rows with no key: NaN -> 0 below
     if mask is not None and mask.dtype == torch.bool:
         out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
     return out

@@ -324,6 +324,11 @@ def _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         return reference.scaled_dot_product_attention(
             query, key, value, scale=scale, enable_gqa=gqa
         )
+    if query.shape[-1] == 0:  # torch 2.12's SDPA returns zeros for a head dim of 0
+        return reference.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=gqa,
+            key_padding_mask=key_padding_mask,
+        )
     if attn_mask is not None and attn_mask.dim() < 2:  # 0-d / (S,): torch's 4-D path indexes dim -2
         attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + tuple(attn_mask.shape))
     if attn_mask is None and key_padding_mask is None and not (is_causal and scale is not None and scale <= 0):
