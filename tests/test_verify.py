@@ -44,9 +44,43 @@ def test_a_failure_is_not_hidden_by_a_later_skip(monkeypatch):
     monkeypatch.setattr(verify.functional, "masked_softmax", wrong_then_unsupported)
     rows = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["cpu"],
                          log=lambda *a: None)
-    assert rows[0].status == "FAIL" and "then skipped" in rows[0].detail, rows
+    assert rows[0].status == "FAIL" and "skipped: masked_softmax: cannot run" in rows[0].detail, rows
     assert main(["verify", "--device", "cpu", "--op", "masked_softmax", "--backend", "cpu",
                  "--dtype", "float32"]) == 1
+
+
+def test_an_unsupported_case_does_not_end_its_row(monkeypatch):
+    """An early case a backend refuses is counted as skipped; the row's later cases still run,
+    and their failure fails the run (the row used to stop at the skip: SKIP, exit 0)."""
+    from transformer_fast import backends
+    from transformer_fast.__main__ import main
+
+    original = verify.functional.masked_softmax
+
+    def unsupported_then_wrong(scores, *args, **kwargs):
+        if scores.shape[-1] == 1:  # the first cases
+            raise backends.BackendError("masked_softmax: cannot run these inputs: stand-in")
+        return original(scores, *args, **kwargs) + 1e-3
+
+    monkeypatch.setattr(verify.functional, "masked_softmax", unsupported_then_wrong)
+    (row,) = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["cpu"],
+                           log=lambda *a: None)
+    n_cases = len(list(verify.CASES["masked_softmax"]("cpu", torch.float32)))
+    assert row.status == "FAIL" and row.cases > 0, row
+    assert "4 cases skipped: masked_softmax: cannot run" in row.detail, row.detail
+    assert row.cases == n_cases - 4
+    assert main(["verify", "--device", "cpu", "--op", "masked_softmax", "--backend", "cpu",
+                 "--dtype", "float32"]) == 1
+
+    def unsupported_then_right(scores, *args, **kwargs):
+        if scores.shape[-1] == 1:
+            raise backends.BackendError("masked_softmax: cannot run these inputs: stand-in")
+        return original(scores, *args, **kwargs)
+
+    monkeypatch.setattr(verify.functional, "masked_softmax", unsupported_then_right)
+    (row,) = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["cpu"],
+                           log=lambda *a: None)
+    assert row.status == "PASS" and row.cases == n_cases - 4 and "4 cases skipped" in row.detail, row
 
 
 def test_an_error_spanning_lines_keeps_the_table_rows(monkeypatch):
@@ -114,4 +148,4 @@ def test_cli_jobs(capsys):
 
     assert main(["verify", "--device", "cpu", "--op", "masked_softmax", "--backend", "torch",
                  "--dtype", "float32", "--jobs", "2", "--seed", "7"]) == 0
-    assert "| masked_softmax | torch | float32 | PASS | 3 |" in capsys.readouterr().out
+    assert "| masked_softmax | torch | float32 | PASS | 9 |" in capsys.readouterr().out
