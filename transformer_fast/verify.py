@@ -98,6 +98,7 @@ def _sdpa_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
         (1, 4, 2, 1, 127, 128) if small else (2, 8, 2, 1, 1000, 128),
         (2, 2, 1, 33, 33, 80) if small else (2, 8, 8, 257, 257, 128),
         (1, 2, 2, 17, 9, 256),
+        (1, 4, 1, 9, 300, 32),  # more than 128 keys: the backward's separate delta pass
     ]
     for shape in shapes:
         for mask_kind, dropout_p in (("causal", 0.0), ("padding", 0.0), ("bool", 0.1),
