@@ -287,23 +287,24 @@ def _feed_forward_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
     # x (3, 5, d_model) as a transposed view, no biases (nn.Linear(bias=False))
     for activation in ("relu", "gelu_tanh"):
         yield Case(f"3x5x48x96 {activation} p=0.0 no biases strided",
-                   _feed_forward_runner((15, 48, 96), dtype, device, activation, 0.0, biases=False))
+                   _feed_forward_runner((15, 48, 96), dtype, device, activation, 0.0, biases=False,
+                                        strided=True))
 
 
-def _strided_rows(m, k, dtype, device, generator):
-    """(m, k) for m = 15 as a (3, 5, k) transposed view of (5, 3, k); else plain (m, k)."""
-    if m == 15:
-        return _randn(5, 3, k, dtype=dtype, device=device, generator=generator).transpose(0, 1)
+def _rows(m, k, dtype, device, generator, strided):
+    """x (m, k), or with ``strided`` (3, m / 3, k) as a transposed view of (m / 3, 3, k)."""
+    if strided:
+        return _randn(m // 3, 3, k, dtype=dtype, device=device, generator=generator).transpose(0, 1)
     return _randn(m, k, dtype=dtype, device=device, generator=generator)
 
 
-def _feed_forward_runner(shape, dtype, device, activation, dropout_p, biases=True):
+def _feed_forward_runner(shape, dtype, device, activation, dropout_p, biases=True, strided=False):
     m, d_model, d_ff = shape
 
     def run(backend):
         g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
         inputs = {
-            "x": _strided_rows(m, d_model, dtype, device, g),
+            "x": _rows(m, d_model, dtype, device, g, strided),
             "w1": (_randn(d_ff, d_model, dtype=torch.float32, device=device, generator=g) / d_model**0.5).to(dtype),
             "b1": _randn(d_ff, dtype=dtype, device=device, generator=g) if biases else None,
             "w2": (_randn(d_model, d_ff, dtype=torch.float32, device=device, generator=g) / d_ff**0.5).to(dtype),
@@ -330,25 +331,25 @@ def _feed_forward_runner(shape, dtype, device, activation, dropout_p, biases=Tru
 
 @cases("linear_bias_act")
 def _linear_bias_act_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
-    # (M, in, out, activation, dropout_p, bias); M 15 is a (3, 5, in) transposed view
-    grid = [(1, 16, 24, "relu", 0.0, True), (7, 33, 65, "gelu_tanh", 0.1, False),
-            (100, 64, 256, "gelu", 0.0, True), (15, 48, 96, None, 0.0, True)]
+    # (M, in, out, activation, dropout_p, bias, strided: x (3, M / 3, in) as a transposed view)
+    grid = [(1, 16, 24, "relu", 0.0, True, False), (7, 33, 65, "gelu_tanh", 0.1, False, False),
+            (100, 64, 256, "gelu", 0.0, True, False), (15, 48, 96, None, 0.0, True, True)]
     if device != "cpu":
-        grid += [(4096, 1024, 4096, "gelu", 0.1, True)]
-    for m, k, n, activation, dropout_p, bias in grid:
+        grid += [(4096, 1024, 4096, "gelu", 0.1, True, False)]
+    for m, k, n, activation, dropout_p, bias, strided in grid:
         yield Case(
             f"{m}x{k}x{n} {activation} p={dropout_p}{'' if bias else ' no bias'}"
-            f"{' strided' if m == 15 else ''}",
-            _linear_bias_act_runner(m, k, n, dtype, device, activation, dropout_p, bias),
+            f"{' strided' if strided else ''}",
+            _linear_bias_act_runner(m, k, n, dtype, device, activation, dropout_p, bias, strided),
             philox_dropout=dropout_p > 0,
         )
 
 
-def _linear_bias_act_runner(m, k, n, dtype, device, activation, dropout_p, bias):
+def _linear_bias_act_runner(m, k, n, dtype, device, activation, dropout_p, bias, strided):
     def run(backend):
         g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
         inputs = {
-            "x": _strided_rows(m, k, dtype, device, g),
+            "x": _rows(m, k, dtype, device, g, strided),
             "w": (_randn(n, k, dtype=torch.float32, device=device, generator=g) / k**0.5).to(dtype),
             "b": _randn(n, dtype=dtype, device=device, generator=g) if bias else None,
         }
