@@ -282,7 +282,7 @@ setup(
     name="transformer_fast",
     version="0.1.0",
     description="Fused Triton/CUDA/C++ kernels and drop-in torch.nn Transformer modules",
-    python_requires=">=3.11,<3.13",
+    python_requires=">=3.11",  # tested on 3.11 / 3.12; `info` notes others
     packages=find_packages(include=["transformer_fast", "transformer_fast.*"])
     + ["transformer_fast.kernels"],
     package_dir={"transformer_fast.kernels": "kernels"},

@@ -238,7 +238,7 @@ def test_info_cli_lists_every_backend():
 @pytest.mark.parametrize("name,version,outside", [
     ("torch", "2.11.0", False), ("torch", "2.14.1+cu130", False), ("torch", "2.15.0+cu132", True),
     ("torch", "2.10.0", True), ("triton", "3.6.0", False), ("triton", "3.8.0", False),
-    ("triton", "3.9.0", True),
+    ("triton", "3.9.0", True), ("python", "3.12.1", False), ("python", "3.13.0", True),
 ])
 def test_info_notes_versions_outside_the_tested_range(name, version, outside):
     from transformer_fast.__main__ import untested_version_note

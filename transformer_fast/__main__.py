@@ -17,11 +17,11 @@ def _device_name(device: str) -> str:
 
 
 # The (major, minor) versions the test suite has run on (README, "Supported versions").
-TESTED = {"torch": ((2, 11), (2, 14)), "triton": ((3, 6), (3, 8))}
+TESTED = {"python": ((3, 11), (3, 12)), "torch": ((2, 11), (2, 14)), "triton": ((3, 6), (3, 8))}
 
 
 def untested_version_note(name: str, version: str) -> str | None:
-    """A line saying that `version` of torch / triton is outside the tested range, or None."""
+    """A line saying that `version` of python / torch / triton is outside the tested range, or None."""
     try:
         minor = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
     except ValueError:
@@ -39,7 +39,8 @@ def cmd_info(args) -> int:
     print(f"transformer_fast {__version__}")
     print(f"python     {platform.python_version()}")
     print(f"torch      {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
-    notes = [untested_version_note("torch", torch.__version__)]
+    notes = [untested_version_note("python", platform.python_version()),
+             untested_version_note("torch", torch.__version__)]
     ok, why = backends.triton_status()
     version = why.removeprefix("triton ") if ok else why
     print(f"triton     {version}{' [TRITON_INTERPRET=1]' if backends.triton_interpreting() else ''}")
