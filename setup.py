@@ -174,7 +174,7 @@ def _build_ext_class(cpp_extension):
 
 
 # The oldest torch the package runs on.  The test suite has run on torch 2.11-2.14 and Triton
-# 3.6-3.8 (README, "Supported versions"); `python -m transformer_fast info` notes others.
+# 3.6-3.8 (the README's "Supported:" paragraph); `python -m transformer_fast info` notes others.
 TORCH_MIN = (2, 11)
 
 

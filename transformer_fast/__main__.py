@@ -16,7 +16,7 @@ def _device_name(device: str) -> str:
     return f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
-# The (major, minor) versions the test suite has run on (README, "Supported versions").
+# The (major, minor) versions the test suite has run on (the README's "Supported:" paragraph).
 TESTED = {"python": ((3, 11), (3, 12)), "torch": ((2, 11), (2, 14)), "triton": ((3, 6), (3, 8))}
 
 
