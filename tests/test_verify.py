@@ -28,58 +28,51 @@ def test_a_failure_is_reported_not_hidden(monkeypatch):
     assert rows[0].status == "FAIL" and "kernel exploded" in rows[0].detail
 
 
+_MASKED_SOFTMAX = verify.functional.masked_softmax  # the op itself, whatever a test patches
+
+
+def _masked_softmax_refusing(monkeypatch, refused_width, error):
+    """verify's masked_softmax: cases with rows of ``refused_width`` raise "cannot run these
+    inputs" (a backend refusing them); the others return the op's result plus ``error``."""
+    from transformer_fast import backends
+
+    def stand_in(scores, *args, **kwargs):
+        if scores.shape[-1] == refused_width:
+            raise backends.BackendError("masked_softmax: cannot run these inputs: stand-in")
+        return _MASKED_SOFTMAX(scores, *args, **kwargs) + error
+
+    monkeypatch.setattr(verify.functional, "masked_softmax", stand_in)
+    (row,) = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["cpu"],
+                           log=lambda *a: None)
+    return row
+
+
+def _cli_exit_code():
+    from transformer_fast.__main__ import main
+
+    return main(["verify", "--device", "cpu", "--op", "masked_softmax", "--backend", "cpu",
+                 "--dtype", "float32"])
+
+
 def test_a_failure_is_not_hidden_by_a_later_skip(monkeypatch):
     """A row whose first cases fail the oracle and whose last case is unsupported stays FAIL,
     and the command exits 1 (the skip used to overwrite the failure: SKIP, exit 0)."""
-    from transformer_fast import backends
-    from transformer_fast.__main__ import main
-
-    original = verify.functional.masked_softmax
-
-    def wrong_then_unsupported(scores, *args, **kwargs):
-        if scores.shape[-1] == 1000:  # the last case
-            raise backends.BackendError("masked_softmax: cannot run these inputs: stand-in")
-        return original(scores, *args, **kwargs) + 1e-3
-
-    monkeypatch.setattr(verify.functional, "masked_softmax", wrong_then_unsupported)
-    rows = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["cpu"],
-                         log=lambda *a: None)
-    assert rows[0].status == "FAIL" and "skipped: masked_softmax: cannot run" in rows[0].detail, rows
-    assert main(["verify", "--device", "cpu", "--op", "masked_softmax", "--backend", "cpu",
-                 "--dtype", "float32"]) == 1
+    row = _masked_softmax_refusing(monkeypatch, 1000, 1e-3)  # the last cases refused
+    assert row.status == "FAIL" and "skipped: masked_softmax: cannot run" in row.detail, row
+    assert _cli_exit_code() == 1
 
 
 def test_an_unsupported_case_does_not_end_its_row(monkeypatch):
     """An early case a backend refuses is counted as skipped; the row's later cases still run,
     and their failure fails the run (the row used to stop at the skip: SKIP, exit 0)."""
-    from transformer_fast import backends
-    from transformer_fast.__main__ import main
-
-    original = verify.functional.masked_softmax
-
-    def unsupported_then_wrong(scores, *args, **kwargs):
-        if scores.shape[-1] == 1:  # the first cases
-            raise backends.BackendError("masked_softmax: cannot run these inputs: stand-in")
-        return original(scores, *args, **kwargs) + 1e-3
-
-    monkeypatch.setattr(verify.functional, "masked_softmax", unsupported_then_wrong)
-    (row,) = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["cpu"],
-                           log=lambda *a: None)
+    row = _masked_softmax_refusing(monkeypatch, 1, 1e-3)  # the first cases refused
     n_cases = len(list(verify.CASES["masked_softmax"]("cpu", torch.float32)))
     assert row.status == "FAIL" and row.cases > 0, row
     assert "4 cases skipped: masked_softmax: cannot run" in row.detail, row.detail
     assert row.cases == n_cases - 4
-    assert main(["verify", "--device", "cpu", "--op", "masked_softmax", "--backend", "cpu",
-                 "--dtype", "float32"]) == 1
+    assert _cli_exit_code() == 1
 
-    def unsupported_then_right(scores, *args, **kwargs):
-        if scores.shape[-1] == 1:
-            raise backends.BackendError("masked_softmax: cannot run these inputs: stand-in")
-        return original(scores, *args, **kwargs)
-
-    monkeypatch.setattr(verify.functional, "masked_softmax", unsupported_then_right)
-    (row,) = verify.verify("cpu", ops=["masked_softmax"], dtypes=[torch.float32], backend_names=["cpu"],
-                           log=lambda *a: None)
+    row = _masked_softmax_refusing(monkeypatch, 1, 0.0)
     assert row.status == "PASS" and row.cases == n_cases - 4 and "4 cases skipped" in row.detail, row
 
 

@@ -42,6 +42,16 @@ def _randn(*shape, dtype, device, generator):
     return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
 
 
+def _dropout_draw(device, shape, dropout_p):
+    """(seed, keep): the seed to run the op under test with, and the Philox keep mask of ``shape``
+    that the op draws from it (None without dropout)."""
+    seed = int(torch.randint(0, 2**31, ()))
+    if dropout_p == 0:
+        return seed, None
+    torch.manual_seed(seed)
+    return seed, philox.dropout_keep_mask(philox.new_rng(device), shape, dropout_p)
+
+
 @cases("add_layer_norm")
 def _add_layer_norm_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
     shapes = [(64, 1), (37, 7), (33, 127), (16, 1000), (8, 4096), (2, 65536), (3, 5, 768)]
@@ -69,12 +79,8 @@ def _add_layer_norm_runner(shape, dtype, device, dropout_p, prenorm, affine=True
             "weight": (1 + 0.5 * _randn(n, dtype=dtype, device=device, generator=g)) if affine else None,
             "bias": _randn(n, dtype=dtype, device=device, generator=g) if affine else None,
         }
-        seed = int(torch.randint(0, 2**31, ()))
-        keep = None
-        if dropout_p > 0:
-            torch.manual_seed(seed)
-            rows = inputs["x"].numel() // n
-            keep = philox.dropout_keep_mask(philox.new_rng(device), (rows, n), dropout_p).reshape(shape)
+        seed, keep = _dropout_draw(device, (inputs["x"].numel() // n, n), dropout_p)
+        keep = None if keep is None else keep.reshape(shape)
 
         def kernel(x, residual, weight, bias):
             torch.manual_seed(seed)  # the op draws the same rng as `keep` above
@@ -85,7 +91,7 @@ def _add_layer_norm_runner(shape, dtype, device, dropout_p, prenorm, affine=True
         def ref(x, residual, weight, bias):
             return reference.add_layer_norm(x, residual, weight, bias, 1e-5, dropout_p, prenorm, keep=keep)
 
-        return reference.run_oracle(kernel, ref, inputs, [k for k, v in inputs.items() if v is not None])
+        return reference.run_oracle(kernel, ref, inputs, list(inputs))
 
     return run
 
@@ -140,11 +146,7 @@ def _sdpa_runner(shape, dtype, device, mask_kind, dropout_p):
             masks["attn_mask"] = mask.to(device)
             start = torch.randint(0, lk, (b,), generator=g)
             masks["key_padding_mask"] = (torch.arange(lk) < start[:, None]).to(device)
-        seed = int(torch.randint(0, 2**31, ()))
-        keep = None
-        if dropout_p > 0:
-            torch.manual_seed(seed)
-            keep = philox.dropout_keep_mask(philox.new_rng(device), (b, h, lq, lk), dropout_p)
+        seed, keep = _dropout_draw(device, (b, h, lq, lk), dropout_p)
         gqa = h != hkv
 
         def kernel(query, key, value, attn_mask=masks["attn_mask"]):
@@ -201,11 +203,7 @@ def _masked_softmax_runner(shape, dtype, device, causal, dropout_p, mask_kind="b
             mask = torch.randn(1, h, lq, lk, generator=g)
             mask[0, 0, 0] = float("-inf")
             mask = mask.to(device=device, dtype=dtype)
-        seed = int(torch.randint(0, 2**31, ()))
-        keep = None
-        if dropout_p > 0:
-            torch.manual_seed(seed)
-            keep = philox.dropout_keep_mask(philox.new_rng(device), shape, dropout_p)
+        seed, keep = _dropout_draw(device, shape, dropout_p)
 
         inputs = {"scores": scores}
         if mask_kind == "float":  # a float mask in the scores' dtype, float64 in the reference
@@ -310,11 +308,7 @@ def _feed_forward_runner(shape, dtype, device, activation, dropout_p, biases=Tru
             "w2": (_randn(d_model, d_ff, dtype=torch.float32, device=device, generator=g) / d_ff**0.5).to(dtype),
             "b2": _randn(d_model, dtype=dtype, device=device, generator=g) if biases else None,
         }
-        seed = int(torch.randint(0, 2**31, ()))
-        keep = None
-        if dropout_p > 0:
-            torch.manual_seed(seed)
-            keep = philox.dropout_keep_mask(philox.new_rng(device), (*inputs["x"].shape[:-1], d_ff), dropout_p)
+        seed, keep = _dropout_draw(device, (*inputs["x"].shape[:-1], d_ff), dropout_p)
 
         def kernel(x, w1, b1, w2, b2):
             torch.manual_seed(seed)  # the op draws the same rng as `keep` above
@@ -324,7 +318,7 @@ def _feed_forward_runner(shape, dtype, device, activation, dropout_p, biases=Tru
         def ref(x, w1, b1, w2, b2):
             return reference.feed_forward(x, w1, b1, w2, b2, activation, dropout_p, keep=keep)
 
-        return reference.run_oracle(kernel, ref, inputs, [k for k, v in inputs.items() if v is not None])
+        return reference.run_oracle(kernel, ref, inputs, list(inputs))
 
     return run
 
@@ -353,11 +347,7 @@ def _linear_bias_act_runner(m, k, n, dtype, device, activation, dropout_p, bias,
             "w": (_randn(n, k, dtype=torch.float32, device=device, generator=g) / k**0.5).to(dtype),
             "b": _randn(n, dtype=dtype, device=device, generator=g) if bias else None,
         }
-        seed = int(torch.randint(0, 2**31, ()))
-        keep = None
-        if dropout_p > 0:
-            torch.manual_seed(seed)
-            keep = philox.dropout_keep_mask(philox.new_rng(device), (*inputs["x"].shape[:-1], n), dropout_p)
+        seed, keep = _dropout_draw(device, (*inputs["x"].shape[:-1], n), dropout_p)
 
         def kernel(x, w, b):
             torch.manual_seed(seed)  # the op draws the same rng as `keep` above
@@ -367,7 +357,7 @@ def _linear_bias_act_runner(m, k, n, dtype, device, activation, dropout_p, bias,
         def ref(x, w, b):
             return reference.linear_bias_act(x, w, b, activation, dropout_p, keep=keep)
 
-        return reference.run_oracle(kernel, ref, inputs, [k for k, v in inputs.items() if v is not None])
+        return reference.run_oracle(kernel, ref, inputs, list(inputs))
 
     return run
 
