@@ -72,7 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, imax, imin, sm_count
+from transformer_fast.kernels.common import (autotune, cast_out, cdiv, dot, first_config_unless_tuning, imax, imin,
+                                             next_power_of_2, sm_count)
 from transformer_fast.kernels.layout import empty_in_layout_of
 from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
@@ -245,7 +246,7 @@ def kpm_ranges(kpm_u8: torch.Tensor, need_kcnt: bool):
     B, Lk = kpm_u8.shape
     kvr = torch.empty((B, 3), dtype=torch.int32, device=kpm_u8.device)
     kcnt = torch.empty((B, Lk + 1), dtype=torch.int32, device=kpm_u8.device) if need_kcnt else kvr
-    block = min(triton.next_power_of_2(max(Lk, 1)), 64 if _INTERPRET else 1024)
+    block = min(next_power_of_2(max(Lk, 1)), 64 if _INTERPRET else 1024)
     with _device_guard(kpm_u8):
         _kpm_ranges_kernel[(B,)](kpm_u8, *kpm_u8.stride(), kvr, kcnt, Lk, NEED_KCNT=need_kcnt, BLOCK=block)
     return kvr, (kcnt if need_kcnt else None)
@@ -1013,14 +1014,14 @@ if _INTERPRET:
     _dkdv = _attn_bwd_dkdv_kernel
     _dq = _attn_bwd_dq_kernel
 else:
-    _fwd = triton.autotune(configs=_all_configs(_FWD_CONFIGS, _FWD_SMALL_M + _FP32_CONFIGS["fwd"]), key=_TUNE_KEY,
+    _fwd = autotune(configs=_all_configs(_FWD_CONFIGS, _FWD_SMALL_M + _FP32_CONFIGS["fwd"]), key=_TUNE_KEY,
                            prune_configs_by={"early_config_prune": _prune_fwd})(_attn_fwd_kernel)
     # reset_to_zero: the timed runs of each config add dq into DQA (ATOMIC_DQ); it is zeroed before
     # each and once more before the call's own run.
-    _dkdv = triton.autotune(configs=_all_configs(_DKDV_CONFIGS, _FP32_CONFIGS["dkdv"]),
+    _dkdv = autotune(configs=_all_configs(_DKDV_CONFIGS, _FP32_CONFIGS["dkdv"]),
                             key=_TUNE_KEY + ["HEADS_PER_SPLIT", "ATOMIC_DQ"], reset_to_zero=["DQA"],
                             prune_configs_by={"early_config_prune": _prune_dkdv})(_attn_bwd_dkdv_kernel)
-    _dq = triton.autotune(configs=_all_configs(_DQ_CONFIGS, _FP32_CONFIGS["dq"]), key=_TUNE_KEY + ["ROW_SUMS_ONLY"],
+    _dq = autotune(configs=_all_configs(_DQ_CONFIGS, _FP32_CONFIGS["dq"]), key=_TUNE_KEY + ["ROW_SUMS_ONLY"],
                           prune_configs_by={"early_config_prune": _prune_dq})(_attn_bwd_dq_kernel)
 
 
@@ -1043,7 +1044,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bucket(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return next_power_of_2(max(int(n), 1))
 
 
 def _device_guard(t: torch.Tensor):
@@ -1068,7 +1069,7 @@ class _Common:
         assert k.device == q.device and v.device == q.device
         self.B, self.H, self.Hkv, self.Lq, self.Lk, self.D = B, H, Hkv, Lq, Lk, D
         self.group = H // Hkv
-        self.block_d = max(16, triton.next_power_of_2(D))
+        self.block_d = max(16, next_power_of_2(D))
         self.scale = float(scale)
         self.ieee = q.dtype == torch.float32 and not allow_tf32
         self.precise = self.ieee if FORCE_PRECISE is None else bool(FORCE_PRECISE)
@@ -1152,7 +1153,7 @@ def attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal: bool, scale: 
     meta = _interp_meta("fwd") if _INTERPRET else {}
 
     def grid(m):
-        return (triton.cdiv(Lq, m["BLOCK_M"]) * B * H,)
+        return (cdiv(Lq, m["BLOCK_M"]) * B * H,)
 
     with _device_guard(q):
         _fwd[grid](
@@ -1172,11 +1173,11 @@ def _gqa_split(c: _Common, device: torch.device) -> int:
         return int(FORCE_GQA_SPLIT)
     if c.group == 1 or device.type != "cuda":
         return 1
-    programs = triton.cdiv(c.Lk, 128) * c.B * c.Hkv
+    programs = cdiv(c.Lk, 128) * c.B * c.Hkv
     target = 2 * sm_count(device)
     if programs >= target:
         return 1
-    want = triton.cdiv(target, programs)
+    want = cdiv(target, programs)
     best = 1
     for d in range(1, c.group + 1):
         if c.group % d == 0 and d <= want:
@@ -1243,7 +1244,7 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
         rinv = torch.empty_like(delta) if refine else delta
         if not exact_delta:
             bm_delta = 64 if c.block_d <= 128 else 32
-            _attn_bwd_delta_kernel[(triton.cdiv(Lq, bm_delta) * B * H,)](
+            _attn_bwd_delta_kernel[(cdiv(Lq, bm_delta) * B * H,)](
                 out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Lq,
                 HEAD_DIM=D, BLOCK_D=c.block_d, BLOCK_M=bm_delta, PRECISE=c.precise, num_warps=4,
             )
@@ -1251,7 +1252,7 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
         meta = _interp_meta("dq") if _INTERPRET else {}
 
         def grid_q(m):
-            return (triton.cdiv(Lq, m["BLOCK_M"]) * B * H,)
+            return (cdiv(Lq, m["BLOCK_M"]) * B * H,)
 
         if refine or not atomic_dq:
             _dq[grid_q](
@@ -1279,7 +1280,7 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
         meta = _interp_meta("dkdv") if _INTERPRET else {}
 
         def grid_kv(m):
-            return (triton.cdiv(Lk, m["BLOCK_N"]) * B * Hkv * nsplit,)
+            return (cdiv(Lk, m["BLOCK_N"]) * B * Hkv * nsplit,)
 
         _dkdv[grid_kv](
             q, k, v, do, lse, rinv, delta, dk_buf, dv_buf, dq_acc, c.am, c.kpm, c.kcnt if c.has_kpm else q, c.rng,

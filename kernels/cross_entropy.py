@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, is_interpreting
+from transformer_fast.kernels.common import cast_out, is_interpreting, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -90,7 +90,7 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, keep: torch.T
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return loss
-    block = min(4096, triton.next_power_of_2(vocab))
+    block = min(4096, next_power_of_2(vocab))
     _cross_entropy_rows_kernel[(rows,)](
         logits, logits.stride(0), target, keep, loss, vocab, float(smoothing),
         WRITE_GRAD=write_grad, SMOOTH=smoothing > 0.0, BLOCK=block, INTERPRET=is_interpreting(),

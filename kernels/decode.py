@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, dot, imax, imin, is_interpreting, sm_count
+from transformer_fast.kernels.common import cast_out, cdiv, dot, imax, imin, is_interpreting, next_power_of_2, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -379,7 +379,7 @@ def num_splits_heuristic(programs: int, slots: int, n_blocks: int, max_splits: i
     max_splits = max(1, min(max_splits, slots, n_blocks))
 
     def eligible(s):
-        return s == 1 or triton.cdiv(n_blocks, s) != triton.cdiv(n_blocks, s - 1)
+        return s == 1 or cdiv(n_blocks, s) != cdiv(n_blocks, s - 1)
 
     effs = []
     for s in range(1, max_splits + 1):
@@ -418,9 +418,9 @@ def _append(pairs, seqlens: torch.Tensor) -> None:
     (sk, dk), (sv, dv) = pairs[0], pairs[-1]
     B, Hkv, L_new, _ = sk.shape
     L_max = dk.shape[2]
-    block_d = max(16, triton.next_power_of_2(max(sk.shape[3], sv.shape[3])))
-    block_t = max(1, min(triton.next_power_of_2(L_new), max(1, 4096 // block_d)))
-    t_blocks = triton.cdiv(L_new, block_t)
+    block_d = max(16, next_power_of_2(max(sk.shape[3], sv.shape[3])))
+    block_t = max(1, min(next_power_of_2(L_new), max(1, 4096 // block_d)))
+    t_blocks = cdiv(L_new, block_t)
     grid = (B * Hkv * t_blocks, 1, len(pairs))
     _kv_append_kernel[grid](
         sk, dk, sv, dv, seqlens, *sk.stride()[:3], *dk.stride()[:3], *sv.stride()[:3], *dv.stride()[:3],
@@ -484,12 +484,12 @@ def attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new
         # 2. Attention.
         group = H // Hkv
         m_total = L_new * group
-        block_d = max(16, triton.next_power_of_2(D))
-        block_dv = max(16, triton.next_power_of_2(Dv))
+        block_d = max(16, next_power_of_2(D))
+        block_dv = max(16, next_power_of_2(Dv))
         ieee = q.dtype == torch.float32 and not allow_tf32
         bm, bn, warps, stages = _config(m_total, block_d, block_dv, q.dtype, ieee)
-        programs = B * Hkv * triton.cdiv(m_total, bm)
-        n_blocks = triton.cdiv(L_max, bn)
+        programs = B * Hkv * cdiv(m_total, bm)
+        n_blocks = cdiv(L_max, bn)
         if num_splits is None:
             nsplit = num_splits_heuristic(programs, _slots(q.device), n_blocks)
         else:
@@ -518,9 +518,9 @@ def attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
         )
         if split:
-            block_t = min(16, triton.next_power_of_2(L_new))
-            block_s = max(2, triton.next_power_of_2(nsplit))
-            _decode_combine_kernel[(B * H * triton.cdiv(L_new, block_t),)](
+            block_t = min(16, next_power_of_2(L_new))
+            block_s = max(2, next_power_of_2(nsplit))
+            _decode_combine_kernel[(B * H * cdiv(L_new, block_t),)](
                 op, lsep, out, *op_strides, *lse_strides, *out.stride()[:3],
                 H, L_new, nsplit,
                 HEAD_DV=Dv, BLOCK_DV=block_dv, BLOCK_T=block_t, BLOCK_S=block_s,

@@ -57,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, dot, first_config_unless_tuning, is_interpreting, sm_count
+from transformer_fast.kernels.common import (autotune, cast_out, cdiv, dot, first_config_unless_tuning, is_interpreting,
+                                             next_power_of_2, sm_count)
 from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -288,7 +289,7 @@ def _prune_configs(configs, named_args, **kwargs):
             continue
         if ieee and (c.num_warps != _IEEE_WARPS or bm * bn // (32 * c.num_warps) > _IEEE_MAX_PER_THREAD):
             continue
-        if bm > max(32, triton.next_power_of_2(m)) or bn > max(64, triton.next_power_of_2(n)):
+        if bm > max(32, next_power_of_2(m)) or bn > max(64, next_power_of_2(n)):
             continue
         if (bm * bk + bk * bn) * esize * max(1, c.num_stages) > _SMEM_BUDGET:
             continue
@@ -300,7 +301,7 @@ def _prune_configs(configs, named_args, **kwargs):
     return first_config_unless_tuning(kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])])
 
 
-@triton.autotune(
+@autotune(
     configs=_gemm_configs(),
     key=["M", "N", "K", "EPILOGUE", "ACT", "HAS_DROPOUT", "IEEE"],
     prune_configs_by={"early_config_prune": _prune_configs},
@@ -410,7 +411,7 @@ def _prune_tma_configs(configs, named_args, **kwargs):
     return _prune_configs(configs, {**named_args, "A": named_args["A_DESC"].base}, **kwargs)
 
 
-@triton.autotune(
+@autotune(
     configs=_tma_configs(),
     key=["M", "N", "K", "EPILOGUE", "ACT", "HAS_DROPOUT", "A_KMAJOR", "B_KMAJOR"],
     prune_configs_by={"early_config_prune": _prune_tma_configs},
@@ -607,7 +608,7 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
             desc_a, a_kmajor, desc_b, b_kmajor = tma
             programs = _INTERPRET_PROGRAMS if is_interpreting() else sm_count(c.device)
             kernel = _gemm_tma_kernel
-            grid = lambda meta: (min(programs, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
+            grid = lambda meta: (min(programs, cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
             try:
                 kernel[grid](desc_a, desc_b, c, *epilogue_tensors, m, n, k, c.stride(0), stride_auxm, thr,
                              scale, **flags, A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, NUM_PROGRAMS=programs)
@@ -624,7 +625,7 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
                 tma = None
         if tma is None:
             kernel = _gemm_kernel
-            grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+            grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
             kernel[grid](a, b, c, *epilogue_tensors, m, n, k,
                          strides_a[0], strides_a[1], strides_b[0], strides_b[1], c.stride(0), stride_auxm,
                          thr, scale, **flags, IEEE=ieee)
@@ -666,7 +667,7 @@ _MIN_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in _gemm_configs() + _tma_configs()
 
 
 def _part_rows(m: int) -> int:
-    return triton.cdiv(m, _MIN_BLOCK_M)
+    return cdiv(m, _MIN_BLOCK_M)
 
 
 def _unit_cols(t):
@@ -773,11 +774,11 @@ def act_bwd(dy, aux, activation: str, dropout_p: float, rng, want_dbias: bool, s
     drop = _dropout_args(dropout_p, rng, dy)
     has_dropout, rng_t, thr, scale = drop
     d = torch.empty((m, n), dtype=dy.dtype, device=dy.device) if store else dy.new_empty(_EMPTY)
-    tiles_m = triton.cdiv(m, EW_BLOCK_M)
+    tiles_m = cdiv(m, EW_BLOCK_M)
     part = torch.empty((tiles_m, n), dtype=torch.float64, device=dy.device) if want_dbias else None
     if m > 0 and n > 0:
         with _device_guard(dy):
-            _act_bwd_kernel[(tiles_m, triton.cdiv(n, EW_BLOCK_N))](
+            _act_bwd_kernel[(tiles_m, cdiv(n, EW_BLOCK_N))](
                 dy, aux if act else dy, d if store else dy, rng_t if has_dropout else dy,
                 part if part is not None else dy,
                 m, n, dy.stride(0), aux.stride(0) if act else 0, thr, scale,

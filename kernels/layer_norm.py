@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, check_rows, is_interpreting, sm_count
+from transformer_fast.kernels.common import cast_out, cdiv, check_rows, is_interpreting, next_power_of_2, sm_count
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
 
 # Largest row kept whole in registers (elements, a power of two), forward / backward.
@@ -326,9 +326,9 @@ def _num_warps(tile_elems: int) -> int:
 
 def _tile(n: int, max_fused: int, m: int, max_block_m: int):
     """(fused, BLOCK_M, BLOCK_N, num_warps) for rows of n elements."""
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     if block_n <= max_fused:
-        block_m = max(1, min(max_block_m, TILE_ELEMS // block_n, triton.next_power_of_2(m)))
+        block_m = max(1, min(max_block_m, TILE_ELEMS // block_n, next_power_of_2(m)))
         return True, block_m, block_n, _num_warps(block_m * block_n)
     return False, 1, LOOP_BLOCK, _num_warps(LOOP_BLOCK)
 
@@ -415,7 +415,7 @@ def add_layer_norm_fwd(x, residual, weight, bias, eps: float, dropout_p: float, 
                 n, x.stride(0), residual.stride(0), float(eps), thr, scale,
                 HAS_DROPOUT=has_dropout, BLOCK_N=block_n, num_warps=num_warps, **_FP_OPTIONS,
             )
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        grid = (cdiv(m, block_m), cdiv(n, block_n))
         _fwd_kernel[grid](
             x, residual,
             weight if weight is not None else dummy,
@@ -454,11 +454,11 @@ def add_layer_norm_bwd(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p:
         return dx, dres, dw, db
 
     fused, block_m, block_n, num_warps = _tile(n, BWD_MAX_FUSED, m, BWD_MAX_BLOCK_M)
-    num_row_blocks = triton.cdiv(m, block_m)
-    num_col_blocks = triton.cdiv(n, block_n)
+    num_row_blocks = cdiv(m, block_m)
+    num_col_blocks = cdiv(n, block_n)
     # Persistent groups: enough resident programs to cover the GPU, each looping over row blocks.
     resident = _num_sms(x.device) * max(1, 32 // num_warps)
-    num_groups = max(1, min(num_row_blocks, triton.cdiv(resident, num_col_blocks)))
+    num_groups = max(1, min(num_row_blocks, cdiv(resident, num_col_blocks)))
     has_dw = weight is not None
     has_db = bias is not None
     dw_part = torch.empty((num_groups, n), dtype=torch.float64, device=x.device) if has_dw else None

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, check_rows, imin, is_interpreting, sm_count
+from transformer_fast.kernels.common import cast_out, cdiv, check_rows, imin, is_interpreting, next_power_of_2, sm_count
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng, load_rng_if
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -363,18 +363,18 @@ def _align(*values: int) -> int:
 
 def _plan(m: int, n: int, max_fused: int, device: torch.device):
     """("fused", BLOCK_M, BLOCK_N, num_warps) or ("looped", nsplit, span, num_warps)."""
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     sms = _num_sms(device)
     if block_n <= max_fused:
-        block_m = max(1, min(MAX_BLOCK_M, TILE_ELEMS // block_n, triton.next_power_of_2(m)))
-        few_rows = triton.cdiv(m, block_m) * FEW_ROWS_DIVISOR < sms
+        block_m = max(1, min(MAX_BLOCK_M, TILE_ELEMS // block_n, next_power_of_2(m)))
+        few_rows = cdiv(m, block_m) * FEW_ROWS_DIVISOR < sms
         if not (few_rows and n >= SPLIT_MIN_CHUNKS * LOOP_BLOCK):
             return "fused", block_m, block_n, _num_warps(block_m * block_n)
-    n_chunks = triton.cdiv(n, LOOP_BLOCK)
-    want = max(1, triton.cdiv(STATS_PROGRAMS_PER_SM * sms, m))
+    n_chunks = cdiv(n, LOOP_BLOCK)
+    want = max(1, cdiv(STATS_PROGRAMS_PER_SM * sms, m))
     nsplit = max(1, min(n_chunks, want, MAX_SPLITS))
-    per_split = triton.cdiv(n_chunks, nsplit)
-    nsplit = triton.cdiv(n_chunks, per_split)  # no empty split
+    per_split = cdiv(n_chunks, nsplit)
+    nsplit = cdiv(n_chunks, per_split)  # no empty split
     return "looped", nsplit, per_split * LOOP_BLOCK, _num_warps(LOOP_BLOCK)
 
 
@@ -459,7 +459,7 @@ def masked_softmax_fwd(scores, mask, scale: float, is_causal: bool, dropout_p: f
     with _device_guard(scores):
         if path == "fused":
             block_m, block_n = a, b
-            _fwd_fused_kernel[(triton.cdiv(M, block_m),)](
+            _fwd_fused_kernel[(cdiv(M, block_m),)](
                 scores, am, out, probs if has_dropout else out, rng_t,
                 M, H, Lq, Lk, *s_strides, *am_strides, float(scale), thr, dscale, **align,
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **common,
@@ -474,10 +474,10 @@ def masked_softmax_fwd(scores, mask, scale: float, is_causal: bool, dropout_p: f
                 MASK_KIND=mask_kind, CAUSAL=bool(is_causal), ALIGN_S=align["ALIGN_S"],
                 ALIGN_A=align["ALIGN_A"], BLOCK_N=LOOP_BLOCK, num_warps=num_warps,
             )
-            _fwd_apply_kernel[(M, triton.cdiv(Lk, LOOP_BLOCK))](
+            _fwd_apply_kernel[(M, cdiv(Lk, LOOP_BLOCK))](
                 scores, am, out, probs if has_dropout else out, rng_t, part_m, part_l,
                 H, Lq, Lk, *s_strides, *am_strides, float(scale), thr, dscale, nsplit, **align,
-                SPLITS_P2=triton.next_power_of_2(nsplit), BLOCK_N=LOOP_BLOCK,
+                SPLITS_P2=next_power_of_2(nsplit), BLOCK_N=LOOP_BLOCK,
                 num_warps=num_warps, **common,
             )
     return out, probs
@@ -508,7 +508,7 @@ def masked_softmax_bwd(dout, probs, scale: float, dropout_p: float, rng):
     with _device_guard(dout):
         if path == "fused":
             block_m, block_n = a, b
-            _bwd_fused_kernel[(triton.cdiv(M, block_m),)](
+            _bwd_fused_kernel[(cdiv(M, block_m),)](
                 dout, probs, ds, rng_t,
                 M, H, Lq, Lk, *d_strides, *p_strides, float(scale), thr, dscale,
                 HAS_DROPOUT=has_dropout, **align, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -522,10 +522,10 @@ def masked_softmax_bwd(dout, probs, scale: float, dropout_p: float, rng):
                 H, Lq, Lk, *d_strides, *p_strides, thr, dscale, span,
                 HAS_DROPOUT=has_dropout, **align, BLOCK_N=LOOP_BLOCK, num_warps=num_warps,
             )
-            _bwd_apply_kernel[(M, triton.cdiv(Lk, LOOP_BLOCK))](
+            _bwd_apply_kernel[(M, cdiv(Lk, LOOP_BLOCK))](
                 dout, probs, ds, rng_t, part,
                 H, Lq, Lk, *d_strides, *p_strides, float(scale), thr, dscale, nsplit,
-                HAS_DROPOUT=has_dropout, **align, SPLITS_P2=triton.next_power_of_2(nsplit),
+                HAS_DROPOUT=has_dropout, **align, SPLITS_P2=next_power_of_2(nsplit),
                 BLOCK_N=LOOP_BLOCK, INTERPRET=is_interpreting(), num_warps=num_warps,
             )
     return ds
