@@ -570,3 +570,25 @@ def test_ffn_rows_say_which_triton_gemm_ran(monkeypatch):
     assert ops._gemm_kernel_note(case, "torch", cuda) is None
     assert ops._gemm_kernel_note(case, "triton", torch.device("cpu")) is None
     assert ops._gemm_kernel_note(types.SimpleNamespace(op="add_layer_norm"), "triton", cuda) is None
+
+
+def test_triton_host_time_runs_the_compiled_launch_path_without_a_gpu():
+    """benchmarks/triton_host_time.py: Triton's real launch path (kernels compiled for sm_90,
+    the autotuner's key, our launchers and layers) against a stand-in driver, on this CPU: a
+    line per case with its host time, its launch count and the part in JITFunction.run."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/triton_host_time.py", "--case", "add_layer_norm", "feed_forward",
+         "--calls", "2", "--rounds", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        words = line.rsplit(None, 3)
+        if len(words) == 4 and words[2].isdigit():
+            rows[words[0]] = (float(words[1]), int(words[2]), float(words[3]))
+    launches = {name: row[1] for name, row in rows.items()}
+    assert launches == {"add_layer_norm": 1, "add_layer_norm fwd+bwd": 2, "feed_forward": 2,
+                        "feed_forward fwd+bwd": 7}, proc.stdout
+    assert all(us > 0 for us, _, _ in rows.values()), proc.stdout
