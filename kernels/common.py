@@ -93,8 +93,9 @@ def autotune(**kwargs):
 
     def decorator(fn):
         tuner = triton.autotune(**kwargs)(fn)
-        if type(tuner) is Autotuner:
-            tuner.__class__ = _KeyedAutotuner
+        if type(tuner) is Autotuner and all(
+                hasattr(tuner, name) for name in ("keys", "arg_names", "cache", "configs", "fn")):
+            tuner.__class__ = _KeyedAutotuner  # else (another Triton's Autotuner): Triton's own
         return tuner
 
     return decorator
