@@ -176,8 +176,11 @@ def _layer_cases():
     dt = torch.bfloat16
     torch.manual_seed(0)
     B, L, d, h = 2, 8, 64, 2
-    enc = tf.TransformerEncoderLayer(d, h, 4 * d, dropout=0.1, batch_first=True).to(dt)
-    dec = tf.TransformerDecoderLayer(d, h, 4 * d, dropout=0.1, batch_first=True).to(dt)
+    # One module per mode: a .train() call per call would add its own host time.
+    enc = {m: tf.TransformerEncoderLayer(d, h, 4 * d, dropout=0.1, batch_first=True).to(dt).train(m)
+           for m in (True, False)}
+    dec = {m: tf.TransformerDecoderLayer(d, h, 4 * d, dropout=0.1, batch_first=True).to(dt).train(m)
+           for m in (True, False)}
     x = torch.randn(B, L, d, dtype=dt, requires_grad=True)
     mem = torch.randn(B, L, d, dtype=dt, requires_grad=True)
     kpm = torch.zeros(B, L, dtype=torch.bool)
@@ -186,18 +189,16 @@ def _layer_cases():
 
     def enc_call(train):
         def call():
-            enc.train(train)
             with tf.use_backend("triton"), torch.set_grad_enabled(train):
-                y = enc(x, src_key_padding_mask=kpm)
+                y = enc[train](x, src_key_padding_mask=kpm)
                 if train:
                     y.sum().backward()
         return call
 
     def dec_call(train):
         def call():
-            dec.train(train)
             with tf.use_backend("triton"), torch.set_grad_enabled(train):
-                y = dec(x, mem, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=kpm)
+                y = dec[train](x, mem, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=kpm)
                 if train:
                     y.sum().backward()
         return call

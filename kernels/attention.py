@@ -1015,14 +1015,14 @@ if _INTERPRET:
     _dq = _attn_bwd_dq_kernel
 else:
     _fwd = autotune(configs=_all_configs(_FWD_CONFIGS, _FWD_SMALL_M + _FP32_CONFIGS["fwd"]), key=_TUNE_KEY,
-                           prune_configs_by={"early_config_prune": _prune_fwd})(_attn_fwd_kernel)
+                    prune_configs_by={"early_config_prune": _prune_fwd})(_attn_fwd_kernel)
     # reset_to_zero: the timed runs of each config add dq into DQA (ATOMIC_DQ); it is zeroed before
     # each and once more before the call's own run.
     _dkdv = autotune(configs=_all_configs(_DKDV_CONFIGS, _FP32_CONFIGS["dkdv"]),
-                            key=_TUNE_KEY + ["HEADS_PER_SPLIT", "ATOMIC_DQ"], reset_to_zero=["DQA"],
-                            prune_configs_by={"early_config_prune": _prune_dkdv})(_attn_bwd_dkdv_kernel)
+                     key=_TUNE_KEY + ["HEADS_PER_SPLIT", "ATOMIC_DQ"], reset_to_zero=["DQA"],
+                     prune_configs_by={"early_config_prune": _prune_dkdv})(_attn_bwd_dkdv_kernel)
     _dq = autotune(configs=_all_configs(_DQ_CONFIGS, _FP32_CONFIGS["dq"]), key=_TUNE_KEY + ["ROW_SUMS_ONLY"],
-                          prune_configs_by={"early_config_prune": _prune_dq})(_attn_bwd_dq_kernel)
+                   prune_configs_by={"early_config_prune": _prune_dq})(_attn_bwd_dq_kernel)
 
 
 def _interp_meta(which: str) -> dict:
