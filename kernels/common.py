@@ -43,6 +43,9 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+_NO_DTYPE = frozenset((int, float, bool, type(None)))
+
+
 class _KeyedAutotuner(Autotuner):
     """Triton's Autotuner whose launches for an already tuned key skip its per-call bookkeeping.
 
@@ -71,10 +74,13 @@ class _KeyedAutotuner(Autotuner):
             elif pos.get(name, len(args)) < len(args):
                 key.append(args[pos[name]])
         for a in args[:len(pos)]:
-            if hasattr(a, "dtype"):
+            # Triton asks hasattr(a, "dtype"); a failed attribute lookup on the many int
+            # arguments costs more than this type test, which gives the same answer for them.
+            t = type(a)
+            if t is torch.Tensor or (t not in _NO_DTYPE and hasattr(a, "dtype")):
                 key.append(str(a.dtype))
         for name, a in kwargs.items():
-            if name in pos and hasattr(a, "dtype"):
+            if name in pos and type(a) not in _NO_DTYPE and hasattr(a, "dtype"):
                 key.append(str(a.dtype))
         config = self.cache.get(tuple(key))
         if config is None:
