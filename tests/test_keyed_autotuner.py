@@ -142,3 +142,35 @@ def test_host_helpers_match_triton():
         assert common.next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 2, 3, 16, 64, 128):
             assert common.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+@pytest.mark.gpu
+def test_tuned_attention_launches_skip_autotuner_run_on_the_gpu(monkeypatch):
+    """On a GPU, with tuning on: the first forward tunes (Autotuner.run), the next ones with the
+    same key launch directly with the same config and give the same bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from transformer_fast import functional as F
+    from transformer_fast.kernels import attention as A
+
+    monkeypatch.setenv("TRANSFORMER_FAST_AUTOTUNE", "1")
+    A._fwd.cache.clear()
+    slow = []
+    real = triton.runtime.autotuner.Autotuner.run
+
+    def counting(self, *args, **kwargs):
+        slow.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton.runtime.autotuner.Autotuner, "run", counting)
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kpm = torch.zeros(2, 300, dtype=torch.bool, device="cuda")
+    kpm[1, 250:] = True
+    first = F.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm, backend="triton")
+    config = A._fwd.best_config
+    tuned = len(slow)
+    for _ in range(3):
+        again = F.scaled_dot_product_attention(q, k, v, key_padding_mask=kpm, backend="triton")
+        assert torch.equal(again, first)
+        assert A._fwd.best_config is config
+    assert len(slow) == tuned
