@@ -106,9 +106,15 @@ class HostOnlyDriver(GPUDriver):
         return bench
 
 
-def _install() -> None:
+def _install(hopper_tma: bool = False) -> None:
     driver.set_active(HostOnlyDriver())
     from transformer_fast import backends
+
+    if hopper_tma:  # 16-bit FFN GEMMs on the persistent TMA kernel, as on a Hopper GPU
+        from transformer_fast.kernels import ffn
+
+        ffn._tma_capable = lambda t: True
+        ffn.sm_count = lambda device: SMS  # its persistent grid
 
     # The triton backend takes CPU tensors only under the interpreter; here they stand for CUDA
     # tensors with the kernels compiled.
@@ -230,11 +236,13 @@ def main(argv=None) -> int:
     parser.add_argument("--case", nargs="*", help="substrings of the case names to run (default: all)")
     parser.add_argument("--calls", type=int, default=100, help="calls per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hopper-tma", action="store_true",
+                        help="16-bit FFN GEMMs on the TMA kernel, as on a Hopper (not the pointer kernel)")
     parser.add_argument("--python-top", type=int, default=0,
                         help="also the N Python functions with the most own time per case (cProfile)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    _install()
+    _install(args.hopper_tma)
     cases = {**_ops_cases(), **_layer_cases()}
     if args.case:
         cases = {k: v for k, v in cases.items() if any(s in k for s in args.case)}

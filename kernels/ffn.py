@@ -555,6 +555,11 @@ def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+def _tma_capable(t) -> bool:
+    """Whether ``auto`` may give t's GEMM to the TMA kernel: compiled, on a Hopper or newer."""
+    return not is_interpreting() and t.is_cuda and _hopper_or_newer(t.device.index)
+
+
 def _tma_view(t, rows, cols, stride_r, stride_c, k_is_cols):
     """(shape, strides, k_major) of a TMA descriptor over the (rows, cols) operand with these
     strides, or None when TMA cannot address it: no empty dimension (a descriptor's dims are
@@ -579,7 +584,7 @@ def _tma_operands(a, b, m, n, k, strides_a, strides_b):
     path = _gemm_path()
     if path == "pointer" or a.dtype not in (torch.float16, torch.bfloat16) or (path == "auto" and _TMA_FAILED):
         return None
-    if path == "auto" and (is_interpreting() or not a.is_cuda or not _hopper_or_newer(a.device.index)):
+    if path == "auto" and not _tma_capable(a):
         return None
     va = _tma_view(a, m, k, strides_a[0], strides_a[1], k_is_cols=True)
     # B (K, N): K is its rows, so a K-major B is described as B^T (N, K).
