@@ -70,6 +70,20 @@ def _calls(seed: int, count: int):
             yield (x,), {"Y": y, "N": n, "M": m, "FLAG": flag}
 
 
+@pytest.fixture
+def slow(monkeypatch):
+    """The calls that reach Triton's own Autotuner.run (a list, one entry per call)."""
+    calls = []
+    real = triton.runtime.autotuner.Autotuner.run
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton.runtime.autotuner.Autotuner, "run", counting)
+    return calls
+
+
 def test_the_keyed_tuner_is_tritons_autotuner():
     tuner = common.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})],
                             key=["N"])(_kernel)
@@ -91,16 +105,8 @@ def test_same_configs_keys_and_tunings_as_triton(seed):
     assert len(set(keyed.fn.blocks)) > 1  # the keys chose different configs
 
 
-def test_tuned_keys_skip_autotuner_run(monkeypatch):
+def test_tuned_keys_skip_autotuner_run(slow):
     keyed = _tuner(common.autotune)
-    slow = []
-    real = triton.runtime.autotuner.Autotuner.run
-
-    def counting(self, *args, **kwargs):
-        slow.append(1)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(triton.runtime.autotuner.Autotuner, "run", counting)
     x = torch.empty(4, dtype=torch.float16)
     for _ in range(5):
         keyed[(1,)](x, x, 20, 3, FLAG=True)
@@ -145,7 +151,7 @@ def test_host_helpers_match_triton():
 
 
 @pytest.mark.gpu
-def test_tuned_attention_launches_skip_autotuner_run_on_the_gpu(monkeypatch):
+def test_tuned_attention_launches_skip_autotuner_run_on_the_gpu(monkeypatch, slow):
     """On a GPU, with tuning on: the first forward tunes (Autotuner.run), the next ones with the
     same key launch directly with the same config and give the same bits."""
     if not torch.cuda.is_available():
@@ -155,14 +161,6 @@ def test_tuned_attention_launches_skip_autotuner_run_on_the_gpu(monkeypatch):
 
     monkeypatch.setenv("TRANSFORMER_FAST_AUTOTUNE", "1")
     A._fwd.cache.clear()
-    slow = []
-    real = triton.runtime.autotuner.Autotuner.run
-
-    def counting(self, *args, **kwargs):
-        slow.append(1)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(triton.runtime.autotuner.Autotuner, "run", counting)
     q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     kpm = torch.zeros(2, 300, dtype=torch.bool, device="cuda")
     kpm[1, 250:] = True

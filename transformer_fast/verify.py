@@ -289,6 +289,12 @@ def _feed_forward_cases(device: str, dtype: torch.dtype) -> Iterator[Case]:
                                         strided=True))
 
 
+def _linear_weight(out_features, in_features, dtype, device, generator):
+    """An nn.Linear-shaped weight with unit-variance outputs: randn / sqrt(in_features)."""
+    w = _randn(out_features, in_features, dtype=torch.float32, device=device, generator=generator)
+    return (w / in_features**0.5).to(dtype)
+
+
 def _rows(m, k, dtype, device, generator, strided):
     """x (m, k), or with ``strided`` (3, m / 3, k) as a transposed view of (m / 3, 3, k)."""
     if strided:
@@ -303,9 +309,9 @@ def _feed_forward_runner(shape, dtype, device, activation, dropout_p, biases=Tru
         g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
         inputs = {
             "x": _rows(m, d_model, dtype, device, g, strided),
-            "w1": (_randn(d_ff, d_model, dtype=torch.float32, device=device, generator=g) / d_model**0.5).to(dtype),
+            "w1": _linear_weight(d_ff, d_model, dtype, device, g),
             "b1": _randn(d_ff, dtype=dtype, device=device, generator=g) if biases else None,
-            "w2": (_randn(d_model, d_ff, dtype=torch.float32, device=device, generator=g) / d_ff**0.5).to(dtype),
+            "w2": _linear_weight(d_model, d_ff, dtype, device, g),
             "b2": _randn(d_model, dtype=dtype, device=device, generator=g) if biases else None,
         }
         seed, keep = _dropout_draw(device, (*inputs["x"].shape[:-1], d_ff), dropout_p)
@@ -344,7 +350,7 @@ def _linear_bias_act_runner(m, k, n, dtype, device, activation, dropout_p, bias,
         g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
         inputs = {
             "x": _rows(m, k, dtype, device, g, strided),
-            "w": (_randn(n, k, dtype=torch.float32, device=device, generator=g) / k**0.5).to(dtype),
+            "w": _linear_weight(n, k, dtype, device, g),
             "b": _randn(n, dtype=dtype, device=device, generator=g) if bias else None,
         }
         seed, keep = _dropout_draw(device, (*inputs["x"].shape[:-1], n), dropout_p)
