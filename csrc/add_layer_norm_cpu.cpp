@@ -54,15 +54,22 @@ double residual_add(const float* x, const float* r, const float* m, float* h, in
   return s.value() + tail;
 }
 
-// sum((h - mean)^2), exact two-pass on the cached row.
-double centered_sq_sum(const float* h, float mean, int64_t n) {
-  const Vec vm(mean);
+// sum((h - mean)^2), exact two-pass on the cached row, the mean being mu + mu_lo (see
+// normalize_row): centred on mu alone, a row whose mean is far from fp32's grid against its
+// spread (2^-15 off at 1000 for a spread of 2^-13) had its variance inflated by mu_lo^2.
+template <bool kLo>
+double centered_sq_sum(const float* h, float mu, float mu_lo, int64_t n) {
+  const Vec vm(mu), vlo(mu_lo);
   RowSumD s;
   int64_t j = 0;
-  for (; j + kV <= n; j += kV) s.add_square(Vec::loadu(h + j) - vm);
+  for (; j + kV <= n; j += kV) {
+    Vec d = Vec::loadu(h + j) - vm;
+    if constexpr (kLo) d = d - vlo;
+    s.add_square(d);
+  }
   double tail = 0.0;
   for (; j < n; ++j) {
-    const double d = h[j] - mean;
+    const double d = kLo ? (h[j] - mu) - mu_lo : h[j] - mu;
     tail += d * d;
   }
   return s.value() + tail;
@@ -107,19 +114,27 @@ struct Params {
   const float* b;
 };
 
-// y = (h - mean) * rstd (* w) (+ b) for one row (by-value arguments: see bwd_row).
-inline void normalize_row(const float* h, const float* w, const float* b, float mu, float rs,
-                          int64_t N, float* y, bool stream) {
-  const Vec vmu(mu), vrs(rs);
+// y = (h - mean) * rstd (* w) (+ b) for one row (by-value arguments: see bwd_row).  With kLo the
+// mean is mu + mu_lo: mu is the saved fp32 mean, mu_lo what rounding the double mean to it
+// dropped.  h - mu is exact where h is within a factor 2 of mu, so a row whose mean is large
+// against its spread (where mu's rounding, times rstd, shifts every output by ulps or more)
+// keeps its mean to ~2^-48 instead of to half an ulp (benchmarks/NOTES.md, "The modules under a
+// fuzzer").
+template <bool kLo>
+inline void normalize_row(const float* h, const float* w, const float* b, float mu, float mu_lo,
+                          float rs, int64_t N, float* y, bool stream) {
+  const Vec vmu(mu), vlo(mu_lo), vrs(rs);
   int64_t j = 0;
   for (; j + kV <= N; j += kV) {
-    Vec v = (Vec::loadu(h + j) - vmu) * vrs;
+    Vec v = Vec::loadu(h + j) - vmu;
+    if constexpr (kLo) v = v - vlo;
+    v = v * vrs;
     if (w) v = v * Vec::loadu(w + j);
     if (b) v = v + Vec::loadu(b + j);
     store_vec(y + j, v, stream);
   }
   for (; j < N; ++j) {
-    float v = (h[j] - mu) * rs;
+    float v = kLo ? ((h[j] - mu) - mu_lo) * rs : (h[j] - mu) * rs;
     if (w) v *= w[j];
     if (b) v += b[j];
     y[j] = v;
@@ -155,15 +170,29 @@ void fwd_kernel(const Tensor& x, const Tensor& r, Params p, double eps, double d
       const float* xf = row_as_float(xp + i * sx, N, xbuf);
       const float* rf = row_as_float(rp + i * sr, N, rbuf);
       if (drop) dropout_factors(seed, offset, static_cast<uint64_t>(i) * N, N, threshold, scale, mbuf);
-      const float mu = static_cast<float>(residual_add(xf, rf, mbuf, hbuf, N) / N);
-      const double var = centered_sq_sum(hbuf, mu, N) / N;
-      const float rs = static_cast<float>(1.0 / std::sqrt(var + eps));
+      const double mean = residual_add(xf, rf, mbuf, hbuf, N) / N;
+      const float mu = static_cast<float>(mean);
+      const float mu_lo = static_cast<float>(mean - mu);
+      double var = centered_sq_sum<false>(hbuf, mu, mu_lo, N) / N;
+      float rs = static_cast<float>(1.0 / std::sqrt(var + eps));
+      // Rows where mu's rounding shows at fp32's resolution (|mean| a few times the spread or
+      // more): centred on mu + mu_lo (on mu alone the variance also gained mu_lo^2); the others,
+      // nearly every row of a network's activations, skip the extra subtractions.
+      const bool far = std::abs(mu_lo) * rs > 0x1p-26f;
+      if (far) {
+        var = centered_sq_sum<true>(hbuf, mu, mu_lo, N) / N;
+        rs = static_cast<float>(1.0 / std::sqrt(var + eps));
+      }
       meanp[i] = mu;
       rstdp[i] = rs;
       // fp32 output rows are written in place; others go through ybuf and one conversion.
       float* yrow = ybuf;
       if constexpr (std::is_same_v<T, float>) yrow = yp + i * N;
-      normalize_row(hbuf, p.w, p.b, mu, rs, N, yrow, stream);
+      if (far) {
+        normalize_row<true>(hbuf, p.w, p.b, mu, mu_lo, rs, N, yrow, stream);
+      } else {
+        normalize_row<false>(hbuf, p.w, p.b, mu, mu_lo, rs, N, yrow, stream);
+      }
       if constexpr (!std::is_same_v<T, float>) store_row(ybuf, yp + i * N, N);
       if (hp) store_row(hbuf, hp + i * N, N);
     }
@@ -250,6 +279,11 @@ inline void bwd_row(const float* xf, const float* rf, const float* dyf, const fl
   const float xbar_f = static_cast<float>(xbar);
   const float off = static_cast<float>((a_d - a) - b * (xbar - xbar_f));
   const Vec va(a), vb(b), vxbar(xbar_f), voff(off);
+  // dweight = sum over rows of dy * (xhat - xbar): pass 1 added dy * xhat, so rows whose shift
+  // matters (|xbar| above 2^-24, where |mean| is about twice the spread or more) take back
+  // dy * xbar here; below that it is under the sums' own rounding.
+  const bool unshift_dw = dwp != nullptr && std::abs(xbar) > 0x1p-24;
+  const Vec vneg_xbar(-xbar_f);
   j = 0;
   for (; j + kV <= N; j += kV) {
     Vec hv = Vec::loadu(xf + j);
@@ -258,6 +292,7 @@ inline void bwd_row(const float* xf, const float* rf, const float* dyf, const fl
     const Vec d = Vec::loadu(dyf + j);
     const Vec gv = w ? d * Vec::loadu(w + j) : d;
     Vec v = (gv - va - (xh - vxbar) * vb - voff) * vrs;
+    if (unshift_dw) accumulate_param_grads(d, vneg_xbar, dwp + j, nullptr);
     if (dhf) v = v + Vec::loadu(dhf + j);
     store_vec(orow + j, v, stream);
     if (dxrow) store_vec(dxrow + j, v * Vec::loadu(m + j), stream);
@@ -266,6 +301,7 @@ inline void bwd_row(const float* xf, const float* rf, const float* dyf, const fl
     const float xh = (rf[j] + (m ? xf[j] * m[j] : xf[j]) - mu) * rs;
     const float gv = w ? dyf[j] * w[j] : dyf[j];
     float v = (gv - a - (xh - xbar_f) * b - off) * rs;
+    if (unshift_dw) dwp[j] -= static_cast<double>(dyf[j]) * xbar_f;
     if (dhf) v += dhf[j];
     orow[j] = v;
     if (dxrow) dxrow[j] = v * m[j];

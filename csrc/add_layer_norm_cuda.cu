@@ -246,6 +246,7 @@ struct BwdArgs {
   void* dres;
   float* dw_part;  // (num_teams, N) partials; nullptr when not wanted
   float* db_part;
+  float* xbar;  // (M,) each row's mean(xhat), for the long-row dweight kernel; else nullptr
   int64_t M;
   int64_t sdy, sdh, sx, sr;
   int N;
@@ -308,7 +309,12 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
       }
     }
     Stat* red_s = reinterpret_cast<Stat*>(red);  // a float2 per warp: room for a double
-    const float mu = static_cast<float>(team_sum1<Stat>(sum, red_s, wpt, team * wpt) / static_cast<Stat>(N));
+    const Stat mean = team_sum1<Stat>(sum, red_s, wpt, team * wpt) / static_cast<Stat>(N);
+    const float mu = static_cast<float>(mean);
+    // What rounding the mean to fp32 dropped (fp32 rows; 0 for 16-bit ones, summed in fp32): the
+    // outputs centre on mu + mu_lo, so a row whose mean is large against its spread keeps it
+    // (the saved mean stays fp32; backward centres xhat on its row mean instead).
+    const float mu_lo = static_cast<float>(mean - static_cast<Stat>(mu));
     // Exact two-pass variance on the registers.
     Stat sq = 0;
 #pragma unroll
@@ -317,7 +323,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
       if (valid && col < N) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          const float d = h[k][e] - mu;
+          const float d = (h[k][e] - mu) - mu_lo;  // on mu alone the variance gained mu_lo^2
           sq += static_cast<Stat>(d) * d;
         }
       }
@@ -338,7 +344,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
           if (a.b) load_param<T, VEC>(a.b, a.b_f32, col, bv);
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
-            float v = (h[k][e] - mu) * rs;
+            float v = ((h[k][e] - mu) - mu_lo) * rs;
             if (a.w) v *= wv[e];
             if (a.b) v += bv[e];
             yv[e] = v;
@@ -390,14 +396,16 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) sum += hv[e];
     }
-    const float mu = static_cast<float>(team_sum1<double>(sum, red, wpt, 0) / N);
+    const double mean = team_sum1<double>(sum, red, wpt, 0) / N;
+    const float mu = static_cast<float>(mean);
+    const float mu_lo = static_cast<float>(mean - mu);  // as the register path
     double sq = 0.0;
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       float hv[VEC];
       load_h<T, VEC>(xr, rr, row, N, v * VEC, drop, hv);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        const float d = hv[e] - mu;  // as the normalisation below computes it
+        const float d = (hv[e] - mu) - mu_lo;  // as the normalisation below computes it
         sq += static_cast<double>(d) * d;
       }
     }
@@ -414,7 +422,7 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
       if (a.b) load_param<T, VEC>(a.b, a.b_f32, col, bv);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        float y = (hv[e] - mu) * rs;
+        float y = ((hv[e] - mu) - mu_lo) * rs;
         if (a.w) y *= wv[e];
         if (a.b) y += bv[e];
         yv[e] = y;
@@ -429,8 +437,8 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
 // Backward, register path.  Per row: xhat = (h - mean) * rstd, g = dy * w,
 //   dsum = rstd * (g - mean(g) - (xhat - cc) * mean(g * (xhat - cc))) (+ dh), cc = mean(xhat);
 //   dres = dsum;  dx = dsum * m.
-// Each team also accumulates dy * xhat and dy for its own columns over all the rows it visits,
-// and writes them once at the end as row `team_id` of the (num_teams, N) partials.
+// Each team also accumulates dy * (xhat - cc) and dy for its own columns over all the rows it
+// visits, and writes them once at the end as row `team_id` of the (num_teams, N) partials.
 
 template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
@@ -461,7 +469,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
     const bool valid = row < a.M;
     const float mu = valid ? a.mean[row] : 0.0f;
     const float rs = valid ? a.rstd[row] : 0.0f;
-    float xh[NV][VEC], g[NV][VEC];
+    float xh[NV][VEC], dys[NV][VEC];  // xhat and dy (g = dy * w is recomputed after the sums)
     uint32_t keep = 0;  // bit k * VEC + e: element kept by dropout
     float sg = 0.0f, sgx = 0.0f, sx = 0.0f;
 #pragma unroll
@@ -486,16 +494,15 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
           const float xhat = (rv[e] + xe - mu) * rs;
           const float gv = a.w ? dv[e] * wv[e] : dv[e];
           xh[k][e] = xhat;
-          g[k][e] = gv;
+          dys[k][e] = dv[e];
           sg += gv;
           sgx += gv * xhat;
           sx += xhat;
-          acc_w[k][e] += dv[e] * xhat;
           acc_b[k][e] += dv[e];
         }
       } else {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) xh[k][e] = g[k][e] = 0.0f;
+        for (int e = 0; e < VEC; ++e) xh[k][e] = dys[k][e] = 0.0f;
       }
     }
     const float2 s = team_sum2(sg, sgx, red, wpt, team * wpt);
@@ -509,12 +516,16 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
       for (int k = 0; k < NV; ++k) {
         const int col = (t + k * tpr) * VEC;
         if (col < N) {
-          float ds[VEC], dhv[VEC];
+          float ds[VEC], dhv[VEC], wv[VEC];
           if (dhp) load_f<T, VEC>(dhp + row * a.sdh + col, dhv);
+          if (a.w) load_param<T, VEC>(a.w, a.w_f32, col, wv);
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
-            ds[e] = (g[k][e] - ca - (xh[k][e] - cc) * cb) * rs;
+            const float gv = a.w ? dys[k][e] * wv[e] : dys[k][e];
+            const float xc = xh[k][e] - cc;
+            ds[e] = (gv - ca - xc * cb) * rs;
             if (dhp) ds[e] += dhv[e];
+            acc_w[k][e] += dys[k][e] * xc;
           }
           store_f<T, VEC>(static_cast<T*>(a.dres) + row * N + col, ds);
           if (a.dx) {
@@ -578,6 +589,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
     const float2 s = team_sum2(sg, sgx, red, wpt, 0);
     const float cc = team_sum2(sx, 0.0f, red, wpt, 0).x * inv_n;  // as the register path
     const float ca = s.x * inv_n, cb = s.y * inv_n - cc * ca;
+    if (a.xbar && threadIdx.x == 0) a.xbar[row] = cc;
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       const int col = v * VEC;
       float xv[VEC], rv[VEC], dv[VEC], wv[VEC], dhv[VEC], ds[VEC], dxv[VEC];
@@ -631,7 +643,8 @@ __global__ void __launch_bounds__(kColsX * kColsY) bwd_dwdb_cols_kernel(BwdArgs 
       if (drop.on) xe *= drop.factor(static_cast<uint64_t>(row) * N + col);
       const float hv = to_f(static_cast<const T*>(a.r)[row * a.sr + col]) + xe;
       const float d = to_f(static_cast<const T*>(a.dy)[row * a.sdy + col]);
-      aw += d * (hv - a.mean[row]) * a.rstd[row];
+      // centred, as the register path (a.xbar is set whenever dweight is wanted)
+      if (a.dw_part) aw += d * ((hv - a.mean[row]) * a.rstd[row] - a.xbar[row]);
       ab += d;
     }
   }
@@ -815,7 +828,8 @@ void launch_fwd(FwdArgs a, bool vectorized, int device, cudaStream_t stream) {
 }
 
 // Runs the row kernels; fills the (P, N) partials when a.dw_part / a.db_part are wanted and
-// returns P.  `alloc_partials(P)` allocates them once P is known.
+// returns P.  `alloc_partials(P, long_rows)` allocates them once P is known (and a.xbar for the
+// long-row path's dweight when dweight is wanted).
 template <typename T, typename Alloc>
 int64_t launch_bwd(BwdArgs& a, bool vectorized, int device, cudaStream_t stream, Alloc&& alloc_partials) {
   constexpr int kVecWidth = 16 / sizeof(T);
@@ -833,7 +847,7 @@ int64_t launch_bwd(BwdArgs& a, bool vectorized, int device, cudaStream_t stream,
         // bytes), more rows a group where the groups would pass grid.y's limit
         const int64_t rows_per_group = std::max<int64_t>(256, ceil_div(a.M, int64_t{TF_LN_MAX_COL_GROUPS}));
         P = ceil_div(a.M, rows_per_group);
-        alloc_partials(P);
+        alloc_partials(P, true);
         launch(bwd_loop_kernel<T, VEC>, dim3(static_cast<unsigned>(grid)), dim3(kMaxThreads), stream, a);
         if (a.dw_part || a.db_part) {
           const dim3 grid2(static_cast<unsigned>(ceil_div(a.N, kColsX)), static_cast<unsigned>(P));
@@ -850,7 +864,7 @@ int64_t launch_bwd(BwdArgs& a, bool vectorized, int device, cudaStream_t stream,
         const int64_t grid = std::min<int64_t>(ceil_div(a.M, c.teams),
                                                int64_t{sms} * blocks_per_sm(k, threads, device));
         P = grid * c.teams;
-        alloc_partials(P);
+        alloc_partials(P, false);
         launch(bwd_reg_kernel<T, VEC, NV>, dim3(static_cast<unsigned>(grid)), dim3(threads), stream, a);
       });
     }
@@ -972,13 +986,15 @@ Tensor4 add_layer_norm_bwd_cuda(const Tensor& dy, const std::optional<Tensor>& d
   a.w_f32 = w.defined() && w.scalar_type() == at::kFloat;
 
   const bool want_dw = has(weight), want_db = has(bias);
-  Tensor dw_part, db_part;
-  auto alloc_partials = [&](int64_t P) {
+  Tensor dw_part, db_part, xbar;
+  auto alloc_partials = [&](int64_t P, bool long_rows) {
     const auto opts = x.options().dtype(at::kFloat);
     if (want_dw) dw_part = at::empty({P, N}, opts);
     if (want_db) db_part = at::empty({P, N}, opts);
+    if (want_dw && long_rows) xbar = at::empty({M}, opts);
     a.dw_part = want_dw ? dw_part.mutable_data_ptr<float>() : nullptr;
     a.db_part = want_db ? db_part.mutable_data_ptr<float>() : nullptr;
+    a.xbar = xbar.defined() ? xbar.mutable_data_ptr<float>() : nullptr;
   };
 
   const int device = scope.device;

@@ -168,11 +168,19 @@ def _fwd_kernel(
             # fp32 inputs: the row sums in fp64, each statistic rounded once.  With a large
             # common offset (mean / std ~1e4) an fp32 sum put the mean an ulp off, which
             # shifts every xhat of the row (up to 2.3x past the oracle's bound, interpreter).
-            mean = (tl.sum(h.to(tl.float64), axis=1) / N).to(tl.float32)
-            d = tl.where(mask, h - mean[:, None], 0.0).to(tl.float64)
+            mean64 = tl.sum(h.to(tl.float64), axis=1) / N
+            mean = mean64.to(tl.float32)
+            # What rounding the mean to fp32 dropped: y centres on mean + mean_lo, so a row whose
+            # mean is large against its spread keeps it (the saved mean stays fp32; backward
+            # centres xhat on its row mean instead).  benchmarks/NOTES.md, "The modules under a
+            # fuzzer".
+            mean_lo = (mean64 - mean.to(tl.float64)).to(tl.float32)
+            # (centred on mean + mean_lo: on mean alone the variance gained mean_lo^2)
+            d = tl.where(mask, (h - mean[:, None]) - mean_lo[:, None], 0.0).to(tl.float64)
             var = (tl.sum(d * d, axis=1) / N).to(tl.float32)
         else:
             mean = _div(tl.sum(h, axis=1), N)
+            mean_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
             d = tl.where(mask, h - mean[:, None], 0.0)
             var = _div(tl.sum(d * d, axis=1), N)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
@@ -180,8 +188,9 @@ def _fwd_kernel(
         tl.store(RSTD + rows, rstd, mask=row_ok)
     else:
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        mean_lo = tl.zeros([BLOCK_M], dtype=tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-    y = (h - mean[:, None]) * rstd[:, None]
+    y = ((h - mean[:, None]) - mean_lo[:, None]) * rstd[:, None]
     if HAS_W:
         w = tl.load(W + cols1, mask=col_ok, other=0.0).to(tl.float32)
         y = y * w[None, :]
@@ -245,8 +254,8 @@ def _bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (pid_g, pid_n): row blocks pid_g, pid_g + num_groups, ... of column block pid_n.
-    Writes dresidual (and dx) for its tiles and its fp32 partial sums of dy * xhat and dy for
-    its column block into row pid_g of DW_PART / DB_PART (every element, no atomics).
+    Writes dresidual (and dx) for its tiles and its fp32 partial sums of dy * (xhat - xbar) and
+    dy for its column block into row pid_g of DW_PART / DB_PART (every element, no atomics).
 
     dresidual = rstd * (g - mean(g) - (xhat - xbar) * mean(g * (xhat - xbar))), xbar = mean(xhat):
     xbar is 0 in exact arithmetic, but the computed xhat carries the fp32 mean's rounding as a
@@ -294,8 +303,8 @@ def _bwd_kernel(
         if HAS_DROPOUT:
             dx = tl.where(keep, dsum * drop_scale, 0.0)
             tl.store(DX + out_off, cast_out(dx, DX.dtype.element_ty, INTERPRET), mask=mask)
-        if HAS_DW:
-            dw_acc += dy * xhat
+        if HAS_DW:  # centred as dresidual's xhat: sum(dy * (xhat - xbar))
+            dw_acc += dy * (xhat - c3)
         if HAS_DB:
             db_acc += dy
     # The tile's row slots are summed in float64 (once per program, after the loop), so a

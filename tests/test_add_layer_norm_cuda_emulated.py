@@ -295,3 +295,17 @@ def test_constant_rows_normalise_to_the_bias(as_cuda_backend, dtype, n, c):
     y, _, mean, _ = as_cuda_backend.fwd(x, res, w, b, 1e-5, 0.0, None, False)
     torch.testing.assert_close(mean, torch.full_like(mean, float(h[0, 0])), rtol=0, atol=0)
     torch.testing.assert_close(y, b.expand_as(y), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [4, 7, 33, 1000, 8193])
+def test_rows_whose_mean_is_off_the_fp32_grid(as_cuda_backend, n):
+    """The register and long-row (8193) kernels keep what rounding the mean to fp32 dropped
+    (forward: y and the variance), and centre xhat for dweight (register path: on the row's
+    mean of xhat; long rows: through the per-row xbar the column kernel reads)."""
+    from test_add_layer_norm import check_rows_off_the_fp32_grid
+
+    if n == 8193:
+        assert as_cuda_backend.paths(n, 1)[0] == 1 and as_cuda_backend.paths(n, 1)[3] == 1  # loop kernels
+    check_rows_off_the_fp32_grid(
+        lambda x, residual, weight, bias, eps: ln_ops.add_layer_norm(x, residual, weight, bias, eps, 0.0, None, False, "cuda"),
+        n)
