@@ -314,7 +314,8 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_reg_kernel(FwdArgs a) {
     // What rounding the mean to fp32 dropped (fp32 rows; 0 for 16-bit ones, summed in fp32): the
     // outputs centre on mu + mu_lo, so a row whose mean is large against its spread keeps it
     // (the saved mean stays fp32; backward centres xhat on its row mean instead).
-    const float mu_lo = static_cast<float>(mean - static_cast<Stat>(mu));
+    // (a constant 0 for 16-bit rows, so that their subtractions of it fold away)
+    const float mu_lo = std::is_same<Stat, double>::value ? static_cast<float>(mean - static_cast<Stat>(mu)) : 0.0f;
     // Exact two-pass variance on the registers.
     Stat sq = 0;
 #pragma unroll
