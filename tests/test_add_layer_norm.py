@@ -136,8 +136,7 @@ def rows_off_the_fp32_grid(n: int, m: int = 3, seed: int = 0):
     are not: the nearest fp32 mean is off by up to 2^-15, which is ~0.6 * spread here."""
     g = torch.Generator().manual_seed(seed)
     steps = torch.randint(-3, 4, (m, n), generator=g).double()
-    steps[:, 0] = 4  # a row is never constant; its sum is never a multiple of n (see the assert)
-    steps[:, -1] = 5 if n > 1 else steps[:, -1]
+    steps[:, 0], steps[:, -1] = 4, 5  # never a constant row (n > 1); the assert below checks the mean
     offsets = torch.tensor([600.0, -900.0, 1000.0] * m)[:m, None].double()
     x = (steps * 2.0**-14).float()
     res = offsets.expand(m, n).float().contiguous()

@@ -49,7 +49,7 @@ import transformer_fast.modules as M
 from transformer_fast import reference
 
 from conftest import backend_params, require_backend
-from test_modules_support import module_parity, randomize_
+from test_modules_support import _no_fastpath, module_parity, randomize_
 
 FAST = int(os.environ.get("TF_FUZZ_MODULE_EXAMPLES", "2"))
 SLOW = int(os.environ.get("TF_FUZZ_MODULE_SLOW_EXAMPLES", "40"))
@@ -194,9 +194,8 @@ def _mha_case(data, g, backend):
 def _encoder_inputs(data, g, opts, unbatched, batch):
     length = data.draw(st.integers(1, 6), label="source length")
     src = _seq(g, batch, length, opts["d_model"], opts["batch_first"], unbatched)
+    # (unbatched: batch is 1, so a per batch x head mask is torch's (heads, L, S) form)
     mask, hint = _attn_mask(data, g, length, length, batch, opts["nhead"], "src mask", causal_ok=True)
-    if unbatched and mask is not None and mask.dim() == 3:
-        mask = mask[: opts["nhead"]]
     kpm = _padding(data, g, batch, length, unbatched, "src padding")
     return src, mask, hint, kpm
 
@@ -210,12 +209,6 @@ def _decoder_inputs(data, g, opts, unbatched, batch, memory=None):
         memory = _seq(g, batch, s_len, opts["d_model"], opts["batch_first"], unbatched)
     tgt_mask, tgt_hint = _attn_mask(data, g, t_len, t_len, batch, opts["nhead"], "tgt mask", causal_ok=True)
     memory_mask, _ = _attn_mask(data, g, t_len, s_len, batch, opts["nhead"], "memory mask", causal_ok=False)
-    for name, m in (("tgt", tgt_mask), ("memory", memory_mask)):
-        if unbatched and m is not None and m.dim() == 3:
-            if name == "tgt":
-                tgt_mask = m[: opts["nhead"]]
-            else:
-                memory_mask = m[: opts["nhead"]]
     return (tgt, memory, tgt_mask, memory_mask, tgt_hint,
             _padding(data, g, batch, t_len, unbatched, "tgt padding"),
             _padding(data, g, batch, s_len, unbatched, "memory padding"))
@@ -330,11 +323,8 @@ def _check_no_grad(case, backend):
             return f"both raise ({type(exc).__name__})"
         with reference.poisoned_outputs():
             got = _outputs(_call(ours, case, backend))
-        torch.backends.mha.set_fastpath_enabled(False)
-        try:
+        with _no_fastpath():
             standard = _outputs(copy.deepcopy(case.torch_module)(*case.args, **case.kwargs))
-        finally:
-            torch.backends.mha.set_fastpath_enabled(True)
     # (whether torch's inference fast path ran: its bits differ from the standard path's)
     took_fast_path = any(_padded_dense(e).shape != s.shape or not torch.equal(_padded_dense(e), s)
                          for e, s in zip(expected, standard))
