@@ -318,3 +318,49 @@ def test_hostile_input(case, backend):
 def test_table_is_large_enough():
     assert len(CASES) >= 40
     assert {c.op for c in CASES} == set(OP_FUNCTIONS)
+
+
+# A non-finite upstream gradient (fp16 loss scaling that overflowed) must reach the inputs'
+# gradients: torch.amp.GradScaler skips the step only when it finds a non-finite gradient, so a
+# kernel that swallowed one (a max that drops NaN, a where() that zeroes it) would let an
+# overflowed step through.  Which elements turn non-finite is the kernel's own business (a padded
+# key's gradient is 0 * NaN in one kernel, skipped in another); whether any does is not.
+UPSTREAM_CASES = {
+    "sdpa": (SDPA, lambda dt: (qkv(lq=6, lk=6, dtype=dt), {}), (0, 1, 2)),
+    "sdpa-causal": (SDPA, lambda dt: (qkv(lq=6, lk=6, dtype=dt), {"is_causal": True}), (0, 1, 2)),
+    "sdpa-padding": (SDPA, lambda dt: (qkv(lq=6, lk=6, dtype=dt),
+                                       {"key_padding_mask": torch.arange(6).expand(2, 6) >= 4}), (0, 1, 2)),
+    "softmax": (SM, lambda dt: ((rnd(2, 3, 9, dtype=dt),), {"is_causal": True}), (0,)),
+    "layer_norm": (LN, lambda dt: layer_norm(dtype=dt)(), (0, 1, 2, 3)),
+    "layer_norm-prenorm": (LN, lambda dt: layer_norm(dtype=dt, prenorm=True)(), (0, 1, 2, 3)),
+    "ffn-relu": (FF, lambda dt: ffn(dtype=dt)(), (0, 1, 2, 3, 4)),
+    "ffn-gelu": (FF, lambda dt: ffn(dtype=dt, activation="gelu")(), (0, 1, 2, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@pytest.mark.parametrize("case_id", list(UPSTREAM_CASES))
+def test_non_finite_upstream_gradient_reaches_the_inputs(case_id, backend, dtype, value):
+    op, build, grads = UPSTREAM_CASES[case_id]
+    torch.manual_seed(0)
+    args, kwargs = build(dtype)
+    why = _runnable(backend, op, args, kwargs)
+    if why:
+        pytest.skip(why)
+
+    def input_grads(name, cast):
+        leaves = [a.detach().clone() for a in args]
+        leaves = [cast(a) if a.is_floating_point() else a for a in leaves]
+        for i in grads:
+            leaves[i].requires_grad_(True)
+        outs = _outputs(OP_FUNCTIONS[op](*leaves, **kwargs, backend=name))
+        upstream = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(o.dtype) for o in outs]
+        upstream[0].view(-1)[upstream[0].numel() // 2] = value
+        got = torch.autograd.grad(outs, [leaves[i] for i in grads], upstream, allow_unused=True)
+        return [g is not None and not bool(torch.isfinite(g).all()) for g in got]
+
+    want = input_grads("reference", lambda t: t.double())
+    assert any(want), "the case must carry the non-finite value to some input"
+    assert input_grads(backend, lambda t: t) == want, "which input gradients are non-finite differs from the reference"
