@@ -46,7 +46,7 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "cpu": {
         "add_layer_norm": ("cpu", "torch"),
-        # C++ cpu attention measured 2-10x slower than torch's SDPA (benchmarks/NOTES.md).
+        # C++ cpu attention measured 1.9-10x slower than torch's SDPA (benchmarks/NOTES.md).
         "scaled_dot_product_attention": ("torch", "cpu"),
         "attention_with_kv_cache": ("cpu", "torch"),  # decode steps 1.8-13x torch, 1 thread (NOTES.md)
         "masked_softmax": ("cpu", "torch"),  # cpu measured 2-10x faster than torch (NOTES.md)
