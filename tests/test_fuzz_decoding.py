@@ -99,13 +99,18 @@ def _decode(model, src, method, options, backend, use_cache, cuda_graph):
 def _greedy_tie(model64, src, cached, uncached):
     """Whether greedy's first differing step chose between two tokens whose float64 logits tie
     to TIE (the only divergence fp32 rounding can explain)."""
+    def tokens(row):  # without the padding that only widens a row to the batch's longest
+        out = row.tolist()
+        while out and out[-1] == PAD:
+            out.pop()
+        return out
+
     for row in range(src.shape[0]):
-        a, b = cached[row].tolist(), uncached[row].tolist()
-        width = min(len(a), len(b))
-        t = next((i for i in range(width) if a[i] != b[i]), None)
-        if t is None:
-            if a[:width] == b[:width] and a[width:] == [PAD] * (len(a) - width) and b[width:] == [PAD] * (len(b) - width):
-                continue  # one is only wider (another row ran longer)
+        a, b = tokens(cached[row]), tokens(uncached[row])
+        if a == b:
+            continue
+        t = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if t is None:  # one row stopped where the other went on: not a choice between two tokens
             return False
         prefix = torch.tensor([[BOS] + a[:t]])
         with torch.no_grad(), tf.use_backend("reference"):
