@@ -36,6 +36,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "ops.h"
 #include "philox.h"
 
@@ -598,11 +602,14 @@ bool fp16_gemm(const Tensor& a) { return a.scalar_type() == at::kHalf; }
 // x @ w^T (+ bias) in fp32 through oneDNN (forward, and dgrad as dy @ (w^T)^T) (the
 // mkldnn::_linear_pointwise op PyTorch registers for inductor), or an undefined tensor where that
 // does not apply.  Why: PyTorch's fp32 CPU matmul is MKL, and MKL runs its AVX-512 code only on
-// Intel CPUs: on an AMD EPYC with AVX-512 it ran AVX2 code (0.16 TFLOP/s on 2 cores), and
-// oneDNN's AVX-512 linear took 4.9 ms against MKL's 13.4-15.5 ms at 1024 x 512 -> 2048.  On an
-// Intel Xeon MKL itself is the faster one (8.2 ms against 25 ms for the chunks below; the FFN
-// 18 ms on MKL against 39 ms on oneDNN, torch 23 ms), so the path is taken on AMD CPUs with
-// AVX-512 only (benchmarks/NOTES.md, FFN).  oneDNN sums K in one sequential chain: 2.5x MKL's
+// Intel CPUs: on an AMD EPYC with full-width AVX-512 it ran AVX2 code (0.16 TFLOP/s on 2 cores),
+// and oneDNN's AVX-512 linear took 4.9 ms against MKL's 13.4-15.5 ms at 1024 x 512 -> 2048
+// (0.44 TFLOP/s: more than two cores of a Zen 4 can issue, so a Zen 5).  On an Intel Xeon MKL
+// itself is the faster one (8.2 ms against 25 ms for the chunks below; the FFN 18 ms on MKL
+// against 39 ms on oneDNN, torch 23 ms), and so it is on a Zen 4 EPYC (CPU family 25), whose
+// AVX-512 runs on 256-bit units at AVX2's rate: oneDNN 9.8 ms in one piece and 15.6 ms in the
+// chunks below against MKL's 10.8.  So the path is taken on AMD CPUs of family 26 (Zen 5) and
+// later with AVX-512 only (benchmarks/NOTES.md, FFN).  oneDNN sums K in one sequential chain: 2.5x MKL's
 // error there, past the oracle's 2x.  Chunks of kOneDnnK along K added in fp32 measured 2.3e-5
 // against MKL's 4.8e-5 (6.6 ms).  Chunks are contiguous copies: on strided views oneDNN fell to
 // a path ~2000x slower (measured).  Small GEMMs stay on MKL (a oneDNN call costs tens of
@@ -611,13 +618,26 @@ bool fp16_gemm(const Tensor& a) { return a.scalar_type() == at::kHalf; }
 constexpr int64_t kOneDnnK = 64;
 constexpr double kOneDnnMinFlops = 1e8;
 
+#if defined(__x86_64__) || defined(__i386__)
+constexpr unsigned kZen5Family = 0x1A;  // Zen 4 is 0x19
+
+// CPUID leaf 1's display family (base family, plus the extended family when the base is 0xF).
+unsigned x86_cpu_family() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 0;
+  const unsigned base = (eax >> 8) & 0xFu;
+  return base == 0xFu ? base + ((eax >> 20) & 0xFFu) : base;
+}
+#endif
+
 bool onednn_gemm_wanted() {
   const char* force = std::getenv("TRANSFORMER_FAST_CPU_ONEDNN");
   if (force != nullptr && force[0] != '\0') return std::strcmp(force, "0") != 0;
   if (std::getenv("TRANSFORMER_FAST_CPU_NO_ONEDNN") != nullptr) return false;
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool amd_avx512 = __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
-  return amd_avx512;
+  static const bool amd_full_avx512 =
+      __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f") && x86_cpu_family() >= kZen5Family;
+  return amd_full_avx512;
 #else
   return false;
 #endif
@@ -755,17 +775,15 @@ Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional
     run_fwd_epilogue(pre, nullptr, act, dr, true, y);
     return {y, pre};
   }
-  // Nothing kept but y: one in-place pass over mm adds the bias, applies the activation and
-  // the dropout (torch eager: addmm's bias copy, then an out-of-place relu, then dropout).  16-bit
-  // GEMMs add the bias inside instead, so that pre is rounded once (as torch's addmm / linear:
-  // a bf16 product rounded before the bias is added is one bf16 ulp off in ~30% of elements),
-  // and so do the small fp32 GEMMs summed in double (there it costs nothing).
-  Tensor mm = linear_onednn_fp32(x, w, b);  // (M, N), the bias added (when it applies)
-  const bool bias_in_gemm = x.scalar_type() != at::kFloat || mm.defined() || exact_gemm(x, N);
-  if (!mm.defined()) mm = cpu_gemm(x, w.t(), bias_in_gemm ? b : std::nullopt);  // (M, N), contiguous
+  // Nothing kept but y: the GEMM adds the bias (addmm, as torch's linear), then one in-place
+  // pass over mm applies the activation and the dropout, and no pass when there is neither.
+  // (Until 2026-12-01 fp32 GEMMs on MKL left the bias to that pass, to save addmm's copy of it:
+  // A/B on a Zen 4 EPYC, no difference above the noise in the FFN, and linear2 then made a pass
+  // for its bias alone; benchmarks/NOTES.md, FFN.)
+  Tensor mm = linear_onednn_fp32(x, w, b);  // (M, N), the bias added
+  if (!mm.defined()) mm = cpu_gemm(x, w.t(), b);  // (M, N), contiguous
   if (!mm.is_contiguous()) mm = mm.contiguous();
-  const Tensor b32 = present(b) && !bias_in_gemm ? b->to(at::kFloat).contiguous() : Tensor();
-  run_fwd_epilogue(mm, b32.defined() ? b32.const_data_ptr<float>() : nullptr, act, dr, false, mm);
+  if (act != FfnAct::kNone || dr.on) run_fwd_epilogue(mm, nullptr, act, dr, false, mm);
   return {mm, empty0(x)};
 }
 

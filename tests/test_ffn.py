@@ -196,11 +196,12 @@ def _onednn_calls(fn) -> int:
     return sum(1 for e in prof.events() if e.name == "mkldnn::_linear_pointwise")
 
 
-def _cpu_vendor() -> str:
+def _cpuinfo_field(name: str) -> str:
+    """The first processor's ``name`` line of /proc/cpuinfo ("" where absent)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.split(":", 1)[0].strip() == name:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
@@ -210,8 +211,9 @@ def _cpu_vendor() -> str:
 @pytest.mark.parametrize("setting", ["default", "0", "1", "legacy_off"])
 def test_cpu_gemm_path_choice(setting, monkeypatch):
     """MKL (torch's fp32 matmul) runs its AVX-512 code only on Intel CPUs: the large fp32 GEMMs
-    take oneDNN by default on AMD CPUs with AVX-512 and MKL elsewhere (on an Intel Xeon the oneDNN
-    chunks made the FFN 2.2x slower, benchmarks/NOTES.md); the switches override the default."""
+    take oneDNN by default on AMD CPUs with full-width AVX-512 (family 26, Zen 5, and later) and
+    MKL elsewhere (on an Intel Xeon the oneDNN chunks made the FFN 2.2x slower, on a Zen 4 EPYC
+    1.3x; benchmarks/NOTES.md); the switches override the default."""
     require_backend("cpu")
     monkeypatch.delenv("TRANSFORMER_FAST_CPU_ONEDNN", raising=False)
     monkeypatch.delenv("TRANSFORMER_FAST_CPU_NO_ONEDNN", raising=False)
@@ -222,13 +224,13 @@ def test_cpu_gemm_path_choice(setting, monkeypatch):
     x, w1, b1, w2, b2 = _make((300,), 200, 1000, 130, torch.float32, "cpu")  # 1.2e8 FLOP each
     calls = _onednn_calls(lambda: F.feed_forward(x, w1, b1, w2, b2, backend="cpu"))
     if setting == "default":
-        vendor = _cpu_vendor()
+        vendor = _cpuinfo_field("vendor_id")
         if vendor not in ("GenuineIntel", "AuthenticAMD"):
             pytest.skip(f"CPU vendor {vendor!r}: no measured default")
-        with open("/proc/cpuinfo") as f:
-            avx512 = " avx512f" in f.read()
-        expected = vendor == "AuthenticAMD" and avx512
-        assert (calls > 0) == expected, (vendor, avx512, calls)
+        avx512 = "avx512f" in _cpuinfo_field("flags").split()
+        family = int(_cpuinfo_field("cpu family") or 0)
+        expected = vendor == "AuthenticAMD" and avx512 and family >= 26
+        assert (calls > 0) == expected, (vendor, avx512, family, calls)
     else:
         assert (calls > 0) == (setting == "1"), calls
     # Small GEMMs stay on MKL whatever the switch says.
