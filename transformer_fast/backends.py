@@ -50,10 +50,11 @@ AUTO_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
         "scaled_dot_product_attention": ("torch", "cpu"),
         "attention_with_kv_cache": ("cpu", "torch"),  # decode steps 1.8-13x torch, 1 thread (NOTES.md)
         "masked_softmax": ("cpu", "torch"),  # cpu measured 2-10x faster than torch (NOTES.md)
-        # C++ cpu, with its fp32 forward GEMMs on oneDNN on an AMD EPYC (MKL runs AVX2 code
+        # C++ cpu, with its fp32 forward GEMMs on oneDNN on a Zen 5 EPYC (MKL runs AVX2 code
         # there): 1.07-1.62x torch eager forward and 0.99-1.17x forward+backward without dropout,
-        # 1.95-2.2x / 1.14-1.26x with gelu + dropout 0.1; on an Intel Xeon (MKL for every GEMM,
-        # as torch) forward 1.03-1.11x, forward+backward 0.87-0.99x (benchmarks/NOTES.md, FFN).
+        # 1.95-2.2x / 1.14-1.26x with gelu + dropout 0.1; on an Intel Xeon and a Zen 4 EPYC (MKL
+        # for every GEMM, as torch) 0.96-1.04x without dropout, 1.16-1.36x forward+backward with
+        # gelu + dropout 0.1 (benchmarks/NOTES.md, FFN).
         "feed_forward": ("cpu", "torch"),
         "linear_bias_act": ("cpu", "torch"),
     },
