@@ -134,8 +134,15 @@ Tensor attention(const Tensor& query, const Tensor& kv, const AttentionParams& p
         allowed = allowed.bitwise_and(cols.le(rows));
       }
       const Tensor dead = allowed.any(-1, /*keepdim=*/true).bitwise_not();
-      out = at::scaled_dot_product_attention(q, k, v, allowed.bitwise_or(dead), 0.0, false);
-      out = out.masked_fill(dead, 0.0);
+      // On the CPU, where reading it costs no device sync, a mask without dead rows skips the
+      // fix-up (the same values: nothing to open, nothing to zero; ~15-20 us of ~550 for an
+      // encoder layer of d_model 128 at B 4, L 32).
+      if (dead.is_cpu() && !dead.any().item<bool>()) {
+        out = at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false);
+      } else {
+        out = at::scaled_dot_product_attention(q, k, v, allowed.bitwise_or(dead), 0.0, false);
+        out = out.masked_fill(dead, 0.0);
+      }
     }
   } else {  // functional._fused_sdpa: the kernel takes the (B, S) padding mask itself
     static auto op = c10::Dispatcher::singleton()

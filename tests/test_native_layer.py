@@ -28,15 +28,19 @@ def python_ops(monkeypatch):
 def _inputs(kind, batch_first, dtype=torch.float32, device="cpu"):
     g = generator()
     x = torch.randn((B, L, D) if batch_first else (L, B, D), generator=g).to(device, dtype)
-    pad = torch.rand(B, L, generator=g) < 0.3
+    live = torch.rand(B, L, generator=g) < 0.3
+    live[:, 0] = False  # every query keeps a key, causal or not: the CPU skips the dead-row fix-up
+    pad = live.clone()
     pad[1] = True  # a sequence of padding only: its rows are zeros before the out-projection
-    pad = pad.to(device)
+    pad, live = pad.to(device), live.to(device)
     causal = torch.ones(L, L, dtype=torch.bool, device=device).triu(1)
     return x, {
         "none": {},
         "padding": {"src_key_padding_mask": pad},
+        "padding_live": {"src_key_padding_mask": live},
         "causal": {"src_mask": causal, "is_causal": True},
         "causal+padding": {"src_mask": causal, "is_causal": True, "src_key_padding_mask": pad},
+        "causal+padding_live": {"src_mask": causal, "is_causal": True, "src_key_padding_mask": live},
     }[kind]
 
 
@@ -53,7 +57,8 @@ def _natives(module):
 @pytest.mark.parametrize("backend", ["torch", "cpu", "auto"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
 @pytest.mark.parametrize("batch_first", [False, True])
-@pytest.mark.parametrize("kind", ["none", "padding", "causal", "causal+padding"])
+@pytest.mark.parametrize("kind", ["none", "padding", "padding_live", "causal", "causal+padding",
+                                  "causal+padding_live"])
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
 def test_native_layer_matches_the_python_replay(backend, norm_first, batch_first, kind, activation,
                                                 monkeypatch, python_ops):
@@ -85,7 +90,9 @@ def _decoder_inputs(tgt_kind, memory_padding, batch_first, dtype=torch.float32, 
     memory = torch.randn((B, s, D) if batch_first else (s, B, D), generator=g).to(device, dtype)
     if memory_padding:
         pad = torch.rand(B, s, generator=g) < 0.4
-        pad[0] = True  # a sequence whose memory is all padding: its cross-attention rows are zeros
+        pad[:, 0] = False
+        if memory_padding != "live":
+            pad[0] = True  # a sequence whose memory is all padding: its cross-attention rows are zeros
         kwargs["memory_key_padding_mask"] = pad.to(device)
     return x, memory, kwargs
 
@@ -93,8 +100,8 @@ def _decoder_inputs(tgt_kind, memory_padding, batch_first, dtype=torch.float32, 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "auto"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["postLN", "preLN"])
 @pytest.mark.parametrize("batch_first", [False, True])
-@pytest.mark.parametrize("tgt_kind", ["none", "padding", "causal", "causal+padding"])
-@pytest.mark.parametrize("memory_padding", [False, True], ids=["memory", "memory+padding"])
+@pytest.mark.parametrize("tgt_kind", ["none", "padding", "causal", "causal+padding", "causal+padding_live"])
+@pytest.mark.parametrize("memory_padding", [False, True, "live"], ids=["memory", "memory+padding", "memory+live_padding"])
 def test_native_decoder_layer_matches_the_python_replay(backend, norm_first, batch_first, tgt_kind,
                                                         memory_padding, monkeypatch, python_ops):
     layer = tfm.TransformerDecoderLayer(D, H, FF, 0.1, activation="gelu", batch_first=batch_first,
