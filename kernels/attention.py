@@ -72,8 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import (autotune, cast_out, cdiv, dot, first_config_unless_tuning, imax, imin,
-                                             next_power_of_2, sm_count)
+from transformer_fast.kernels.common import (autotune, cast_out, cdiv, device_guard, dot, first_config_unless_tuning,
+                                             imax, imin, next_power_of_2, sm_count)
 from transformer_fast.kernels.layout import empty_in_layout_of
 from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
@@ -247,7 +247,7 @@ def kpm_ranges(kpm_u8: torch.Tensor, need_kcnt: bool):
     kvr = torch.empty((B, 3), dtype=torch.int32, device=kpm_u8.device)
     kcnt = torch.empty((B, Lk + 1), dtype=torch.int32, device=kpm_u8.device) if need_kcnt else kvr
     block = min(next_power_of_2(max(Lk, 1)), 64 if _INTERPRET else 1024)
-    with _device_guard(kpm_u8):
+    with device_guard(kpm_u8):
         _kpm_ranges_kernel[(B,)](kpm_u8, *kpm_u8.stride(), kvr, kcnt, Lk, NEED_KCNT=need_kcnt, BLOCK=block)
     return kvr, (kcnt if need_kcnt else None)
 
@@ -1047,12 +1047,6 @@ def _bucket(n: int) -> int:
     return next_power_of_2(max(int(n), 1))
 
 
-def _device_guard(t: torch.Tensor):
-    import contextlib
-
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 class _Common:
     """Shapes, mask arguments and constexpr flags shared by forward and backward."""
 
@@ -1155,7 +1149,7 @@ def attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal: bool, scale: 
     def grid(m):
         return (cdiv(Lq, m["BLOCK_M"]) * B * H,)
 
-    with _device_guard(q):
+    with device_guard(q):
         _fwd[grid](
             q, k, v, out, lse, c.am, c.kpm, c.kvr, c.rng,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
@@ -1239,7 +1233,7 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
     refine = c.precise or exact_delta
     atomic_dq = _atomic_dq(c, q.dtype)
 
-    with _device_guard(q):
+    with device_guard(q):
         delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
         rinv = torch.empty_like(delta) if refine else delta
         if not exact_delta:

@@ -1,6 +1,7 @@
 """Small @triton.jit helpers shared by the kernels in this package."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -19,6 +20,12 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 def is_interpreting() -> bool:
     """True when Triton runs these kernels through its interpreter (TRITON_INTERPRET=1 at import)."""
     return _INTERPRETING
+
+
+def device_guard(t: torch.Tensor):
+    """Make t's GPU the current device around a launch (Triton launches on the current device and
+    stream); nothing for a CPU tensor (the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @functools.cache

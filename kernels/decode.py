@@ -54,14 +54,14 @@ cast to fp32 (bf16 tl.dot is wrong in the interpreter; triton-lang/triton#11584)
 """
 from __future__ import annotations
 
-import contextlib
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, cdiv, dot, imax, imin, is_interpreting, next_power_of_2, sm_count
+from transformer_fast.kernels.common import (cast_out, cdiv, device_guard, dot, imax, imin, is_interpreting,
+                                             next_power_of_2, sm_count)
 
 LOG2E = 1.4426950408889634
 
@@ -404,10 +404,6 @@ def _unit_last(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 # ---------------------------------------------------------------------------------------------
 # Launchers
 
@@ -457,7 +453,7 @@ def attention_with_kv_cache_fwd(q, k_cache, v_cache, cache_seqlens, k_new, v_new
     has_new = k_new is not None
     out = torch.empty((B, H, L_new, Dv), dtype=q.dtype, device=q.device)
 
-    with _device_guard(q):
+    with device_guard(q):
         # 1. Append the new keys / values.
         if has_new:
             assert tuple(k_new.shape) == (B, Hkv, L_new, D) and tuple(v_new.shape) == (B, Hkv, L_new, Dv)

@@ -57,8 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import (autotune, cast_out, cdiv, dot, first_config_unless_tuning, is_interpreting,
-                                             next_power_of_2, sm_count)
+from transformer_fast.kernels.common import (autotune, cast_out, cdiv, device_guard, dot, first_config_unless_tuning,
+                                             is_interpreting, next_power_of_2, sm_count)
 from transformer_fast.kernels.philox import dropout_keep_rows, dropout_scale, dropout_threshold, load_rng_if
 
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -494,12 +494,6 @@ def _act_bwd_kernel(
 # Launchers
 
 
-def _device_guard(t: torch.Tensor):
-    import contextlib
-
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _check_matrix(name: str, t, dtype, device) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         raise ValueError(f"ffn: {name} must be a 2-D tensor, got "
@@ -608,7 +602,7 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
                  STORE_AUX=store_aux, HAS_PART=part is not None, DOT_FP32=dot_fp32,
                  INTERPRET=is_interpreting(), DROP_GROUPS=has_dropout and n % 4 == 0)
     tma = _tma_operands(a, b, m, n, k, strides_a, strides_b)
-    with _device_guard(c):
+    with device_guard(c):
         if tma is not None:
             desc_a, a_kmajor, desc_b, b_kmajor = tma
             programs = _INTERPRET_PROGRAMS if is_interpreting() else sm_count(c.device)
@@ -782,7 +776,7 @@ def act_bwd(dy, aux, activation: str, dropout_p: float, rng, want_dbias: bool, s
     tiles_m = cdiv(m, EW_BLOCK_M)
     part = torch.empty((tiles_m, n), dtype=torch.float64, device=dy.device) if want_dbias else None
     if m > 0 and n > 0:
-        with _device_guard(dy):
+        with device_guard(dy):
             _act_bwd_kernel[(tiles_m, cdiv(n, EW_BLOCK_N))](
                 dy, aux if act else dy, d if store else dy, rng_t if has_dropout else dy,
                 part if part is not None else dy,

@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, cdiv, check_rows, is_interpreting, next_power_of_2, sm_count
+from transformer_fast.kernels.common import (cast_out, cdiv, check_rows, device_guard, is_interpreting, next_power_of_2,
+                                             sm_count)
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng_if
 
 # Largest row kept whole in registers (elements, a power of two), forward / backward.
@@ -342,12 +343,6 @@ def _tile(n: int, max_fused: int, m: int, max_block_m: int):
     return False, 1, LOOP_BLOCK, _num_warps(LOOP_BLOCK)
 
 
-def _device_guard(t: torch.Tensor):
-    import contextlib
-
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _check_2d(name: str, t: torch.Tensor, m: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
     if t.dim() != 2 or t.shape[0] != m or t.shape[1] != n:
         raise ValueError(f"add_layer_norm: {name} must have shape ({m}, {n}), got {tuple(t.shape)}")
@@ -417,7 +412,7 @@ def add_layer_norm_fwd(x, residual, weight, bias, eps: float, dropout_p: float, 
 
     fused, block_m, block_n, num_warps = _tile(n, FWD_MAX_FUSED, m, MAX_BLOCK_M)
     dummy = mean
-    with _device_guard(x):
+    with device_guard(x):
         if not fused:
             _fwd_stats_kernel[(m,)](
                 x, residual, mean, rstd, rng_t,
@@ -473,7 +468,7 @@ def add_layer_norm_bwd(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p:
     dw_part = torch.empty((num_groups, n), dtype=torch.float64, device=x.device) if has_dw else None
     db_part = torch.empty((num_groups, n), dtype=torch.float64, device=x.device) if has_db else None
     dummy = mean
-    with _device_guard(x):
+    with device_guard(x):
         if fused:
             c1 = c2 = c3 = dummy
         else:

@@ -43,13 +43,13 @@ Kernel plan (bandwidth bound; the conventions of kernels/layer_norm.py):
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
-from transformer_fast.kernels.common import cast_out, cdiv, check_rows, imin, is_interpreting, next_power_of_2, sm_count
+from transformer_fast.kernels.common import (cast_out, cdiv, check_rows, device_guard, imin, is_interpreting,
+                                             next_power_of_2, sm_count)
 from transformer_fast.kernels.philox import dropout_keep, dropout_scale, dropout_threshold, load_rng, load_rng_if
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -378,10 +378,6 @@ def _plan(m: int, n: int, max_fused: int, device: torch.device):
     return "looped", nsplit, per_split * LOOP_BLOCK, _num_warps(LOOP_BLOCK)
 
 
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
@@ -456,7 +452,7 @@ def masked_softmax_fwd(scores, mask, scale: float, is_causal: bool, dropout_p: f
                   INTERPRET=is_interpreting())
     max_fused = min(FWD_MAX_FUSED, BWD_MAX_FUSED) if has_dropout else FWD_MAX_FUSED
     path, a, b, num_warps = _plan(M, Lk, max_fused, scores.device)
-    with _device_guard(scores):
+    with device_guard(scores):
         if path == "fused":
             block_m, block_n = a, b
             _fwd_fused_kernel[(cdiv(M, block_m),)](
@@ -505,7 +501,7 @@ def masked_softmax_bwd(dout, probs, scale: float, dropout_p: float, rng):
     p_strides = tuple(probs.stride()[:3])
     align = dict(ALIGN_D=_align(*d_strides), ALIGN_P=_align(*p_strides), ALIGN_O=_align(Lk))
     path, a, b, num_warps = _plan(M, Lk, BWD_MAX_FUSED, dout.device)
-    with _device_guard(dout):
+    with device_guard(dout):
         if path == "fused":
             block_m, block_n = a, b
             _bwd_fused_kernel[(cdiv(M, block_m),)](
