@@ -398,17 +398,28 @@ def fill_speedups(rows: list[dict], reference_name: str = "reference", torch_nam
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name; on a CPU its model name with, in parentheses, its x86 family / model (the
+    same name has covered CPUs of different speeds: benchmarks/NOTES.md, "The cpu FFN on a Zen 4"),
+    AVX-512 where present, and the threads torch uses."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or "cpu"
+    model, details = platform.processor() or "cpu", []
     try:
+        fields = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+            name, _, value = line.partition(":")
+            if not name.strip():
+                break  # the first processor's block only
+            fields.setdefault(name.strip(), value.strip())
+        model = fields.get("model name", model)
+        if "cpu family" in fields and "model" in fields:
+            details.append(f"family {fields['cpu family']} model {fields['model']}")
+        if "avx512f" in fields.get("flags", "").split():
+            details.append("AVX-512")
     except OSError:
         pass
-    return f"CPU {model} ({torch.get_num_threads()} threads)"
+    details = ", ".join(details) + "; " if details else ""
+    return f"CPU {model} ({details}{torch.get_num_threads()} threads)"
 
 
 def device_slug(device: torch.device) -> str:
