@@ -609,8 +609,8 @@ bool fp16_gemm(const Tensor& a) { return a.scalar_type() == at::kHalf; }
 // against 39 ms on oneDNN, torch 23 ms), and so it is on a Zen 4 EPYC (CPU family 25), whose
 // AVX-512 runs on 256-bit units at AVX2's rate: oneDNN 9.8 ms in one piece and 15.6 ms in the
 // chunks below against MKL's 10.8.  So the path is taken on AMD CPUs of family 26 (Zen 5) and
-// later with AVX-512 only (benchmarks/NOTES.md, FFN).  oneDNN sums K in one sequential chain: 2.5x MKL's
-// error there, past the oracle's 2x.  Chunks of kOneDnnK along K added in fp32 measured 2.3e-5
+// later with AVX-512 only (benchmarks/NOTES.md, FFN).  oneDNN sums K in one sequential chain:
+// 2.5x MKL's error there, past the oracle's 2x.  Chunks of kOneDnnK along K added in fp32 measured 2.3e-5
 // against MKL's 4.8e-5 (6.6 ms).  Chunks are contiguous copies: on strided views oneDNN fell to
 // a path ~2000x slower (measured).  Small GEMMs stay on MKL (a oneDNN call costs tens of
 // microseconds).  TRANSFORMER_FAST_CPU_ONEDNN=1 takes the path on any CPU, =0 (or the older
