@@ -722,7 +722,7 @@ Tensor exact_small_gemm_in_place(const Tensor& a, const Tensor& b, const std::op
   return out;
 }
 
-// Whether cpu_gemm(a, b) with b of n columns sums in double (and so adds a bias with one rounding).
+// Whether cpu_gemm(a, b) with b of n columns sums in double (kExactMaxFlops says why).
 bool exact_gemm(const Tensor& a, int64_t n) {
   return a.scalar_type() == at::kFloat &&
          2.0 * static_cast<double>(a.size(0)) * static_cast<double>(a.size(1)) * static_cast<double>(n) <= kExactMaxFlops;
