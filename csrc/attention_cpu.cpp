@@ -15,11 +15,15 @@
 //   Dropout keeps (b, h, i, j) iff philox_word(seed, offset, ((b*H + h)*Lq + i)*Lk + j) >=
 //   threshold(p), kept values scaled by 1/(1-p) (philox.h; rng = int64 [seed, offset]).
 //
-// Numerics: inputs are converted once to contiguous fp32 (O(L*D) memory, never O(Lq*Lk)); scores,
-// the running max, probabilities and lse are fp32 as on the GPU; the reductions (q.k and do.v over
-// D, the row sums, the P@V / dS@K / dS^T@Q accumulators) are summed in double, so the result
-// carries about one fp32 rounding and meets the DESIGN 6 oracle for D = 256 too (sequential fp32
-// sums over D = 256 err ~2x torch's blocked matmul, the failure mode kernels/attention.py found).
+// Numerics: inputs are converted once to contiguous fp32 (O(L*D) memory, never O(Lq*Lk)); for
+// fp32 inputs the scores (scale * q.k + mask) and the running max stay in double until the max or
+// lse is subtracted (a score of ~60 rounded to fp32 moves its p by up to 2^-24 x 60: 0.1% of
+// fresh draws at scale 1.5-2 missed the oracle on dq), 16-bit inputs' are rounded to fp32; the
+// probabilities and lse are fp32 as on the GPU;
+// the reductions (q.k and do.v over D, the row sums, the P@V / dS@K / dS^T@Q accumulators) are
+// summed in double, so the result carries about one fp32 rounding and meets the DESIGN 6 oracle
+// for D = 256 too (sequential fp32 sums over D = 256 err ~2x torch's blocked matmul, the failure
+// mode kernels/attention.py found).
 //
 // Outputs: out laid out like q (empty_in_layout_of, attention_cuda.h: a (B, L, H, D)-transposed q
 // gives an out whose head merge is a view), dq / dk / dv like q / k / v (empty_like), as the fake
@@ -175,6 +179,9 @@ struct Problem {
   int64_t B, H, Hkv, Lq, Lk, D;
   float scale;
   bool causal;
+  // fp32 inputs: scores kept in double (tile_scores); 16-bit inputs round them to fp32, as their
+  // backward (without the lse refinement) needs p = exp(s - lse) of a row's only key to be 1.
+  bool exact_scores = false;
   // attn_mask (B, H, Lq, Lk): bool or floating, any strides
   const char* am = nullptr;
   c10::ScalarType am_type = at::kBool;
@@ -207,6 +214,7 @@ Problem make_problem(const Tensor& q, const Tensor& k, const std::optional<Tenso
   p.Lk = k.size(2);
   p.scale = static_cast<float>(scale);
   p.causal = causal;
+  p.exact_scores = q.scalar_type() == at::kFloat;
   if (attn_mask.has_value() && attn_mask->defined()) {
     const Tensor& m = *attn_mask;
     p.am = static_cast<const char*>(m.const_data_ptr());
@@ -249,7 +257,7 @@ float mask_value(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
 }
 
 // max that propagates NaN (std::max(m, NaN) would drop it and turn a NaN row into a dead row).
-inline float nan_max(float m, float x) { return (x > m || std::isnan(x)) ? x : m; }
+inline double nan_max(double m, double x) { return (x > m || std::isnan(x)) ? x : m; }
 
 // sum_d a[d] * b[d] in double: four partial sums (chain l takes d = l mod 4), added as
 // (s0 + s1) + (s2 + s3).  On x86-64 the four chains are the lanes of one AVX2 register (by hand:
@@ -296,11 +304,12 @@ inline void axpy_d(double* y, double a, const float* x, int64_t n) {
 }
 
 // Scores of one tile: s[r * kBlockN + c] for query rows m0 + r (r < bm) and keys n0 + c (c < bn),
-// masked to -inf.  Forward and both backward passes call this one function, so the backward
-// recomputes bit-identical scores and p = exp(s - lse) is consistent with the forward's sums.
+// in double (unrounded for fp32 inputs: see Numerics), masked to -inf.  Forward and both backward passes call this
+// one function, so the backward recomputes bit-identical scores and p = exp(s - lse) is
+// consistent with the forward's sums.
 // q: the head's (Lq, D) fp32 rows; k: the kv head's (Lk, D) fp32 rows.
 void tile_scores(const Problem& p, int64_t b, int64_t h, const float* q, const float* k,
-                 int64_t m0, int64_t bm, int64_t n0, int64_t bn, float* s) {
+                 int64_t m0, int64_t bm, int64_t n0, int64_t bn, double* s) {
   const int64_t D = p.D;
   for (int64_t r = 0; r < bm; ++r) {
     const int64_t i = m0 + r;
@@ -314,8 +323,13 @@ void tile_scores(const Problem& p, int64_t b, int64_t h, const float* q, const f
         bias = mask_value(p, b, h, i, j);
         allowed = bias != kNegInf || (p.qk_nonfinite && p.am_type != at::kBool);
       }
-      s[r * kBlockN + c] =
-          allowed ? static_cast<float>(p.scale * dot_d(qi, k + j * D, D)) + bias : kNegInf;
+      if (!allowed) {
+        s[r * kBlockN + c] = kNegInf;
+      } else if (p.exact_scores) {
+        s[r * kBlockN + c] = p.scale * dot_d(qi, k + j * D, D) + bias;
+      } else {
+        s[r * kBlockN + c] = static_cast<float>(p.scale * dot_d(qi, k + j * D, D)) + bias;
+      }
     }
   }
 }
@@ -364,7 +378,7 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
   const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(kBlockM * kBlockN);
+    std::vector<double> s(kBlockM * kBlockN);
     std::vector<double> acc(kBlockM * D);
     std::vector<float> hidden(v_nonfinite ? kBlockM * D : 0);  // sum of 0 * v over unseen keys
     // Adds 0 * v_j (0 or NaN) to row r's hidden-key sum.
@@ -372,7 +386,7 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
       float* hr = hidden.data() + r * D;
       for (int64_t d = 0; d < D; ++d) hr[d] += 0.0f * vj[d];
     };
-    float m_i[kBlockM];
+    double m_i[kBlockM];
     double l_i[kBlockM];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % nmb, bh = task / nmb, h = bh % p.H, b = bh / p.H;
@@ -390,23 +404,23 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
         const int64_t bn = std::min(kBlockN, n_end - n0);
         tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
         for (int64_t r = 0; r < bm; ++r) {
-          const float* sr = s.data() + r * kBlockN;
+          const double* sr = s.data() + r * kBlockN;
           if (v_nonfinite) {
             for (int64_t c = 0; c < bn; ++c) {
               if (sr[c] == kNegInf) hide(r, v + (n0 + c) * D);
             }
           }
-          float m_new = m_i[r];
+          double m_new = m_i[r];
           for (int64_t c = 0; c < bn; ++c) m_new = nan_max(m_new, sr[c]);
           if (m_new == kNegInf) continue;  // nothing visible yet in this row
           // Rescale what was summed under the old max (exp(-inf) = 0 on the first visible tile).
-          const float alpha = std::exp(m_i[r] - m_new);
+          const float alpha = std::exp(static_cast<float>(m_i[r] - m_new));
           double* ar = acc.data() + r * D;
           l_i[r] *= alpha;
           for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
           for (int64_t c = 0; c < bn; ++c) {
             if (sr[c] == kNegInf) continue;
-            const float pij = std::exp(sr[c] - m_new);
+            const float pij = std::exp(static_cast<float>(sr[c] - m_new));
             l_i[r] += pij;  // the softmax denominator counts dropped elements too
             // No skip for w == 0 (dropped): 0 * v keeps a NaN / Inf in v visible, as the
             // reference's p @ v does.
@@ -432,7 +446,7 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
             const float o = static_cast<float>(ar[d] * inv);
             out.store(b, h, i, d, hr ? o + hr[d] : o);
           }
-          lse[bh * p.Lq + i] = m_i[r] + static_cast<float>(std::log(l_i[r]));
+          lse[bh * p.Lq + i] = static_cast<float>(m_i[r] + std::log(l_i[r]));
         } else {  // a row with no key to attend to: output 0, lse -inf
           for (int64_t d = 0; d < D; ++d) out.store(b, h, i, d, hr ? hr[d] : 0.0f);
           lse[bh * p.Lq + i] = kNegInf;
@@ -445,8 +459,8 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
 // p = exp(s - lse) of one recomputed score (0 for masked scores and for dead rows, lse = -inf),
 // lse given as lse + lse_lo: s - lse is exact near the row's maximum, so lse_lo keeps the bits of
 // the normaliser that the fp32 lse rounded away.
-inline float recompute_p(float s, float lse, float lse_lo) {
-  return (s == kNegInf || lse == kNegInf) ? 0.0f : std::exp((s - lse) - lse_lo);
+inline float recompute_p(double s, float lse, float lse_lo) {
+  return (s == kNegInf || lse == kNegInf) ? 0.0f : std::exp(static_cast<float>((s - lse) - lse_lo));
 }
 
 // dK, dV: one task per (b, kv head, key block), looping over the query heads of its group and
@@ -457,7 +471,7 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
   const int64_t nnb = (p.Lk + kBlockN - 1) / kBlockN;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.Hkv * nnb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(kBlockM * kBlockN);
+    std::vector<double> s(kBlockM * kBlockN);
     std::vector<double> dk(kBlockN * D), dv(kBlockN * D);
     std::vector<float> hidden(p.q_nonfinite ? kBlockN * D : 0);  // sum of 0 * q_i over skipped pairs
     auto hide = [&](int64_t c, const float* qi) {
@@ -491,7 +505,7 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
             const float* qi = q + i * D;
             const float* doi = dO + i * D;
             for (int64_t c = 0; c < bn; ++c) {
-              const float sc = s[r * kBlockN + c];
+              const double sc = s[r * kBlockN + c];
               const float pij = recompute_p(sc, l, l_lo);
               if (pij == 0.0f) {
                 if (p.q_nonfinite) hide(c, qi);
@@ -537,7 +551,7 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
   const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
   const int64_t group = p.H / p.Hkv, D = p.D;
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(kBlockM * kBlockN);
+    std::vector<double> s(kBlockM * kBlockN);
     std::vector<double> dq(kBlockM * D), psum(kBlockM), pdp(kBlockM);
     std::vector<float> hidden(p.k_nonfinite ? kBlockM * D : 0);  // sum of 0 * k_j over skipped pairs
     auto hide = [&](int64_t r, const float* kj) {
@@ -566,9 +580,9 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
             const double l = lse[bh * p.Lq + i];
             const float* doi = dO + i * D;
             for (int64_t c = 0; c < bn; ++c) {
-              const float sc = s[r * kBlockN + c];
+              const double sc = s[r * kBlockN + c];
               if (sc == kNegInf || l == kNegInf) continue;
-              const double e = std::exp(static_cast<double>(sc) - l);
+              const double e = std::exp(sc - l);
               psum[r] += e;
               if (exact_delta) {  // with the float p and dp the gradients use (below, bwd_dkdv_kernel)
                 const int64_t j = n0 + c;

@@ -15,13 +15,15 @@
 namespace transformer_fast {
 namespace attn_device {
 
-// Score of (query i, key j) given the raw dot product: scaled, masked (-inf), float mask added.
-template <typename P>
-__device__ __forceinline__ float masked_score(const P& p, int b, int h, int i, int j, float dot) {
+// Score of (query i, key j) given the raw dot product: scaled, masked (-inf), float mask added,
+// in the dot's type (float; double for attention_fp32_cuda.cu's backward, whose scores stay
+// unrounded until the lse is subtracted).
+template <typename P, typename S>
+__device__ __forceinline__ S masked_score(const P& p, int b, int h, int i, int j, S dot) {
   if (j >= p.Lk || i >= p.Lq) return -INFINITY;
   if (p.causal && j > i) return -INFINITY;
   if (p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) return -INFINITY;
-  float s = dot * p.scale;
+  S s = dot * p.scale;
   if (p.am_type != kMaskNone) {
     const int64_t off = b * p.am_sb + h * p.am_sh + i * p.am_sm + j * p.am_sn;
     switch (p.am_type) {

@@ -7,11 +7,12 @@
 // Numerics: exact fp32 always (no tensor cores, so no tf32 even where torch's allow_tf32 would
 // permit it; exact fp32 is always within the DESIGN 6 contract, only slower).  The oracle bound is
 // tightest for fp32, so the arithmetic follows kernels/attention.py's PRECISE mode:
-//   * the scores' dots q.k are summed in double and rounded once, the same way in every pass,
-//     so the forward and all backward passes compute bit-identical scores (p = exp(s - lse) of a
-//     row's only key is then exactly 1); do.v is summed in three fp32 levels (8-wide chunks,
-//     32-wide groups, the groups; a plain sequential FMA dot over D = 256 errs ~2x more than
-//     torch's CPU matmul);
+//   * the scores' dots q.k are summed in double, the same way in every pass; the forward rounds
+//     them once to fp32, the backward keeps them in double until the lse is subtracted (a score
+//     of ~60 rounded to fp32 moves its p by up to 2^-24 x 60: 1 of 600 emulated draws at scale 2
+//     missed the oracle on dQ / dK, as ~1% of the Triton kernel's did); do.v is summed in three
+//     fp32 levels (8-wide chunks, 32-wide groups, the groups; a plain sequential FMA dot over
+//     D = 256 errs ~2x more than torch's CPU matmul);
 //   * every tile's contribution to an accumulator over the sequence (O += P V, dQ += dS K,
 //     dK += dS^T Q, dV += (P Z)^T dO) and to the row sum l is summed on its own, then added
 //     (two-level summation);
@@ -20,7 +21,8 @@
 //     which each recomputed p of the row inherits (with large logits, scale 2 and D 64, 12 of 30
 //     fresh draws failed the oracle in emulation, mostly on dV).  A first pass of the dq kernel
 //     sums exp(s - lse) per row in double; p = exp((s - lse) - lse_lo) (the cpu backend's rule),
-//     and delta = rowsum(p * dp) for those p.
+//     and delta = rowsum(p * dp) for those p, each product exact in double (a row's only key
+//     then gets dS = p (dp - delta) = 0 exactly).
 // NaN / Inf propagate like the reference's (a NaN score makes its row NaN; masked probabilities
 // are 0 and still multiply V, as the reference's p @ v does).
 //
@@ -129,7 +131,7 @@ __device__ __forceinline__ void chunked_dots(float dots[NR], const float* x, con
 }
 
 // The scores' dots q . k: as chunked_dots, but summed in double (the fp32 products are exact
-// there) and rounded once.  An error in s is a relative error in p = exp(s - lse), which dS =
+// there), left unrounded.  An error in s is a relative error in p = exp(s - lse), which dS =
 // p (dp - delta) and dV = p dO carry: with fp32 scores as accurate as the fp32 reference's, the
 // oracle's 2x margin failed 2 of 30 fresh draws at scale 2 (D 64, Lk 7) on dQ / dK; 0 of 60 in
 // double.  The kernels are bound by shared-memory loads (one per FMA), not by the FMA unit, on
@@ -138,7 +140,7 @@ __device__ __forceinline__ void chunked_dots(float dots[NR], const float* x, con
 // depends on d only (and fma is commutative), so q_i . k_j is bit-identical whichever side is
 // `x`: the forward and all backward kernels recompute the same scores.
 template <int NR>
-__device__ __forceinline__ void score_dots(float dots[NR], const float* x, const float* ys,
+__device__ __forceinline__ void score_dots(double dots[NR], const float* x, const float* ys,
                                            int pitch, int D) {
   double acc[NR];
 #pragma unroll
@@ -149,7 +151,7 @@ __device__ __forceinline__ void score_dots(float dots[NR], const float* x, const
     for (int a = 0; a < NR; ++a) acc[a] = fma(xd, static_cast<double>(ys[a * pitch + d]), acc[a]);
   }
 #pragma unroll
-  for (int a = 0; a < NR; ++a) dots[a] = static_cast<float>(acc[a]);
+  for (int a = 0; a < NR; ++a) dots[a] = acc[a];
 }
 
 // t[c] = sum_jj row[jj] * tile[jj][lane + 32 c] over the kTile rows of a shared-memory tile
@@ -167,11 +169,12 @@ __device__ __forceinline__ void row_times_tile(float t[NC], const float* row, co
   }
 }
 
-// p = exp((s - lse) - lse_lo) of a recomputed score: 0 for a masked score and for a dead row (lse
-// -inf).  s - lse is exact near the row's maximum; lse_lo is the part of the normaliser the fp32
-// lse rounded away (0 in the pass that computes it).
-__device__ __forceinline__ float recompute_p(float s, float lse, float lse_lo) {
-  return (s == -INFINITY || lse == -INFINITY) ? 0.0f : expf((s - lse) - lse_lo);
+// p = exp((s - lse) - lse_lo) of a recomputed (double) score: 0 for a masked score and for a dead
+// row (lse -inf).  The difference is taken in double and rounded once; lse_lo is the part of the
+// normaliser the fp32 lse rounded away (0 in the pass that computes it).
+__device__ __forceinline__ float recompute_p(double s, float lse, float lse_lo) {
+  return (s == -INFINITY || lse == -INFINITY) ? 0.0f
+                                               : expf(static_cast<float>((s - lse) - lse_lo));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -216,12 +219,14 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
     __syncthreads();  // the tile (and at n0 = 0 the Q rows) is visible to every warp
 
-    // Scores: lane = key n0 + lane against the warp's RW rows.
-    float s[RW];
+    // Scores: lane = key n0 + lane against the warp's RW rows (rounded to fp32 once).
+    double s[RW];
     score_dots<RW>(s, Ks + lane * pitch, Qs + r0 * pitch, pitch, p.D);
     const int j = n0 + lane;
 #pragma unroll
-    for (int a = 0; a < RW; ++a) Ps[(r0 + a) * kTile + lane] = masked_score(p, b, h, m0 + r0 + a, j, s[a]);
+    for (int a = 0; a < RW; ++a) {
+      Ps[(r0 + a) * kTile + lane] = masked_score(p, b, h, m0 + r0 + a, j, static_cast<float>(s[a]));
+    }
     __syncwarp();
     if (lane < RW) {  // one lane per row: the new max, the exponent base, the rescale factor
       const float* row = Ps + (r0 + lane) * kTile;
@@ -336,7 +341,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
       __syncthreads();  // the tile (and at the start the K / V rows) is visible to every warp
 
       // lane = query m0 + lane against the warp's RW keys.
-      float s[RW], dp[RW];
+      double s[RW];
+      float dp[RW];
       score_dots<RW>(s, Qs + lane * pitch, Ks + r0 * pitch, pitch, p.D);
       chunked_dots<RW>(dp, Os + lane * pitch, Vs + r0 * pitch, pitch, p.D);
       const int i = m0 + lane;
@@ -402,7 +408,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   float* Ks = Os + BM * pitch;                  // [kTile][pitch]
   float* Vs = Ks + kTile * pitch;               // [kTile][pitch]
   float* Ss = Vs + kTile * pitch;               // [BM][kTile] dS (first pass: p)
-  float* Ws = Ss + BM * kTile;                  // [BM][kTile] first pass: p z dp
+  float* Ws = Ss + BM * kTile;                  // [BM][kTile] first pass: z dp
   float* Ls = Ws + BM * kTile;                  // [BM] lse
   float* Ds = Ls + BM;                          // [BM] delta
   float* Rs = Ds + BM;                          // [BM] lse_lo
@@ -424,7 +430,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   const int n_end = p.causal ? min(p.Lk, m0 + BM) : p.Lk;
   // Both passes below: keys n0.. into shared memory, then lane = key n0 + lane against the warp's
   // RW rows: s (scores, double-summed) and dp (dO . v).
-  auto tile_dots = [&](int n0, float (&s)[RW], float (&dp)[RW]) {
+  auto tile_dots = [&](int n0, double (&s)[RW], float (&dp)[RW]) {
     __syncthreads();  // every warp is done with the previous K / V tile (and Rs / Ds are set)
     load_rows<DP>(Ks, kh + n0 * p.k_sm, p.k_sm, kTile, p.Lk - n0, p.D);
     load_rows<DP>(Vs, vh + n0 * p.v_sm, p.v_sm, kTile, p.Lk - n0, p.D);
@@ -440,7 +446,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   // draws at scale 2 on dQ / dK.)
   double psum = 0.0, pdp = 0.0;  // of row r0 + lane, kept by lanes < RW
   for (int n0 = 0; n0 < n_end; n0 += kTile) {
-    float s[RW], dp[RW];
+    double s[RW];
+    float dp[RW];
     tile_dots(n0, s, dp);
     const int j = n0 + lane;
 #pragma unroll
@@ -449,14 +456,14 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
       const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r], 0.0f);
       const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
       Ss[r * kTile + lane] = pe;
-      Ws[r * kTile + lane] = pe * (dp[a] * z);
+      Ws[r * kTile + lane] = dp[a] * z;  // as the second pass forms it
     }
     __syncwarp();
     if (lane < RW) {
       const int r = r0 + lane;
       for (int c = 0; c < kTile; ++c) {
         psum += Ss[r * kTile + c];
-        pdp += Ws[r * kTile + c];
+        pdp += static_cast<double>(Ss[r * kTile + c]) * Ws[r * kTile + c];  // exact product
       }
     }
     __syncwarp();  // the row sums have read Ss / Ws before the next tile overwrites them
@@ -478,7 +485,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     for (int c = 0; c < NC; ++c) dq[a][c] = 0.0f;
   }
   for (int n0 = 0; n0 < n_end; n0 += kTile) {
-    float s[RW], dp[RW];
+    double s[RW];
+    float dp[RW];
     tile_dots(n0, s, dp);
     const int j = n0 + lane;
 #pragma unroll

@@ -46,12 +46,14 @@ mask) run a loop without any mask code; the causal diagonal and the ragged last 
 second, masked loop.  Masks are loaded only when present (constexpr flags).
 
 Numerics.  Exact fp32 (fp32 inputs without tf32: PRECISE, where the oracle bound is tightest):
-the head-dim contractions (q.k, do.v) are batched dots over 32-wide chunks of D whose partial sums
-are added afterwards, and each block's p@v / ds@k / ... product is summed on its own before it is
-added to the accumulator (a plain dot accumulates sequentially: the GPU's exact-fp32 FMA dot, and
-numpy's matmul under the interpreter, err ~1.5-2x more than torch's CPU matmul for D = 256, which
-made 14% of fresh draws fail the oracle on grad q/k/v); scores stay in natural units and
-exponentials are exp2((s - m) * log2(e)) (difference first); delta accumulates in fp64.  fp16 /
+the head-dim contractions (q.k, do.v) are fp64 dots (exact products, fp64 sums; fp64 mma.sync),
+the scores kept in fp64 in natural units until the row max / lse is subtracted, then
+exp2((s - m) * log2(e)) in fp32 (_dot_hd, _exp_sub); each block's p@v / ds@k / ... product is
+summed on its own before it is added to the accumulator (a plain dot accumulates sequentially:
+the GPU's exact-fp32 FMA dot, and numpy's matmul under the interpreter, err ~1.5-2x more than
+torch's CPU matmul for D = 256, which made 14% of fresh draws fail the oracle on grad q/k/v);
+backward renormalises p and takes delta = rowsum(p * dp) from a first pass, both summed in fp64
+(_row_sums), and keeps the gradient of a p that rounds to 1 (_ds).  fp16 /
 bf16 (and tf32) keep FlashAttention-2 arithmetic (log2(e) folded into the scale, one FMA per score
 when compiled): their error is dominated by the fp16 / bf16 roundings.  Values rounded to the
 input dtype (the stores of out, dq, dk, dv; p and ds as dot operands) go through
@@ -89,13 +91,11 @@ INTERPRETER_CONFIG = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 # Tests may force the GQA split of the dk/dv kernel (None: heuristic) and the int64 offsets path.
 FORCE_GQA_SPLIT = None
 FORCE_OFF64 = False
-# Tests may force the arithmetic: True = PRECISE (natural-unit scores, the max / lse subtracted
-# before the conversion to base 2, head-dim contractions in chunks, per-block products summed
-# before accumulation), False = FlashAttention-2 style; None: PRECISE for exact fp32 (fp32 inputs
-# without tf32), whose oracle bound is tight.
+# Tests may force the arithmetic: True = PRECISE (natural-unit scores and dO.v^T as fp64 dots,
+# the scores kept in fp64 until the max / lse is subtracted, per-block products summed before
+# accumulation, delta and the row sums in fp64), False = FlashAttention-2 style; None: PRECISE
+# for exact fp32 (fp32 inputs without tf32), whose oracle bound is tight.
 FORCE_PRECISE = None
-# Head-dim chunk of the PRECISE contractions over D (see _dot_hd).
-PRECISE_DCHUNK = 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,26 +103,19 @@ PRECISE_DCHUNK = 32
 
 
 @triton.jit
-def _dot_hd(a, b, M: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr, DCHUNK: tl.constexpr,
-            DOT_FP32: tl.constexpr, IEEE: tl.constexpr, PRECISE: tl.constexpr,
-            INTERPRET: tl.constexpr):
-    """a (M, BLOCK_D) @ b (BLOCK_D, N) -> fp32 (M, N), a contraction over the head dim.  With
-    DCHUNK < BLOCK_D (PRECISE): a batched dot over BLOCK_D / DCHUNK chunks of the head dim, whose
-    partial sums are added afterwards.  A dot accumulates sequentially along its inner dimension
-    (the FMA dot of exact fp32 on the GPU; numpy's matmul under the interpreter): for D = 256 its
-    rounding error is ~1.5-2x that of torch's CPU matmul and dominated the oracle failures.
-    PRECISE under the interpreter: the product in fp64, rounded once.  Backward recomputes the
-    scores as k @ q^T, forward as q @ k^T; on the GPU both orientations of the exact fp32 dot
-    sum in the same order, but numpy's matmul does not, and a row with one visible key then got
-    p = exp(s_bwd - lse) != 1 (gradient errors past the oracle for non-power-of-two scales)."""
-    if PRECISE and INTERPRET:
-        return tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-    if DCHUNK < BLOCK_D:
-        NC: tl.constexpr = BLOCK_D // DCHUNK
-        a3 = tl.permute(tl.reshape(a, [M, NC, DCHUNK]), (1, 0, 2))
-        b3 = tl.reshape(b, [NC, DCHUNK, N])
-        c3 = dot(a3, b3, tl.zeros([NC, M, N], dtype=tl.float32), DOT_FP32, IEEE)
-        return tl.sum(c3, 0)
+def _dot_hd(a, b, M: tl.constexpr, N: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+            PRECISE: tl.constexpr):
+    """a (M, BLOCK_D) @ b (BLOCK_D, N), a contraction over the head dim: fp32, or with PRECISE
+    (exact fp32 inputs) an fp64 dot: the fp32 products are exact in fp64 and their sum errs by
+    ~2^-53, so the result is the exact score before any rounding (fp64 mma.sync on sm_80 / sm_90,
+    whose fp64 tensor-core rate matches the fp32 FMA rate an exact fp32 dot runs at).  The scores
+    stay in fp64 until the row max / lse is subtracted (_exp_sub): rounding a score of ~60 to
+    fp32 moves its probability by up to 2^-24 x 60 relative, and with such logits (scale 1.5-2,
+    D 40-64) that alone put 0.3-1.2% of fresh draws past the oracle on dq / dk, where the fp32
+    reference happened to round its own scores more kindly (benchmarks/NOTES.md, 2026-12-01).
+    dp = dO.v^T takes the same dot, rounded to fp32 by the caller."""
+    if PRECISE:
+        return tl.dot(a.to(tl.float64), b.to(tl.float64))
     else:
         return dot(a, b, tl.zeros([M, N], dtype=tl.float32), DOT_FP32, IEEE)
 
@@ -149,13 +142,14 @@ def _cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 def _exp_sub(s, m, PRECISE: tl.constexpr):
     """exp(s - m) for scores and a row max / logsumexp ``m`` in the kernel's units.
 
-    PRECISE (fp32 inputs): natural units; the difference is taken first, then converted to base
-    2, so the large terms cancel before any rounding: for the dominant probabilities
-    |s - m| is small and so is the error of exp2((s - m) * log2(e)).  Otherwise (fp16 / bf16,
-    FlashAttention-2 style) s and m are already in the log2 domain (log2(e) folded into the
-    scale): one subtraction, or a single FMA with the scaling when compiled."""
+    PRECISE (fp32 inputs): natural units, s (and the running max) in fp64; the difference is
+    taken first, in fp64, and only then rounded to fp32 and converted to base 2, so the large
+    terms cancel before any rounding: for the dominant probabilities |s - m| is small and so is
+    the error of exp2((s - m) * log2(e)).  Otherwise (fp16 / bf16, FlashAttention-2 style) s and
+    m are already in the log2 domain (log2(e) folded into the scale): one subtraction, or a
+    single FMA with the scaling when compiled."""
     if PRECISE:
-        return tl.exp2((s - m) * 1.4426950408889634)
+        return tl.exp2((s - m).to(tl.float32) * 1.4426950408889634)
     else:
         return tl.exp2(s - m)
 
@@ -280,7 +274,7 @@ def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_sc
                BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, FOLD_SCALE: tl.constexpr):
+    PRECISE: tl.constexpr, INTERPRET: tl.constexpr, FOLD_SCALE: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_nb = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -300,7 +294,7 @@ def _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_sc
             kT = tl.load(kt_ptrs)
         else:
             kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-        s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
+        s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, DOT_FP32, IEEE, PRECISE)
         if FOLD_SCALE and not (DIAG or (MASK_KIND != 0) or HAS_KPM):
             # Unmasked block, scale >= 0 in the log2 domain: the row max of the raw scores times
             # the scale (rounding is monotone), then one FMA per score inside exp2, instead of
@@ -348,7 +342,7 @@ def _attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
+    PRECISE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -391,7 +385,10 @@ def _attn_fwd_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf")
+    if PRECISE:  # the running max of fp64 scores (_dot_hd)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float64)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     # Without a key_padding_mask: [0, full) unmasked, [full, hi) masked.  With one, only the batch
     # row's [first valid key, last valid key] range: [lo, a) and [full, hi) masked, [a, full) (the
     # blocks inside the run of valid keys from the first: a right-padded row's bar its last)
@@ -403,19 +400,19 @@ def _attn_fwd_kernel(
                                    qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                    seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                                   HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET,
                                    FOLD_SCALE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, a, full, Lq, Lk,
                                qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                               False, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                               False, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET,
                                FOLD_SCALE)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk,
                                qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                seed_lo, seed_hi, off_lo, off_hi, drop_thr, row_base,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET,
                                FOLD_SCALE)
 
     empty = l_i == 0.0
@@ -425,7 +422,7 @@ def _attn_fwd_kernel(
         out = out * drop_scale
     # lse in natural units (the logsumexp of the scaled scores).
     if PRECISE:
-        lse = m_i + tl.log(l_safe)
+        lse = (m_i + tl.log(l_safe).to(tl.float64)).to(tl.float32)
     else:
         lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
     lse = tl.where(empty, float("-inf"), lse)
@@ -440,8 +437,7 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _attn_bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, H, Lq,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                           PRECISE: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     pid = tl.program_id(0)
     n_mb = tl.cdiv(Lq, BLOCK_M)
     bh = pid // n_mb
@@ -454,11 +450,22 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, sob, soh, som, sdob, sdoh, sdom, H, Lq,
     rows = offs_m[:, None].to(tl.int64)
     o = tl.load(O + b64 * sob + h64 * soh + rows * som + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b64 * sdob + h64 * sdoh + rows * sdom + offs_d[None, :], mask=mask, other=0.0)
-    if PRECISE:  # fp64 accumulation (a memory-bound kernel): only out's rounding remains
-        delta = tl.sum(o.to(tl.float64) * do.to(tl.float64), 1).to(tl.float32)
-    else:
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
+
+
+@triton.jit
+def _ds(p, dp, delta, PRECISE: tl.constexpr):
+    """The scores' gradient p * (dp - delta).  p == 1 (a row saturated on this key, in particular
+    a single visible key) has exact gradient 0, where dp - delta would leave the rounding gap of
+    two different sums (rowsum(dO * O) against dO.v): 0 there.  Not when PRECISE: its delta is
+    rowsum(p * dp) summed in fp64 for these p and dp (EXACT_DELTA), which cancels on its own, and
+    a p that merely rounds to 1 (a runner-up key ~17 nats below) still has a gradient that matters
+    at the fp32 oracle's bound."""
+    if PRECISE:
+        return p * (dp - delta)
+    else:
+        return tl.where(p == 1.0, 0.0, p * (dp - delta))
 
 
 @triton.jit
@@ -485,7 +492,7 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, DQAh, sqm, sdom, n0,
                 BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                 DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, REFINE_LSE: tl.constexpr,
+    PRECISE: tl.constexpr, INTERPRET: tl.constexpr, REFINE_LSE: tl.constexpr,
     ATOMIC_DQ: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_mb = tl.arange(0, BLOCK_M)
@@ -505,7 +512,7 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, DQAh, sqm, sdom, n0,
         do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         lse = _load_lse(LSEh, offs_m, m_ok, PRECISE)
         Di = tl.load(DELTAh + offs_m, mask=m_ok, other=0.0)
-        sT = _dot_hd(k, qT, BLOCK_N, BLOCK_M, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
+        sT = _dot_hd(k, qT, BLOCK_N, BLOCK_M, DOT_FP32, IEEE, PRECISE)
         sT = sT * qk_scale
         if DIAG or (MASK_KIND != 0) or HAS_KPM:
             # No bounds mask: rows past Lq have lse = +inf (p = 0); columns past Lk only feed
@@ -522,12 +529,10 @@ def _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, DQAh, sqm, sdom, n0,
         else:
             pdT = pT
         dv = _dot_acc(_cast(pdT, do.dtype, INTERPRET), do, dv, PRECISE, DOT_FP32, IEEE)
-        dpT = _dot_hd(v, tl.trans(do), BLOCK_N, BLOCK_M, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
+        dpT = _dot_hd(v, tl.trans(do), BLOCK_N, BLOCK_M, DOT_FP32, IEEE, PRECISE).to(tl.float32)
         if HAS_DROPOUT:
             dpT = tl.where(keep, dpT * drop_scale, 0.0)
-        # p == 1: the row is saturated on this key (in particular a single visible key), whose
-        # exact gradient is 0; dp - delta would leave the rounding gap of two different sums.
-        dsT = _cast(tl.where(pT == 1.0, 0.0, pT * (dpT - Di[None, :])), qT.dtype, INTERPRET)
+        dsT = _cast(_ds(pT, dpT, Di[None, :], PRECISE), qT.dtype, INTERPRET)
         dk = _dot_acc(dsT, tl.trans(qT), dk, PRECISE, DOT_FP32, IEEE)
         if ATOMIC_DQ:
             # This key block's share of dq (unscaled), added into the fp32 accumulator: one more
@@ -554,7 +559,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, REFINE_LSE: tl.constexpr,
+    PRECISE: tl.constexpr, INTERPRET: tl.constexpr, REFINE_LSE: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dk, dv of one (batch, kv head, key block), over the query heads of its GQA group (or of
@@ -622,13 +627,13 @@ def _attn_bwd_dkdv_kernel(
                                  diag_lo, full_lo, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                                  seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                                  HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                                 HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE,
+                                 HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET, REFINE_LSE,
                                  ATOMIC_DQ)
         dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, RINVh, DELTAh, DQAh, sqm, sdom, n0, offs_n,
                              full_lo, hi, Lq, Lk, qk_scale, AMh, s_amm, s_amn, KPMb, s_kpn,
                              seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                              HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND,
-                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE,
+                             HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET, REFINE_LSE,
                              ATOMIC_DQ)
 
     split64 = split.to(tl.int64)
@@ -646,7 +651,7 @@ def _p_dp_tile(q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
                BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
                MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-               PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
+               PRECISE: tl.constexpr, INTERPRET: tl.constexpr,
                REFINE_LSE: tl.constexpr):
     """One key block seen from a query block: k^T (BLOCK_D, BLOCK_N), the recomputed
     probabilities p (times the row factor rinv when REFINE_LSE) and dp = dO.v^T (dropout
@@ -673,7 +678,7 @@ def _p_dp_tile(q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
     else:
         kT = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
         vT = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
-    s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
+    s = _dot_hd(q, kT, BLOCK_M, BLOCK_N, DOT_FP32, IEEE, PRECISE)
     s = s * qk_scale
     if DIAG or (MASK_KIND != 0) or HAS_KPM:
         s = _mask_scores(s, offs_m[:, None], offs_n[None, :], Lq, Lk, AMh, s_amm, s_amn,
@@ -681,7 +686,7 @@ def _p_dp_tile(q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
     p = _exp_sub(s, lse[:, None], PRECISE)
     if REFINE_LSE:
         p = p * rinv[:, None]
-    dp = _dot_hd(do, vT, BLOCK_M, BLOCK_N, BLOCK_D, DCHUNK, DOT_FP32, IEEE, PRECISE, INTERPRET)
+    dp = _dot_hd(do, vT, BLOCK_M, BLOCK_N, DOT_FP32, IEEE, PRECISE).to(tl.float32)
     if HAS_DROPOUT:
         keep = dropout_keep_rows(seed_lo, seed_hi, row_base + offs_m.to(tl.int64), Lk, n0, off_lo, off_hi,
                                  drop_thr, BLOCK_M, BLOCK_N, HAS_DROPOUT == 2)
@@ -697,16 +702,16 @@ def _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk
               BLOCK_N: tl.constexpr, DIAG: tl.constexpr, IS_CAUSAL: tl.constexpr,
               MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-              PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr,
+              PRECISE: tl.constexpr, INTERPRET: tl.constexpr,
               REFINE_LSE: tl.constexpr):
     for nb in range(lo, hi):
         kT, p, dp = _p_dp_tile(q, do, lse, rinv, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
                                AMh, s_amm, s_amn, KPMb, s_kpn,
                                seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DIAG, IS_CAUSAL, MASK_KIND,
-                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                               HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET,
                                REFINE_LSE)
-        ds = tl.where(p == 1.0, 0.0, p * (dp - Di[:, None]))  # saturated row: see _dkdv_inner
+        ds = _ds(p, dp, Di[:, None], PRECISE)
         dq = _dot_acc(_cast(ds, kT.dtype, INTERPRET), tl.trans(kT), dq, PRECISE, DOT_FP32, IEEE)
     return dq
 
@@ -719,21 +724,24 @@ def _row_sums(q, do, lse, Kh, Vh, skn, svn, offs_m, lo, hi, Lq, Lk, qk_scale,
               BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
               MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-              PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr):
+              PRECISE: tl.constexpr, INTERPRET: tl.constexpr):
     """rowsum(p) and rowsum(p * dp) over key blocks [lo, hi) (masked loop), p = exp(s - lse)
     from the stored lse: the row's normalisation (1 up to the fp32 lse's rounding) and delta
     for those p."""
-    psum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    pdp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # (in fp64 when PRECISE: delta and the renormalisation are then exact for the p and dp the
+    # gradients use, so that dp - delta cancels as the reference's softmax backward does)
+    SUM_TYPE: tl.constexpr = tl.float64 if PRECISE else tl.float32
+    psum = tl.zeros([BLOCK_M], dtype=SUM_TYPE)
+    pdp = tl.zeros([BLOCK_M], dtype=SUM_TYPE)
     for nb in range(lo, hi):  # (REFINE_LSE False: _p_dp_tile ignores its rinv, passed as lse)
         _, p, dp = _p_dp_tile(q, do, lse, lse, Kh, Vh, skn, svn, offs_m, nb, Lq, Lk, qk_scale,
                               AMh, s_amm, s_amn, KPMb, s_kpn,
                               seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND,
-                              HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET,
+                              HAS_KPM, HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET,
                               False)
-        psum += tl.sum(p, 1)
-        pdp += tl.sum(p * dp, 1)
+        psum += tl.sum(p.to(SUM_TYPE), 1)
+        pdp += tl.sum(p.to(SUM_TYPE) * dp.to(SUM_TYPE), 1)
     return psum, pdp
 
 
@@ -747,7 +755,7 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, OFF64: tl.constexpr,
-    PRECISE: tl.constexpr, DCHUNK: tl.constexpr, INTERPRET: tl.constexpr, EXACT_DELTA: tl.constexpr,
+    PRECISE: tl.constexpr, INTERPRET: tl.constexpr, EXACT_DELTA: tl.constexpr,
     REFINE_LSE: tl.constexpr, ROW_SUMS_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dq of one (batch, head, query block), after the row sums of REFINE_LSE / EXACT_DELTA
@@ -806,14 +814,16 @@ def _attn_bwd_dq_kernel(
                               AMh, s_amm, s_amn, KPMb, s_kpn,
                               seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                               HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                              HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET)
+                              HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET)
+        rinv_sum = tl.full([BLOCK_M], 1.0, dtype=psum.dtype)
         if REFINE_LSE:
-            rinv = tl.where(psum > 0.0, 1.0 / psum, 1.0)
+            rinv_sum = tl.where(psum > 0.0, 1.0 / psum, 1.0)  # (fp64 when PRECISE)
+            rinv = rinv_sum.to(tl.float32)
             tl.store(RINV + row_base + offs_m, rinv, mask=m_ok)
     if EXACT_DELTA:  # every block through the masked loop, as _row_sums computed p
         a = lo
         full = lo
-        Di = pdp * rinv  # rowsum(p * dp) of the p the gradients use
+        Di = (pdp * rinv_sum).to(tl.float32)  # rowsum(p * dp) of the p the gradients use
         tl.store(DELTA + row_base + offs_m, Di, mask=m_ok)
     else:
         Di = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
@@ -825,18 +835,18 @@ def _attn_bwd_dq_kernel(
                            AMh, s_amm, s_amn, KPMb, s_kpn,
                            seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                           HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+                           HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET, REFINE_LSE)
         # [a, full): full blocks, no mask code
         dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, a, full, Lq, Lk, qk_scale,
                        AMh, s_amm, s_amn, KPMb, s_kpn,
                        seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, IS_CAUSAL, MASK_KIND, False,
-                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET, REFINE_LSE)
         dq = _dq_inner(dq, q, do, lse, rinv, Di, Kh, Vh, skn, svn, offs_m, full, hi, Lq, Lk, qk_scale,
                        AMh, s_amm, s_amn, KPMb, s_kpn,
                        seed_lo, seed_hi, off_lo, off_hi, drop_thr, drop_scale, row_base,
                        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_KPM,
-                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, DCHUNK, INTERPRET, REFINE_LSE)
+                       HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET, REFINE_LSE)
 
         dq_ptrs = DQ + b64 * sdqb + h64 * sdqh + rows * sdqm + offs_d[None, :]
         tl.store(dq_ptrs, _cast(dq * scale, DQ.dtype.element_ty, INTERPRET), mask=md_mask)
@@ -1067,7 +1077,6 @@ class _Common:
         self.scale = float(scale)
         self.ieee = q.dtype == torch.float32 and not allow_tf32
         self.precise = self.ieee if FORCE_PRECISE is None else bool(FORCE_PRECISE)
-        self.dchunk = min(PRECISE_DCHUNK, self.block_d) if self.precise else self.block_d
         # Scores in the kernels: natural units when precise, else log2(e) folded into the scale.
         self.qk_scale = float(scale) if self.precise else float(scale) * LOG2E
         self.is_causal = bool(is_causal)
@@ -1129,7 +1138,7 @@ class _Common:
                     MASK_KIND=self.mask_kind, HAS_KPM=self.has_kpm, HAS_DROPOUT=self.drop_mode,
                     DOT_FP32=self.dot_fp32, IEEE=self.ieee,
                     OFF64=FORCE_OFF64 or self.max_offset >= 2**31 - 1,
-                    PRECISE=self.precise, DCHUNK=self.dchunk, INTERPRET=_INTERPRET)
+                    PRECISE=self.precise, INTERPRET=_INTERPRET)
 
 
 def attention_fwd(q, k, v, attn_mask, key_padding_mask, is_causal: bool, scale: float,
@@ -1223,9 +1232,9 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
         return dq.zero_(), dk.zero_(), dv.zero_()
     flags = c.flags()
 
-    # Rows with few keys take delta from p and dp (the dq kernel, run first); the rest from
-    # rowsum(dO * O) in a small kernel.
-    exact_delta = Lk <= EXACT_DELTA_MAX_LK
+    # Rows with few keys, and exact fp32 (PRECISE) rows, take delta from p and dp (the dq kernel,
+    # run first); the rest from rowsum(dO * O) in a small kernel.
+    exact_delta = Lk <= EXACT_DELTA_MAX_LK or c.precise
     # Renormalise the recomputed p (rinv, from the dq kernel's first pass) for exact fp32, and
     # wherever that pass runs anyway: delta = rowsum(p * dp) inherits the fp32 lse's rounding
     # (|lse| x 2^-24, 1e-3 relative at a float mask of -1e4) uncancelled, so a row with one key
@@ -1240,7 +1249,7 @@ def attention_bwd(do, q, k, v, out, lse, attn_mask, key_padding_mask, is_causal:
             bm_delta = 64 if c.block_d <= 128 else 32
             _attn_bwd_delta_kernel[(cdiv(Lq, bm_delta) * B * H,)](
                 out, do, delta, *out.stride()[:3], *do.stride()[:3], H, Lq,
-                HEAD_DIM=D, BLOCK_D=c.block_d, BLOCK_M=bm_delta, PRECISE=c.precise, num_warps=4,
+                HEAD_DIM=D, BLOCK_D=c.block_d, BLOCK_M=bm_delta, num_warps=4,
             )
 
         meta = _interp_meta("dq") if _INTERPRET else {}
