@@ -45,8 +45,8 @@ def fuzz_tests(body):
     return make(FAST), pytest.mark.slow(make(SLOW))
 
 
-def runnable(backend, op, inputs):
-    ok, why = backends.available(backend, "cpu")
+def runnable(backend, op, inputs, device="cpu"):
+    ok, why = backends.available(backend, device)
     if not ok:
         pytest.skip(why)
     if backend not in backends.implemented_backends(op):
@@ -355,9 +355,14 @@ def test_sdpa_fp32_large_logits_backward(backend, lq, lk):
     assert len(misses) <= 4, misses
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cpu"), pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("backend, device", [
+    pytest.param("cpu", "cpu", id="cpu"),
+    pytest.param("triton", "cpu", marks=pytest.mark.triton, id="triton"),
+    pytest.param("triton", "cuda", marks=pytest.mark.gpu, id="triton-gpu"),
+    pytest.param("cuda", "cuda", marks=pytest.mark.gpu, id="cuda-gpu"),
+])
 @pytest.mark.parametrize("tied, seeds", [(True, (9, 0, 1, 2, 3)), (False, (55, 4, 5, 6, 7))])
-def test_sdpa_fp32_peaked_rows_backward(backend, tied, seeds):
+def test_sdpa_fp32_peaked_rows_backward(backend, device, tied, seeds):
     """Exact fp32, logits of 20-90 (scale 1-2; ``tied``: the first keys equal the first queries,
     as hypothesis draws when two seeds coincide, so those rows are nearly one-hot).  Found
     2026-12-01: triton's dq / dk at 1.23x the bound at seed 9 (tied) and 1.37x at seed 55, ~1% of
@@ -371,6 +376,7 @@ def test_sdpa_fp32_peaked_rows_backward(backend, tied, seeds):
         q, k, v = (torch.randn(1, 2, n, d, generator=g) for n in (lq, lk, lk))
         if tied:
             k[:, :, : min(lq, lk)] = q[:, :, : min(lq, lk)]
+        q, k, v = (t.to(device) for t in (q, k, v))
 
         def kernel(query, key, value):
             return F.scaled_dot_product_attention(query, key, value, scale=scale, backend=backend)
@@ -379,7 +385,7 @@ def test_sdpa_fp32_peaked_rows_backward(backend, tied, seeds):
             return reference.scaled_dot_product_attention(query, key, value, scale=scale)
 
         inputs = {"query": q, "key": k, "value": v}
-        if not runnable(backend, "scaled_dot_product_attention", inputs):
+        if not runnable(backend, "scaled_dot_product_attention", inputs, device):
             pytest.skip(f"{backend} does not run this case")
         results = reference.run_oracle(kernel, ref, inputs, list(inputs), seed=seed)
         reference.assert_oracle(results, f"{backend} seed {seed} (Lq {lq}, Lk {lk}, D {d}, scale {scale})")
