@@ -19,11 +19,10 @@
 // fp32 inputs the scores (scale * q.k + mask) and the running max stay in double until the max or
 // lse is subtracted (a score of ~60 rounded to fp32 moves its p by up to 2^-24 x 60: 0.1% of
 // fresh draws at scale 1.5-2 missed the oracle on dq), 16-bit inputs' are rounded to fp32; the
-// probabilities and lse are fp32 as on the GPU;
-// the reductions (q.k and do.v over D, the row sums, the P@V / dS@K / dS^T@Q accumulators) are
-// summed in double, so the result carries about one fp32 rounding and meets the DESIGN 6 oracle
-// for D = 256 too (sequential fp32 sums over D = 256 err ~2x torch's blocked matmul, the failure
-// mode kernels/attention.py found).
+// probabilities and lse are fp32 as on the GPU; the reductions (q.k and do.v over D, the row
+// sums, the P@V / dS@K / dS^T@Q accumulators) are summed in double, so the result carries about
+// one fp32 rounding and meets the DESIGN 6 oracle for D = 256 too (sequential fp32 sums over
+// D = 256 err ~2x torch's blocked matmul, the failure mode kernels/attention.py found).
 //
 // Outputs: out laid out like q (empty_in_layout_of, attention_cuda.h: a (B, L, H, D)-transposed q
 // gives an out whose head merge is a view), dq / dk / dv like q / k / v (empty_like), as the fake
@@ -304,9 +303,9 @@ inline void axpy_d(double* y, double a, const float* x, int64_t n) {
 }
 
 // Scores of one tile: s[r * kBlockN + c] for query rows m0 + r (r < bm) and keys n0 + c (c < bn),
-// in double (unrounded for fp32 inputs: see Numerics), masked to -inf.  Forward and both backward passes call this
-// one function, so the backward recomputes bit-identical scores and p = exp(s - lse) is
-// consistent with the forward's sums.
+// in double (unrounded for fp32 inputs: see Numerics), masked to -inf.  Forward and both backward
+// passes call this one function, so the backward recomputes bit-identical scores and
+// p = exp(s - lse) is consistent with the forward's sums.
 // q: the head's (Lq, D) fp32 rows; k: the kv head's (Lk, D) fp32 rows.
 void tile_scores(const Problem& p, int64_t b, int64_t h, const float* q, const float* k,
                  int64_t m0, int64_t bm, int64_t n0, int64_t bn, double* s) {
@@ -460,7 +459,8 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
 // lse given as lse + lse_lo: s - lse is exact near the row's maximum, so lse_lo keeps the bits of
 // the normaliser that the fp32 lse rounded away.
 inline float recompute_p(double s, float lse, float lse_lo) {
-  return (s == kNegInf || lse == kNegInf) ? 0.0f : std::exp(static_cast<float>((s - lse) - lse_lo));
+  return (s == kNegInf || lse == kNegInf) ? 0.0f
+                                           : std::exp(static_cast<float>((s - lse) - lse_lo));
 }
 
 // dK, dV: one task per (b, kv head, key block), looping over the query heads of its group and
