@@ -184,7 +184,12 @@ test_fuzz_masked_softmax, test_fuzz_masked_softmax_slow = fuzz_tests(_softmax)
 def _layer_norm(backend, data):
     dtype = data.draw(DTYPES, label="dtype")
     lead = data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=2), label="leading dims")
-    n = data.draw(st.one_of(st.sampled_from([1, 7, 127, 512, 1000]), st.integers(1, 300)), label="width")
+    # Now and then a long row, up to past the Triton kernels' whole-row limits (backward 8192,
+    # forward 16384), beyond which they loop over the row.
+    n = data.draw(st.one_of(st.sampled_from([1, 7, 127, 512, 1000]), st.integers(1, 300), st.integers(1001, 20000)),
+                  label="width")
+    if n > 1000:
+        lead = lead[:1]  # a few long rows keep the interpreter's run short
     layout = data.draw(st.sampled_from(["contiguous", "sliced"]), label="layout")
     x = tensor(data, (*lead, n), dtype, layout)
     residual = tensor(data, (*lead, n), dtype, data.draw(st.sampled_from(["contiguous", "sliced"]), label="residual layout"))
