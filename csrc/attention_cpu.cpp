@@ -19,10 +19,12 @@
 // fp32 inputs the scores (scale * q.k + mask) and the running max stay in double until the max or
 // lse is subtracted (a score of ~60 rounded to fp32 moves its p by up to 2^-24 x 60: 0.1% of
 // fresh draws at scale 1.5-2 missed the oracle on dq), 16-bit inputs' are rounded to fp32; the
-// probabilities and lse are fp32 as on the GPU; the reductions (q.k and do.v over D, the row
-// sums, the P@V / dS@K / dS^T@Q accumulators) are summed in double, so the result carries about
-// one fp32 rounding and meets the DESIGN 6 oracle for D = 256 too (sequential fp32 sums over
-// D = 256 err ~2x torch's blocked matmul, the failure mode kernels/attention.py found).
+// probabilities and lse are fp32 as on the GPU (exp: Sleef's u10 in vector lanes, as torch's
+// CPU softmax); the reductions (q.k and do.v over D, the row sums, the P@V / dS@K / dS^T@Q
+// accumulators) are summed in double, as small GEMMs of each tile (gemm_abt, gemm_acc), so the
+// result carries about one fp32 rounding and meets the DESIGN 6 oracle for D = 256 too
+// (sequential fp32 sums over D = 256 err ~2x torch's blocked matmul, the failure mode
+// kernels/attention.py found).
 //
 // Outputs: out laid out like q (empty_in_layout_of, attention_cuda.h: a (B, L, H, D)-transposed q
 // gives an out whose head merge is a view), dq / dk / dv like q / k / v (empty_like), as the fake
@@ -154,9 +156,9 @@ void check_attention_bwd_args(const Tensor& dout, const Tensor& q, const Tensor&
 
 // --------------------------------------------------------------------------------------------
 // The tiled CPU kernels, compiled for AVX2/FMA/F16C on x86-64 (csrc/cpu_avx2_begin.h says why;
-// here the double-precision sums over D run 4 lanes wide: dot_d, axpy_d).  The results are bit
-// for bit those of the scalar loops (benchmarks/NOTES.md): every product is of two floats, exact
-// in double, and each sum keeps its order.
+// here the tiles' double-precision GEMMs run in 4 x 8 register blocks and exp in vector lanes).
+// The GEMMs give the bits of their scalar loops: every product is of two floats, exact in
+// double, and each sum keeps its order.
 
 #include "cpu_avx2_begin.h"
 
@@ -255,84 +257,6 @@ float mask_value(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   }
 }
 
-// max that propagates NaN (std::max(m, NaN) would drop it and turn a NaN row into a dead row).
-inline double nan_max(double m, double x) { return (x > m || std::isnan(x)) ? x : m; }
-
-// sum_d a[d] * b[d] in double: four partial sums (chain l takes d = l mod 4), added as
-// (s0 + s1) + (s2 + s3).  On x86-64 the four chains are the lanes of one AVX2 register (by hand:
-// the forward ran 1.2x faster than with the compiler's code); the same additions in the same
-// order, so the same bits.
-double dot_d(const float* a, const float* b, int64_t n) {
-  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  int64_t d = 0;
-#if defined(__x86_64__) && (defined(TF_CPU_AVX2_PRAGMA) || defined(__AVX2__))
-  __m256d acc = _mm256_setzero_pd();
-  for (; d + 4 <= n; d += 4) {
-    // exact products (24-bit significands), so the FMA rounds only the sum, as mul + add would
-    acc = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(a + d)), _mm256_cvtps_pd(_mm_loadu_ps(b + d)), acc);
-  }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, acc);
-  s0 = lanes[0];
-  s1 = lanes[1];
-  s2 = lanes[2];
-  s3 = lanes[3];
-#endif
-  for (; d + 4 <= n; d += 4) {
-    s0 += static_cast<double>(a[d]) * b[d];
-    s1 += static_cast<double>(a[d + 1]) * b[d + 1];
-    s2 += static_cast<double>(a[d + 2]) * b[d + 2];
-    s3 += static_cast<double>(a[d + 3]) * b[d + 3];
-  }
-  for (; d < n; ++d) s0 += static_cast<double>(a[d]) * b[d];
-  return (s0 + s1) + (s2 + s3);
-}
-
-// y[d] += a * x[d] for d < n, a the double of a float (or of a product of two floats rounded to
-// float), so a * x[d] is exact and the FMA of the AVX2 path rounds only the sum, as the scalar
-// loop's multiply then add does: the same bits.
-inline void axpy_d(double* y, double a, const float* x, int64_t n) {
-  int64_t d = 0;
-#if defined(__x86_64__) && (defined(TF_CPU_AVX2_PRAGMA) || defined(__AVX2__))
-  const __m256d av = _mm256_set1_pd(a);
-  for (; d + 4 <= n; d += 4) {
-    _mm256_storeu_pd(y + d, _mm256_fmadd_pd(av, _mm256_cvtps_pd(_mm_loadu_ps(x + d)), _mm256_loadu_pd(y + d)));
-  }
-#endif
-  for (; d < n; ++d) y[d] += a * x[d];
-}
-
-// Scores of one tile: s[r * kBlockN + c] for query rows m0 + r (r < bm) and keys n0 + c (c < bn),
-// in double (unrounded for fp32 inputs: see Numerics), masked to -inf.  Forward and both backward
-// passes call this one function, so the backward recomputes bit-identical scores and
-// p = exp(s - lse) is consistent with the forward's sums.
-// q: the head's (Lq, D) fp32 rows; k: the kv head's (Lk, D) fp32 rows.
-void tile_scores(const Problem& p, int64_t b, int64_t h, const float* q, const float* k,
-                 int64_t m0, int64_t bm, int64_t n0, int64_t bn, double* s) {
-  const int64_t D = p.D;
-  for (int64_t r = 0; r < bm; ++r) {
-    const int64_t i = m0 + r;
-    const float* qi = q + i * D;
-    for (int64_t c = 0; c < bn; ++c) {
-      const int64_t j = n0 + c;
-      float bias = 0.0f;
-      bool allowed = !(p.causal && j > i);
-      if (allowed && p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) allowed = false;
-      if (allowed && p.am != nullptr) {
-        bias = mask_value(p, b, h, i, j);
-        allowed = bias != kNegInf || (p.qk_nonfinite && p.am_type != at::kBool);
-      }
-      if (!allowed) {
-        s[r * kBlockN + c] = kNegInf;
-      } else if (p.exact_scores) {
-        s[r * kBlockN + c] = p.scale * dot_d(qi, k + j * D, D) + bias;
-      } else {
-        s[r * kBlockN + c] = static_cast<float>(p.scale * dot_d(qi, k + j * D, D)) + bias;
-      }
-    }
-  }
-}
-
 // Dropout factor of element (b, h, i, j): 0 when dropped, 1/(1-p) when kept, 1 without dropout.
 float drop_factor(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (!p.dropout) return 1.0f;
@@ -365,26 +289,249 @@ int64_t key_end(const Problem& p, int64_t m0, int64_t bm) {
   return p.causal ? std::min(p.Lk, m0 + bm) : p.Lk;
 }
 
+// ---- Tile products in double.
+//
+// Every product the kernels sum is of two floats (inputs converted to fp32; p, p * z and dS
+// rounded to fp32), exact in double, so a sum in double rounds once per addition and never a
+// product.  The sums of a tile run as small GEMMs on operands packed once per tile as doubles,
+// in 4 x 8 blocks held in registers (AVX2: 8 accumulators of 4 doubles); each element is one
+// chain summed in index order, where the FMA rounds only the sum (exact product), so the AVX2
+// and the scalar loops give the same bits.  Pairs a kernel skips (masked, p = 0) take part
+// with a weight of 0: for finite operands that adds +0 (no change), and a NaN / Inf operand
+// then reaches the sum as 0 * NaN, as the reference's dense products carry it.
+// (Before these, each pair ran its own D-long dot and axpy: ~2.5x slower; benchmarks/NOTES.md.)
+
+constexpr int64_t kRowStep = 4;  // rows of a register block
+constexpr int64_t kColStep = 8;  // columns of a register block
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// y[c] = exp(x[c]) for c < n, 8 (float) or 4 (double) lanes at a time: Sleef's u10 (within 1
+// ulp, as at::vec's exp and torch's own CPU softmax); y may be x.  exp(-inf) = 0.
+void exp_in_lanes(const float* x, float* y, int64_t n) {
+  using VecF = at::vec::Vectorized<float>;
+  int64_t c = 0;
+  for (; c + VecF::size() <= n; c += VecF::size()) VecF::loadu(x + c).exp().store(y + c);
+  if (c < n) VecF::loadu(x + c, n - c).exp().store(y + c, n - c);
+}
+
+void exp_in_lanes(const double* x, double* y, int64_t n) {
+  using VecD = at::vec::Vectorized<double>;
+  int64_t c = 0;
+  for (; c + VecD::size() <= n; c += VecD::size()) VecD::loadu(x + c).exp().store(y + c);
+  if (c < n) VecD::loadu(x + c, n - c).exp().store(y + c, n - c);
+}
+
+// dst (rows_padded x ld, double) = src (rows x D, fp32, contiguous), zero in columns [D, ld)
+// and rows [rows, rows_padded).
+void pack_rows(const float* src, int64_t rows, int64_t D, int64_t rows_padded, int64_t ld,
+               double* dst) {
+  for (int64_t r = 0; r < rows_padded; ++r) {
+    double* out = dst + r * ld;
+    int64_t d = 0;
+    if (r < rows) {
+      const float* in = src + r * D;
+      for (; d < D; ++d) out[d] = in[d];
+    }
+    for (; d < ld; ++d) out[d] = 0.0;
+  }
+}
+
+// dst[d * ld + c] = src[c * D + d] (src: cols x D, fp32, contiguous) for d < D, zero for c in
+// [cols, cols_padded).
+void pack_transposed(const float* src, int64_t cols, int64_t D, int64_t cols_padded, int64_t ld,
+                     double* dst) {
+  for (int64_t d = 0; d < D; ++d) {
+    double* out = dst + d * ld;
+    for (int64_t c = 0; c < cols; ++c) out[c] = src[c * D + d];
+    for (int64_t c = cols; c < cols_padded; ++c) out[c] = 0.0;
+  }
+}
+
+// C[i * ldc + j] = sum_{k < K} A[i * lda + k] * Bt[k * ldb + j] for i < m, j < n (m a multiple
+// of kRowStep, n of kColStep).
+void gemm_abt(const double* A, int64_t lda, const double* Bt, int64_t ldb, int64_t K, int64_t m,
+              int64_t n, double* C, int64_t ldc) {
+  for (int64_t j = 0; j < n; j += kColStep) {
+    for (int64_t i = 0; i < m; i += kRowStep) {
+      const double* a = A + i * lda;
+      const double* bt = Bt + j;
+      double* c = C + i * ldc + j;
+#if defined(__x86_64__) && (defined(TF_CPU_AVX2_PRAGMA) || defined(__AVX2__))
+      __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+              c30 = c00, c31 = c00;
+      for (int64_t k = 0; k < K; ++k) {
+        const __m256d b0 = _mm256_loadu_pd(bt + k * ldb), b1 = _mm256_loadu_pd(bt + k * ldb + 4);
+        __m256d x = _mm256_broadcast_sd(a + k);
+        c00 = _mm256_fmadd_pd(x, b0, c00);
+        c01 = _mm256_fmadd_pd(x, b1, c01);
+        x = _mm256_broadcast_sd(a + lda + k);
+        c10 = _mm256_fmadd_pd(x, b0, c10);
+        c11 = _mm256_fmadd_pd(x, b1, c11);
+        x = _mm256_broadcast_sd(a + 2 * lda + k);
+        c20 = _mm256_fmadd_pd(x, b0, c20);
+        c21 = _mm256_fmadd_pd(x, b1, c21);
+        x = _mm256_broadcast_sd(a + 3 * lda + k);
+        c30 = _mm256_fmadd_pd(x, b0, c30);
+        c31 = _mm256_fmadd_pd(x, b1, c31);
+      }
+      _mm256_storeu_pd(c, c00);
+      _mm256_storeu_pd(c + 4, c01);
+      _mm256_storeu_pd(c + ldc, c10);
+      _mm256_storeu_pd(c + ldc + 4, c11);
+      _mm256_storeu_pd(c + 2 * ldc, c20);
+      _mm256_storeu_pd(c + 2 * ldc + 4, c21);
+      _mm256_storeu_pd(c + 3 * ldc, c30);
+      _mm256_storeu_pd(c + 3 * ldc + 4, c31);
+#else
+      for (int64_t r = 0; r < kRowStep; ++r) {
+        for (int64_t col = 0; col < kColStep; ++col) {
+          double sum = 0.0;
+          for (int64_t k = 0; k < K; ++k) sum += a[r * lda + k] * bt[k * ldb + col];
+          c[r * ldc + col] = sum;
+        }
+      }
+#endif
+    }
+  }
+}
+
+// Acc[i * ldacc + d] += sum_{k < K, in order} W[i * wsi + k * wsk] * X[k * ldx + d] for i < m,
+// d < n (m a multiple of kRowStep, n of kColStep).  W's strides let one function take a weight
+// tile or its transpose (dK, dV: sums over the query rows of a (query, key) tile).
+void gemm_acc(const double* W, int64_t wsi, int64_t wsk, const double* X, int64_t ldx, int64_t K,
+              int64_t m, int64_t n, double* Acc, int64_t ldacc) {
+  for (int64_t i = 0; i < m; i += kRowStep) {
+    const double* w = W + i * wsi;
+    for (int64_t d = 0; d < n; d += kColStep) {
+      double* acc = Acc + i * ldacc + d;
+      const double* x = X + d;
+#if defined(__x86_64__) && (defined(TF_CPU_AVX2_PRAGMA) || defined(__AVX2__))
+      __m256d a00 = _mm256_loadu_pd(acc), a01 = _mm256_loadu_pd(acc + 4);
+      __m256d a10 = _mm256_loadu_pd(acc + ldacc), a11 = _mm256_loadu_pd(acc + ldacc + 4);
+      __m256d a20 = _mm256_loadu_pd(acc + 2 * ldacc), a21 = _mm256_loadu_pd(acc + 2 * ldacc + 4);
+      __m256d a30 = _mm256_loadu_pd(acc + 3 * ldacc), a31 = _mm256_loadu_pd(acc + 3 * ldacc + 4);
+      for (int64_t k = 0; k < K; ++k) {
+        const __m256d x0 = _mm256_loadu_pd(x + k * ldx), x1 = _mm256_loadu_pd(x + k * ldx + 4);
+        const double* wk = w + k * wsk;
+        __m256d y = _mm256_broadcast_sd(wk);
+        a00 = _mm256_fmadd_pd(y, x0, a00);
+        a01 = _mm256_fmadd_pd(y, x1, a01);
+        y = _mm256_broadcast_sd(wk + wsi);
+        a10 = _mm256_fmadd_pd(y, x0, a10);
+        a11 = _mm256_fmadd_pd(y, x1, a11);
+        y = _mm256_broadcast_sd(wk + 2 * wsi);
+        a20 = _mm256_fmadd_pd(y, x0, a20);
+        a21 = _mm256_fmadd_pd(y, x1, a21);
+        y = _mm256_broadcast_sd(wk + 3 * wsi);
+        a30 = _mm256_fmadd_pd(y, x0, a30);
+        a31 = _mm256_fmadd_pd(y, x1, a31);
+      }
+      _mm256_storeu_pd(acc, a00);
+      _mm256_storeu_pd(acc + 4, a01);
+      _mm256_storeu_pd(acc + ldacc, a10);
+      _mm256_storeu_pd(acc + ldacc + 4, a11);
+      _mm256_storeu_pd(acc + 2 * ldacc, a20);
+      _mm256_storeu_pd(acc + 2 * ldacc + 4, a21);
+      _mm256_storeu_pd(acc + 3 * ldacc, a30);
+      _mm256_storeu_pd(acc + 3 * ldacc + 4, a31);
+#else
+      for (int64_t r = 0; r < kRowStep; ++r) {
+        for (int64_t col = 0; col < kColStep; ++col) {
+          double sum = acc[r * ldacc + col];
+          for (int64_t k = 0; k < K; ++k) sum += w[r * wsi + k * wsk] * x[k * ldx + col];
+          acc[r * ldacc + col] = sum;
+        }
+      }
+#endif
+    }
+  }
+}
+
+// Scores of one tile: s[r * kBlockN + c] for query rows m0 + r (r < bm) and keys n0 + c (c < bn),
+// in double (unrounded for fp32 inputs: see Numerics), masked to -inf.  qp: the tile's query
+// rows packed (pack_rows, pitch ldq, rows padded to kRowStep); kt: its keys packed transposed
+// (pack_transposed, pitch kBlockN, columns padded to kColStep).  Forward and both backward
+// passes call this one function on the same packing, so the backward recomputes bit-identical
+// scores and p = exp(s - lse) is consistent with the forward's sums.
+void tile_scores(const Problem& p, int64_t b, int64_t h, const double* qp, int64_t ldq,
+                 const double* kt, int64_t m0, int64_t bm, int64_t n0, int64_t bn, double* s) {
+  gemm_abt(qp, ldq, kt, kBlockN, p.D, round_up(bm, kRowStep), round_up(bn, kColStep), s, kBlockN);
+  for (int64_t r = 0; r < bm; ++r) {
+    const int64_t i = m0 + r;
+    double* sr = s + r * kBlockN;
+    // keys c < visible pass the causal test (j <= i)
+    const int64_t visible = p.causal ? std::clamp<int64_t>(i - n0 + 1, 0, bn) : bn;
+    if (p.kpm == nullptr && p.am == nullptr) {  // the common case, without a branch per element
+      if (p.exact_scores) {
+        for (int64_t c = 0; c < visible; ++c) sr[c] = p.scale * sr[c];
+      } else {
+        for (int64_t c = 0; c < visible; ++c) sr[c] = static_cast<float>(p.scale * sr[c]);
+      }
+      std::fill(sr + visible, sr + bn, static_cast<double>(kNegInf));
+      continue;
+    }
+    for (int64_t c = 0; c < bn; ++c) {
+      const int64_t j = n0 + c;
+      float bias = 0.0f;
+      bool allowed = c < visible;
+      if (allowed && p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) allowed = false;
+      if (allowed && p.am != nullptr) {
+        bias = mask_value(p, b, h, i, j);
+        allowed = bias != kNegInf || (p.qk_nonfinite && p.am_type != at::kBool);
+      }
+      if (!allowed) {
+        sr[c] = kNegInf;
+      } else if (p.exact_scores) {
+        sr[c] = p.scale * sr[c] + bias;
+      } else {
+        sr[c] = static_cast<float>(p.scale * sr[c]) + bias;
+      }
+    }
+  }
+}
+
+// max(m, x[0..n)), NaN if m or any x[c] is NaN (a max that dropped it would turn a NaN row into
+// a dead row).
+double row_max(double m, const double* x, int64_t n) {
+  bool nan = std::isnan(m);
+  int64_t c = 0;
+#if defined(__x86_64__) && (defined(TF_CPU_AVX2_PRAGMA) || defined(__AVX2__))
+  __m256d mx = _mm256_set1_pd(m), unordered = _mm256_setzero_pd();
+  for (; c + 4 <= n; c += 4) {
+    const __m256d v = _mm256_loadu_pd(x + c);
+    mx = _mm256_max_pd(mx, v);
+    unordered = _mm256_or_pd(unordered, _mm256_cmp_pd(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, mx);
+  m = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+  nan |= _mm256_movemask_pd(unordered) != 0;
+#endif
+  for (; c < n; ++c) {
+    m = std::max(m, x[c]);
+    nan |= std::isnan(x[c]);
+  }
+  return nan ? std::numeric_limits<double>::quiet_NaN() : m;
+}
+
 // Forward.  q32 (B, H, Lq, D), k32/v32 (B, Hkv, Lk, D) contiguous fp32; out (B, H, Lq, D);
 // lse (B, H, Lq) contiguous.  One task per (b, h, query block).
 //
 // With `v_nonfinite` (v holds a NaN or an Inf somewhere), every key a row does not attend to still
-// adds 0 * v_j to a separate per-row sum, as the reference's dense p @ v does: a NaN / Inf value
-// at a masked, padded or causally hidden key then gives that row NaN in its column, never a
-// finite output that hides it.  Only then: the extra pass is O(Lq * Lk * D).
+// adds 0 * v_j to the row, as the reference's dense p @ v does: a NaN / Inf value at a masked,
+// padded or causally hidden key then gives that row NaN in its column, never a finite output
+// that hides it.  Inside the tiles the P @ V product does that (weight 0); the keys past the
+// causal limit of the whole tile go to a separate per-row sum, only then (O(Lq * Lk * D)).
 void fwd_kernel(const Problem& p, const float* q32, const float* k32, const float* v32,
                 const OutView& out, float* lse, bool v_nonfinite) {
   const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
-  const int64_t group = p.H / p.Hkv, D = p.D;
+  const int64_t group = p.H / p.Hkv, D = p.D, D8 = round_up(D, kColStep);
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> s(kBlockM * kBlockN);
-    std::vector<double> acc(kBlockM * D);
+    std::vector<double> s(kBlockM * kBlockN), w(kBlockM * kBlockN, 0.0);
+    std::vector<double> qp(kBlockM * D8), kt(D * kBlockN), vp(kBlockN * D8), acc(kBlockM * D8);
     std::vector<float> hidden(v_nonfinite ? kBlockM * D : 0);  // sum of 0 * v over unseen keys
-    // Adds 0 * v_j (0 or NaN) to row r's hidden-key sum.
-    auto hide = [&](int64_t r, const float* vj) {
-      float* hr = hidden.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) hr[d] += 0.0f * vj[d];
-    };
+    std::vector<float> pt(kBlockN);  // one row's p
     double m_i[kBlockM];
     double l_i[kBlockM];
     for (int64_t task = begin; task < end; ++task) {
@@ -394,50 +541,61 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
       const float* k = k32 + (b * p.Hkv + hk) * p.Lk * D;
       const float* v = v32 + (b * p.Hkv + hk) * p.Lk * D;
       const int64_t m0 = mb * kBlockM, bm = std::min(kBlockM, p.Lq - m0);
+      const int64_t m4 = round_up(bm, kRowStep);
+      pack_rows(q + m0 * D, bm, D, m4, D8, qp.data());
       std::fill(acc.begin(), acc.end(), 0.0);
       std::fill(hidden.begin(), hidden.end(), 0.0f);
+      std::fill(w.begin() + bm * kBlockN, w.begin() + m4 * kBlockN, 0.0);  // padding rows
       std::fill(m_i, m_i + kBlockM, kNegInf);
       std::fill(l_i, l_i + kBlockM, 0.0);
       const int64_t n_end = key_end(p, m0, bm);
       for (int64_t n0 = 0; n0 < n_end; n0 += kBlockN) {
         const int64_t bn = std::min(kBlockN, n_end - n0);
-        tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
+        pack_transposed(k + n0 * D, bn, D, round_up(bn, kColStep), kBlockN, kt.data());
+        pack_rows(v + n0 * D, bn, D, bn, D8, vp.data());
+        tile_scores(p, b, h, qp.data(), D8, kt.data(), m0, bm, n0, bn, s.data());
         for (int64_t r = 0; r < bm; ++r) {
           const double* sr = s.data() + r * kBlockN;
-          if (v_nonfinite) {
-            for (int64_t c = 0; c < bn; ++c) {
-              if (sr[c] == kNegInf) hide(r, v + (n0 + c) * D);
-            }
+          double* wr = w.data() + r * kBlockN;
+          const double m_new = row_max(m_i[r], sr, bn);
+          if (m_new == kNegInf) {  // nothing visible yet in this row
+            std::fill(wr, wr + bn, 0.0);
+            continue;
           }
-          double m_new = m_i[r];
-          for (int64_t c = 0; c < bn; ++c) m_new = nan_max(m_new, sr[c]);
-          if (m_new == kNegInf) continue;  // nothing visible yet in this row
           // Rescale what was summed under the old max (exp(-inf) = 0 on the first visible tile).
           const float alpha = std::exp(static_cast<float>(m_i[r] - m_new));
-          double* ar = acc.data() + r * D;
-          l_i[r] *= alpha;
-          for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-          for (int64_t c = 0; c < bn; ++c) {
-            if (sr[c] == kNegInf) continue;
-            const float pij = std::exp(static_cast<float>(sr[c] - m_new));
-            l_i[r] += pij;  // the softmax denominator counts dropped elements too
-            // No skip for w == 0 (dropped): 0 * v keeps a NaN / Inf in v visible, as the
-            // reference's p @ v does.
-            const float w = pij * drop_factor(p, b, h, m0 + r, n0 + c);
-            const float* vj = v + (n0 + c) * D;
-            axpy_d(ar, static_cast<double>(w), vj, D);
+          if (alpha != 1.0f) {
+            double* ar = acc.data() + r * D8;
+            l_i[r] *= alpha;
+            for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
           }
+          // A masked score gives p = exp(-inf) = 0: l unchanged, weight 0 (and 0 * v still carries
+          // a NaN / Inf of v, as the reference's p @ v does; so does a dropped element's).  The
+          // softmax denominator counts dropped elements too.
+          float* pr = pt.data();
+          for (int64_t c = 0; c < bn; ++c) pr[c] = static_cast<float>(sr[c] - m_new);
+          exp_in_lanes(pr, pr, bn);
+          double l = l_i[r];
+          for (int64_t c = 0; c < bn; ++c) {
+            l += pr[c];
+            wr[c] = p.dropout ? pr[c] * drop_factor(p, b, h, m0 + r, n0 + c) : pr[c];
+          }
+          l_i[r] = l;
           m_i[r] = m_new;
         }
+        gemm_acc(w.data(), kBlockN, 1, vp.data(), D8, bn, m4, D8, acc.data(), D8);
       }
       if (v_nonfinite) {  // the keys past the causal limit of the whole tile
         for (int64_t r = 0; r < bm; ++r) {
-          for (int64_t j = n_end; j < p.Lk; ++j) hide(r, v + j * D);
+          float* hr = hidden.data() + r * D;
+          for (int64_t j = n_end; j < p.Lk; ++j) {
+            for (int64_t d = 0; d < D; ++d) hr[d] += 0.0f * v[j * D + d];
+          }
         }
       }
       for (int64_t r = 0; r < bm; ++r) {
         const int64_t i = m0 + r;
-        const double* ar = acc.data() + r * D;
+        const double* ar = acc.data() + r * D8;
         const float* hr = v_nonfinite ? hidden.data() + r * D : nullptr;
         if (l_i[r] != 0.0) {  // NaN (a NaN / +Inf score) propagates like the reference's softmax
           const double inv = 1.0 / l_i[r];
@@ -446,8 +604,11 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
             out.store(b, h, i, d, hr ? o + hr[d] : o);
           }
           lse[bh * p.Lq + i] = static_cast<float>(m_i[r] + std::log(l_i[r]));
-        } else {  // a row with no key to attend to: output 0, lse -inf
-          for (int64_t d = 0; d < D; ++d) out.store(b, h, i, d, hr ? hr[d] : 0.0f);
+        } else {  // a row with no key to attend to: output 0 (0 * v of the keys it skipped), lse -inf
+          for (int64_t d = 0; d < D; ++d) {
+            const float o = static_cast<float>(ar[d]);
+            out.store(b, h, i, d, hr ? o + hr[d] : o);
+          }
           lse[bh * p.Lq + i] = kNegInf;
         }
       }
@@ -455,12 +616,19 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
   });
 }
 
-// p = exp(s - lse) of one recomputed score (0 for masked scores and for dead rows, lse = -inf),
-// lse given as lse + lse_lo: s - lse is exact near the row's maximum, so lse_lo keeps the bits of
-// the normaliser that the fp32 lse rounded away.
-inline float recompute_p(double s, float lse, float lse_lo) {
-  return (s == kNegInf || lse == kNegInf) ? 0.0f
-                                           : std::exp(static_cast<float>((s - lse) - lse_lo));
+// pr[c] = exp(s[c] - lse) of one row's recomputed scores, c < n (0 for masked scores and for a
+// dead row, lse = -inf; also in a NaN row, lse NaN), lse given as lse + lse_lo: s - lse is exact
+// near the row's maximum, so lse_lo keeps the bits of the normaliser that the fp32 lse rounded
+// away.
+void recompute_p(const double* s, float lse, float lse_lo, int64_t n, float* pr) {
+  if (lse == kNegInf) {
+    std::fill(pr, pr + n, 0.0f);
+    return;
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    pr[c] = s[c] == kNegInf ? kNegInf : static_cast<float>((s[c] - lse) - lse_lo);
+  }
+  exp_in_lanes(pr, pr, n);
 }
 
 // dK, dV: one task per (b, kv head, key block), looping over the query heads of its group and
@@ -469,20 +637,23 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
                      const float* do32, const float* lse, const float* lse_lo, const float* delta,
                      const OutView& dk_out, const OutView& dv_out) {
   const int64_t nnb = (p.Lk + kBlockN - 1) / kBlockN;
-  const int64_t group = p.H / p.Hkv, D = p.D;
+  const int64_t group = p.H / p.Hkv, D = p.D, D8 = round_up(D, kColStep);
   at::parallel_for(0, p.B * p.Hkv * nnb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> s(kBlockM * kBlockN);
-    std::vector<double> dk(kBlockN * D), dv(kBlockN * D);
-    std::vector<float> hidden(p.q_nonfinite ? kBlockN * D : 0);  // sum of 0 * q_i over skipped pairs
-    auto hide = [&](int64_t c, const float* qi) {
-      float* hc = hidden.data() + c * D;
-      for (int64_t d = 0; d < D; ++d) hc[d] += 0.0f * qi[d];
-    };
+    std::vector<double> s(kBlockM * kBlockN), dps(kBlockM * kBlockN);
+    // (query, key) weights of dV (p * z) and dK (dS); zero outside the tile
+    std::vector<double> wdv(kKvBlockM * kBlockN, 0.0), wdk(kKvBlockM * kBlockN, 0.0);
+    std::vector<double> qp(kKvBlockM * D8), dop(kKvBlockM * D8), kt(D * kBlockN), vt(D * kBlockN);
+    std::vector<double> dk(kBlockN * D8), dv(kBlockN * D8);
+    std::vector<float> hidden(p.q_nonfinite ? kBlockN * D : 0);  // 0 * q_i of rows before the tiles
+    std::vector<float> pt(kBlockN);  // one row's p
     for (int64_t task = begin; task < end; ++task) {
       const int64_t nb = task % nnb, bhk = task / nnb, hk = bhk % p.Hkv, b = bhk / p.Hkv;
       const float* k = k32 + bhk * p.Lk * D;
       const float* v = v32 + bhk * p.Lk * D;
       const int64_t n0 = nb * kBlockN, bn = std::min(kBlockN, p.Lk - n0);
+      const int64_t n4 = round_up(bn, kRowStep), n8 = round_up(bn, kColStep);
+      pack_transposed(k + n0 * D, bn, D, n8, kBlockN, kt.data());
+      pack_transposed(v + n0 * D, bn, D, n8, kBlockN, vt.data());
       std::fill(dk.begin(), dk.end(), 0.0);
       std::fill(dv.begin(), dv.end(), 0.0);
       std::fill(hidden.begin(), hidden.end(), 0.0f);
@@ -493,48 +664,51 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
         const float* dO = do32 + bh * p.Lq * D;
         if (p.q_nonfinite) {  // the rows before the first query block that can see these keys
           for (int64_t i = 0; i < m_start; ++i) {
-            for (int64_t c = 0; c < bn; ++c) hide(c, q + i * D);
+            for (int64_t c = 0; c < bn; ++c) {
+              float* hc = hidden.data() + c * D;
+              for (int64_t d = 0; d < D; ++d) hc[d] += 0.0f * q[i * D + d];
+            }
           }
         }
         for (int64_t m0 = m_start; m0 < p.Lq; m0 += kKvBlockM) {
-          const int64_t bm = std::min(kKvBlockM, p.Lq - m0);
-          tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
+          const int64_t bm = std::min(kKvBlockM, p.Lq - m0), m4 = round_up(bm, kRowStep);
+          pack_rows(q + m0 * D, bm, D, m4, D8, qp.data());
+          pack_rows(dO + m0 * D, bm, D, m4, D8, dop.data());
+          tile_scores(p, b, h, qp.data(), D8, kt.data(), m0, bm, n0, bn, s.data());
+          gemm_abt(dop.data(), D8, vt.data(), kBlockN, D, m4, n8, dps.data(), kBlockN);
           for (int64_t r = 0; r < bm; ++r) {
             const int64_t i = m0 + r;
             const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
-            const float* qi = q + i * D;
-            const float* doi = dO + i * D;
+            double* wv = wdv.data() + r * kBlockN;
+            double* wk = wdk.data() + r * kBlockN;
+            recompute_p(s.data() + r * kBlockN, l, l_lo, bn, pt.data());
             for (int64_t c = 0; c < bn; ++c) {
               const double sc = s[r * kBlockN + c];
-              const float pij = recompute_p(sc, l, l_lo);
+              const float pij = pt[c];
               if (pij == 0.0f) {
-                if (p.q_nonfinite) hide(c, qi);
-                // A NaN row (a NaN / Inf score, lse NaN): the reference's softmax is NaN at its
-                // masked keys too, so their dV gets NaN; its dS there stays 0 (masked_fill).
-                if (sc == kNegInf && std::isnan(l)) {
-                  double* dvj = dv.data() + c * D;
-                  for (int64_t d = 0; d < D; ++d) dvj[d] += static_cast<double>(l) * doi[d];
-                }
+                // Weight 0 (0 * q_i still carries a NaN / Inf of q into dK).  A NaN row (a NaN /
+                // Inf score, lse NaN): the reference's softmax is NaN at its masked keys too, so
+                // their dV gets NaN; its dS there stays 0 (masked_fill).
+                wv[c] = (sc == kNegInf && std::isnan(l)) ? static_cast<double>(l) : 0.0;
+                wk[c] = 0.0;
                 continue;
               }
-              const int64_t j = n0 + c;
-              const float z = drop_factor(p, b, h, i, j);
-              const float dp = static_cast<float>(dot_d(doi, v + j * D, D));
-              const float ds = pij * (dp * z - dl);
-              const double pz = static_cast<double>(pij * z);
-              double* dvj = dv.data() + c * D;
-              double* dkj = dk.data() + c * D;
-              axpy_d(dvj, pz, doi, D);
-              axpy_d(dkj, static_cast<double>(ds), qi, D);
+              const float z = drop_factor(p, b, h, i, n0 + c);
+              const float dp = static_cast<float>(dps[r * kBlockN + c]);
+              wv[c] = pij * z;
+              wk[c] = pij * (dp * z - dl);
             }
           }
+          // dV[c] += sum_r (p * z)[r, c] dO[r];  dK[c] += sum_r dS[r, c] q[r]  (rows r < bm)
+          gemm_acc(wdv.data(), 1, kBlockN, dop.data(), D8, bm, n4, D8, dv.data(), D8);
+          gemm_acc(wdk.data(), 1, kBlockN, qp.data(), D8, bm, n4, D8, dk.data(), D8);
         }
       }
       for (int64_t c = 0; c < bn; ++c) {
         for (int64_t d = 0; d < D; ++d) {
-          const float dkd = static_cast<float>(dk[c * D + d] * p.scale);
+          const float dkd = static_cast<float>(dk[c * D8 + d] * p.scale);
           dk_out.store(b, hk, n0 + c, d, p.q_nonfinite ? dkd + hidden[c * D + d] : dkd);
-          dv_out.store(b, hk, n0 + c, d, static_cast<float>(dv[c * D + d]));
+          dv_out.store(b, hk, n0 + c, d, static_cast<float>(dv[c * D8 + d]));
         }
       }
     }
@@ -549,15 +723,14 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
                    const float* do32, const float* lse, float* lse_lo, bool refine_lse, float* delta,
                    bool exact_delta, const OutView& dq_out) {
   const int64_t nmb = (p.Lq + kBlockM - 1) / kBlockM;
-  const int64_t group = p.H / p.Hkv, D = p.D;
+  const int64_t group = p.H / p.Hkv, D = p.D, D8 = round_up(D, kColStep);
   at::parallel_for(0, p.B * p.H * nmb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> s(kBlockM * kBlockN);
-    std::vector<double> dq(kBlockM * D), psum(kBlockM), pdp(kBlockM);
-    std::vector<float> hidden(p.k_nonfinite ? kBlockM * D : 0);  // sum of 0 * k_j over skipped pairs
-    auto hide = [&](int64_t r, const float* kj) {
-      float* hr = hidden.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) hr[d] += 0.0f * kj[d];
-    };
+    std::vector<double> s(kBlockM * kBlockN), dps(kBlockM * kBlockN), w(kBlockM * kBlockN, 0.0);
+    std::vector<double> qp(kBlockM * D8), dop(kBlockM * D8), kt(D * kBlockN), vt(D * kBlockN);
+    std::vector<double> kp(kDqBlockN * D8), dq(kBlockM * D8), psum(kBlockM), pdp(kBlockM);
+    std::vector<float> hidden(p.k_nonfinite ? kBlockM * D : 0);  // 0 * k_j of keys past the tiles
+    std::vector<float> pt(kBlockN);  // one row's p
+    std::vector<double> et(kBlockN);  // one row's e = exp(s - lse) in double
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % nmb, bh = task / nmb, h = bh % p.H, b = bh / p.H;
       const int64_t hk = h / group;
@@ -566,28 +739,42 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
       const float* k = k32 + (b * p.Hkv + hk) * p.Lk * D;
       const float* v = v32 + (b * p.Hkv + hk) * p.Lk * D;
       const int64_t m0 = mb * kBlockM, bm = std::min(kBlockM, p.Lq - m0);
+      const int64_t m4 = round_up(bm, kRowStep);
       const int64_t n_end = key_end(p, m0, bm);
+      pack_rows(q + m0 * D, bm, D, m4, D8, qp.data());
+      pack_rows(dO + m0 * D, bm, D, m4, D8, dop.data());
+      std::fill(w.begin() + bm * kBlockN, w.begin() + m4 * kBlockN, 0.0);  // padding rows
       if (refine_lse || exact_delta) {
         // One pass for both: e_ij = exp(s_ij - lse_i) in double, psum_i = sum_j e_ij (1 up to the
         // rounding of the fp32 lse) and pdp_i = sum_j e_ij * dp_ij.
         std::fill(psum.begin(), psum.end(), 0.0);
         std::fill(pdp.begin(), pdp.end(), 0.0);
         for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
-          const int64_t bn = std::min(kDqBlockN, n_end - n0);
-          tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
+          const int64_t bn = std::min(kDqBlockN, n_end - n0), n8 = round_up(bn, kColStep);
+          pack_transposed(k + n0 * D, bn, D, n8, kBlockN, kt.data());
+          tile_scores(p, b, h, qp.data(), D8, kt.data(), m0, bm, n0, bn, s.data());
+          if (exact_delta) {
+            pack_transposed(v + n0 * D, bn, D, n8, kBlockN, vt.data());
+            gemm_abt(dop.data(), D8, vt.data(), kBlockN, D, m4, n8, dps.data(), kBlockN);
+          }
           for (int64_t r = 0; r < bm; ++r) {
             const int64_t i = m0 + r;
-            const double l = lse[bh * p.Lq + i];
-            const float* doi = dO + i * D;
+            const float l = lse[bh * p.Lq + i];
+            if (l == kNegInf) continue;
+            const double* sr = s.data() + r * kBlockN;
+            if (refine_lse) {
+              for (int64_t c = 0; c < bn; ++c) et[c] = sr[c] - l;  // exp(-inf) = 0 where masked
+              exp_in_lanes(et.data(), et.data(), bn);
+            } else {
+              recompute_p(sr, l, 0.0f, bn, pt.data());
+            }
             for (int64_t c = 0; c < bn; ++c) {
-              const double sc = s[r * kBlockN + c];
-              if (sc == kNegInf || l == kNegInf) continue;
-              const double e = std::exp(sc - l);
+              if (sr[c] == kNegInf) continue;
+              const double e = refine_lse ? et[c] : static_cast<double>(pt[c]);
               psum[r] += e;
               if (exact_delta) {  // with the float p and dp the gradients use (below, bwd_dkdv_kernel)
-                const int64_t j = n0 + c;
-                const float dp = static_cast<float>(dot_d(doi, v + j * D, D)) * drop_factor(p, b, h, i, j);
-                pdp[r] += (refine_lse ? e : static_cast<double>(recompute_p(sc, lse[bh * p.Lq + i], 0.0f))) * dp;
+                const float dp = static_cast<float>(dps[r * kBlockN + c]) * drop_factor(p, b, h, i, n0 + c);
+                pdp[r] += e * dp;
               }
             }
           }
@@ -603,35 +790,40 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
       std::fill(hidden.begin(), hidden.end(), 0.0f);
       if (p.k_nonfinite) {  // the keys past the causal limit of the whole tile
         for (int64_t r = 0; r < bm; ++r) {
-          for (int64_t j = n_end; j < p.Lk; ++j) hide(r, k + j * D);
-        }
-      }
-      for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
-        const int64_t bn = std::min(kDqBlockN, n_end - n0);
-        tile_scores(p, b, h, q, k, m0, bm, n0, bn, s.data());
-        for (int64_t r = 0; r < bm; ++r) {
-          const int64_t i = m0 + r;
-          const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
-          const float* doi = dO + i * D;
-          double* dqi = dq.data() + r * D;
-          for (int64_t c = 0; c < bn; ++c) {
-            const float pij = recompute_p(s[r * kBlockN + c], l, l_lo);
-            if (pij == 0.0f) {
-              if (p.k_nonfinite) hide(r, k + (n0 + c) * D);
-              continue;
-            }
-            const int64_t j = n0 + c;
-            const float z = drop_factor(p, b, h, i, j);
-            const float dp = static_cast<float>(dot_d(doi, v + j * D, D));
-            const double ds = static_cast<double>(pij * (dp * z - dl));
-            const float* kj = k + j * D;
-            axpy_d(dqi, ds, kj, D);
+          float* hr = hidden.data() + r * D;
+          for (int64_t j = n_end; j < p.Lk; ++j) {
+            for (int64_t d = 0; d < D; ++d) hr[d] += 0.0f * k[j * D + d];
           }
         }
       }
+      for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
+        const int64_t bn = std::min(kDqBlockN, n_end - n0), n8 = round_up(bn, kColStep);
+        pack_transposed(k + n0 * D, bn, D, n8, kBlockN, kt.data());
+        pack_transposed(v + n0 * D, bn, D, n8, kBlockN, vt.data());
+        pack_rows(k + n0 * D, bn, D, bn, D8, kp.data());
+        tile_scores(p, b, h, qp.data(), D8, kt.data(), m0, bm, n0, bn, s.data());
+        gemm_abt(dop.data(), D8, vt.data(), kBlockN, D, m4, n8, dps.data(), kBlockN);
+        for (int64_t r = 0; r < bm; ++r) {
+          const int64_t i = m0 + r;
+          const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
+          double* wr = w.data() + r * kBlockN;
+          recompute_p(s.data() + r * kBlockN, l, l_lo, bn, pt.data());
+          for (int64_t c = 0; c < bn; ++c) {
+            const float pij = pt[c];
+            if (pij == 0.0f) {  // weight 0: 0 * k_j still carries a NaN / Inf of k into dQ
+              wr[c] = 0.0;
+              continue;
+            }
+            const float z = drop_factor(p, b, h, i, n0 + c);
+            const float dp = static_cast<float>(dps[r * kBlockN + c]);
+            wr[c] = pij * (dp * z - dl);
+          }
+        }
+        gemm_acc(w.data(), kBlockN, 1, kp.data(), D8, bn, m4, D8, dq.data(), D8);
+      }
       for (int64_t r = 0; r < bm; ++r) {
         for (int64_t d = 0; d < D; ++d) {
-          const float dqd = static_cast<float>(dq[r * D + d] * p.scale);
+          const float dqd = static_cast<float>(dq[r * D8 + d] * p.scale);
           dq_out.store(b, h, m0 + r, d, p.k_nonfinite ? dqd + hidden[r * D + d] : dqd);
         }
       }
