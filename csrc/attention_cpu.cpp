@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -243,20 +244,6 @@ Problem make_problem(const Tensor& q, const Tensor& k, const std::optional<Tenso
   return p;
 }
 
-float mask_value(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
-  const char* e = p.am + (b * p.am_sb + h * p.am_sh + i * p.am_sm + j * p.am_sn) * p.am_esize;
-  switch (p.am_type) {
-    case at::kBool:
-      return *reinterpret_cast<const bool*>(e) ? 0.0f : kNegInf;
-    case at::kFloat:
-      return *reinterpret_cast<const float*>(e);
-    case at::kHalf:
-      return static_cast<float>(*reinterpret_cast<const c10::Half*>(e));
-    default:
-      return static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(e));
-  }
-}
-
 // Dropout factor of element (b, h, i, j): 0 when dropped, 1/(1-p) when kept, 1 without dropout.
 float drop_factor(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (!p.dropout) return 1.0f;
@@ -448,6 +435,21 @@ void gemm_acc(const double* W, int64_t wsi, int64_t wsk, const double* X, int64_
   }
 }
 
+// c ? x : y, as bit operations: whether a key is masked is data, and the compiler's branch on
+// it mispredicted (a random bool mask cost ~1.5x the unmasked call).
+inline double pick(bool c, double x, double y) {
+  const uint64_t m = 0 - static_cast<uint64_t>(c);
+  uint64_t xb, yb;
+  std::memcpy(&xb, &x, sizeof xb);
+  std::memcpy(&yb, &y, sizeof yb);
+  const uint64_t r = (xb & m) | (yb & ~m);
+  double out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+}
+
+inline double keep_or_neg_inf(bool keep, double x) { return pick(keep, x, kNegInf); }
+
 // Scores of one tile: s[r * kBlockN + c] for query rows m0 + r (r < bm) and keys n0 + c (c < bn),
 // in double (unrounded for fp32 inputs: see Numerics), masked to -inf.  qp: the tile's query
 // rows packed (pack_rows, pitch ldq, rows padded to kRowStep); kt: its keys packed transposed
@@ -457,36 +459,54 @@ void gemm_acc(const double* W, int64_t wsi, int64_t wsk, const double* X, int64_
 void tile_scores(const Problem& p, int64_t b, int64_t h, const double* qp, int64_t ldq,
                  const double* kt, int64_t m0, int64_t bm, int64_t n0, int64_t bn, double* s) {
   gemm_abt(qp, ldq, kt, kBlockN, p.D, round_up(bm, kRowStep), round_up(bn, kColStep), s, kBlockN);
+  bool padded[kBlockN];  // the tile's keys' padding, read once for all its rows
+  for (int64_t c = 0; c < bn; ++c) {
+    padded[c] = p.kpm != nullptr && p.kpm[b * p.kpm_sb + (n0 + c) * p.kpm_sn];
+  }
   for (int64_t r = 0; r < bm; ++r) {
     const int64_t i = m0 + r;
     double* sr = s + r * kBlockN;
     // keys c < visible pass the causal test (j <= i)
     const int64_t visible = p.causal ? std::clamp<int64_t>(i - n0 + 1, 0, bn) : bn;
-    if (p.kpm == nullptr && p.am == nullptr) {  // the common case, without a branch per element
-      if (p.exact_scores) {
-        for (int64_t c = 0; c < visible; ++c) sr[c] = p.scale * sr[c];
-      } else {
-        for (int64_t c = 0; c < visible; ++c) sr[c] = static_cast<float>(p.scale * sr[c]);
-      }
-      std::fill(sr + visible, sr + bn, static_cast<double>(kNegInf));
+    if (p.exact_scores) {
+      for (int64_t c = 0; c < bn; ++c) sr[c] = p.scale * sr[c];
+    } else {
+      for (int64_t c = 0; c < bn; ++c) sr[c] = static_cast<float>(p.scale * sr[c]);
+    }
+    if (p.am == nullptr) {
+      for (int64_t c = 0; c < bn; ++c) sr[c] = keep_or_neg_inf((c < visible) & !padded[c], sr[c]);
       continue;
     }
-    for (int64_t c = 0; c < bn; ++c) {
-      const int64_t j = n0 + c;
-      float bias = 0.0f;
-      bool allowed = c < visible;
-      if (allowed && p.kpm != nullptr && p.kpm[b * p.kpm_sb + j * p.kpm_sn]) allowed = false;
-      if (allowed && p.am != nullptr) {
-        bias = mask_value(p, b, h, i, j);
-        allowed = bias != kNegInf || (p.qk_nonfinite && p.am_type != at::kBool);
+    // attn_mask's row i from key n0 on, through its strides, in its own dtype
+    const char* row = p.am + (b * p.am_sb + h * p.am_sh + i * p.am_sm + n0 * p.am_sn) * p.am_esize;
+    const auto masked_row = [&](auto tag, auto unit_stride) {
+      using M = decltype(tag);
+      const M* mr = reinterpret_cast<const M*>(row);
+      const int64_t sn = decltype(unit_stride)::value ? 1 : p.am_sn;  // (1: the loop vectorises)
+      for (int64_t c = 0; c < bn; ++c) {
+        const bool open = (c < visible) & !padded[c];
+        if constexpr (std::is_same_v<M, bool>) {
+          sr[c] = keep_or_neg_inf(open & mr[c * sn], sr[c]);
+        } else {
+          const float bias = static_cast<float>(mr[c * sn]);
+          const double x = p.exact_scores ? sr[c] + bias
+                                          : static_cast<double>(static_cast<float>(sr[c]) + bias);
+          sr[c] = keep_or_neg_inf(open & (bias != kNegInf || p.qk_nonfinite), x);
+        }
       }
-      if (!allowed) {
-        sr[c] = kNegInf;
-      } else if (p.exact_scores) {
-        sr[c] = p.scale * sr[c] + bias;
+    };
+    const auto by_stride = [&](auto tag) {
+      if (p.am_sn == 1) {
+        masked_row(tag, std::true_type{});
       } else {
-        sr[c] = static_cast<float>(p.scale * sr[c]) + bias;
+        masked_row(tag, std::false_type{});
       }
+    };
+    switch (p.am_type) {
+      case at::kBool: by_stride(bool{}); break;
+      case at::kFloat: by_stride(float{}); break;
+      case at::kHalf: by_stride(c10::Half{}); break;
+      default: by_stride(c10::BFloat16{}); break;
     }
   }
 }
@@ -625,8 +645,10 @@ void recompute_p(const double* s, float lse, float lse_lo, int64_t n, float* pr)
     std::fill(pr, pr + n, 0.0f);
     return;
   }
-  for (int64_t c = 0; c < n; ++c) {
-    pr[c] = s[c] == kNegInf ? kNegInf : static_cast<float>((s[c] - lse) - lse_lo);
+  if (std::isnan(lse)) {  // (-inf - NaN would be NaN, not 0)
+    for (int64_t c = 0; c < n; ++c) pr[c] = s[c] == kNegInf ? kNegInf : std::numeric_limits<float>::quiet_NaN();
+  } else {  // (-inf - lse - lse_lo = -inf: masked scores need no test)
+    for (int64_t c = 0; c < n; ++c) pr[c] = static_cast<float>((s[c] - lse) - lse_lo);
   }
   exp_in_lanes(pr, pr, n);
 }
@@ -682,21 +704,18 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
             double* wv = wdv.data() + r * kBlockN;
             double* wk = wdk.data() + r * kBlockN;
             recompute_p(s.data() + r * kBlockN, l, l_lo, bn, pt.data());
+            // Where p = 0 the weights are 0 (0 * q_i still carries a NaN / Inf of q into dK).  A
+            // NaN row (a NaN / Inf score, lse NaN; its p = 0 exactly at its masked keys): the
+            // reference's softmax is NaN at its masked keys too, so their dV gets NaN; its dS
+            // there stays 0 (masked_fill).  Selects, not branches: the mask is data.
+            const double dv_at_zero = std::isnan(l) ? static_cast<double>(l) : 0.0;
             for (int64_t c = 0; c < bn; ++c) {
-              const double sc = s[r * kBlockN + c];
               const float pij = pt[c];
-              if (pij == 0.0f) {
-                // Weight 0 (0 * q_i still carries a NaN / Inf of q into dK).  A NaN row (a NaN /
-                // Inf score, lse NaN): the reference's softmax is NaN at its masked keys too, so
-                // their dV gets NaN; its dS there stays 0 (masked_fill).
-                wv[c] = (sc == kNegInf && std::isnan(l)) ? static_cast<double>(l) : 0.0;
-                wk[c] = 0.0;
-                continue;
-              }
               const float z = drop_factor(p, b, h, i, n0 + c);
               const float dp = static_cast<float>(dps[r * kBlockN + c]);
-              wv[c] = pij * z;
-              wk[c] = pij * (dp * z - dl);
+              const double pz = pij * z, ds = pij * (dp * z - dl);
+              wv[c] = pick(pij == 0.0f, dv_at_zero, pz);
+              wk[c] = pick(pij == 0.0f, 0.0, ds);
             }
           }
           // dV[c] += sum_r (p * z)[r, c] dO[r];  dK[c] += sum_r dS[r, c] q[r]  (rows r < bm)
@@ -768,15 +787,20 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
             } else {
               recompute_p(sr, l, 0.0f, bn, pt.data());
             }
+            double ps = psum[r], pd = pdp[r];  // (in registers: the vectors' elements were reloaded)
+            // A masked score adds nothing (e = 0; no 0 * dp, which a NaN / Inf in dO would make
+            // NaN); selects, not branches: the mask is data.
             for (int64_t c = 0; c < bn; ++c) {
-              if (sr[c] == kNegInf) continue;
               const double e = refine_lse ? et[c] : static_cast<double>(pt[c]);
-              psum[r] += e;
+              ps += e;
               if (exact_delta) {  // with the float p and dp the gradients use (below, bwd_dkdv_kernel)
                 const float dp = static_cast<float>(dps[r * kBlockN + c]) * drop_factor(p, b, h, i, n0 + c);
-                pdp[r] += e * dp;
+                const double term = e * dp;
+                pd += pick(sr[c] == kNegInf, 0.0, term);
               }
             }
+            psum[r] = ps;
+            pdp[r] = pd;
           }
         }
         for (int64_t r = 0; r < bm; ++r) {
@@ -808,15 +832,12 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
           const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
           double* wr = w.data() + r * kBlockN;
           recompute_p(s.data() + r * kBlockN, l, l_lo, bn, pt.data());
-          for (int64_t c = 0; c < bn; ++c) {
+          for (int64_t c = 0; c < bn; ++c) {  // (selects, not branches: the mask is data)
             const float pij = pt[c];
-            if (pij == 0.0f) {  // weight 0: 0 * k_j still carries a NaN / Inf of k into dQ
-              wr[c] = 0.0;
-              continue;
-            }
             const float z = drop_factor(p, b, h, i, n0 + c);
             const float dp = static_cast<float>(dps[r * kBlockN + c]);
-            wr[c] = pij * (dp * z - dl);
+            const double ds = pij * (dp * z - dl);
+            wr[c] = pick(pij == 0.0f, 0.0, ds);  // 0 where p = 0: 0 * k_j still carries a NaN / Inf of k
           }
         }
         gemm_acc(w.data(), kBlockN, 1, kp.data(), D8, bn, m4, D8, dq.data(), D8);
