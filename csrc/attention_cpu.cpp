@@ -244,11 +244,15 @@ Problem make_problem(const Tensor& q, const Tensor& k, const std::optional<Tenso
   return p;
 }
 
-// Dropout factor of element (b, h, i, j): 0 when dropped, 1/(1-p) when kept, 1 without dropout.
-float drop_factor(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j) {
-  if (!p.dropout) return 1.0f;
-  const uint64_t idx = static_cast<uint64_t>(((b * p.H + h) * p.Lq + i) * p.Lk + j);
-  return philox_word(p.seed, p.offset, idx) >= p.threshold ? p.drop_scale : 0.0f;
+// Dropout factors of row i's keys n0 .. n0 + n - 1 of head (b, h): z[c] = 0 when dropped,
+// 1/(1-p) when kept, 1 without dropout (dropout_cpu.h: one Philox block per 4 keys).
+void drop_factors(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t n0, int64_t n, float* z) {
+  if (!p.dropout) {
+    std::fill(z, z + n, 1.0f);
+    return;
+  }
+  const uint64_t first = static_cast<uint64_t>(((b * p.H + h) * p.Lq + i) * p.Lk + n0);
+  dropout_factors(p.seed, p.offset, first, n, p.threshold, p.drop_scale, z);
 }
 
 // A 4-D output tensor (fp32, fp16 or bf16, any strides) written element by element.
@@ -551,7 +555,7 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
     std::vector<double> s(kBlockM * kBlockN), w(kBlockM * kBlockN, 0.0);
     std::vector<double> qp(kBlockM * D8), kt(D * kBlockN), vp(kBlockN * D8), acc(kBlockM * D8);
     std::vector<float> hidden(v_nonfinite ? kBlockM * D : 0);  // sum of 0 * v over unseen keys
-    std::vector<float> pt(kBlockN);  // one row's p
+    std::vector<float> pt(kBlockN), zt(kBlockN);  // one row's p and dropout factors
     double m_i[kBlockM];
     double l_i[kBlockM];
     for (int64_t task = begin; task < end; ++task) {
@@ -595,10 +599,11 @@ void fwd_kernel(const Problem& p, const float* q32, const float* k32, const floa
           float* pr = pt.data();
           for (int64_t c = 0; c < bn; ++c) pr[c] = static_cast<float>(sr[c] - m_new);
           exp_in_lanes(pr, pr, bn);
+          drop_factors(p, b, h, m0 + r, n0, bn, zt.data());
           double l = l_i[r];
           for (int64_t c = 0; c < bn; ++c) {
             l += pr[c];
-            wr[c] = p.dropout ? pr[c] * drop_factor(p, b, h, m0 + r, n0 + c) : pr[c];
+            wr[c] = pr[c] * zt[c];
           }
           l_i[r] = l;
           m_i[r] = m_new;
@@ -667,7 +672,7 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
     std::vector<double> qp(kKvBlockM * D8), dop(kKvBlockM * D8), kt(D * kBlockN), vt(D * kBlockN);
     std::vector<double> dk(kBlockN * D8), dv(kBlockN * D8);
     std::vector<float> hidden(p.q_nonfinite ? kBlockN * D : 0);  // 0 * q_i of rows before the tiles
-    std::vector<float> pt(kBlockN);  // one row's p
+    std::vector<float> pt(kBlockN), zt(kBlockN);  // one row's p and dropout factors
     for (int64_t task = begin; task < end; ++task) {
       const int64_t nb = task % nnb, bhk = task / nnb, hk = bhk % p.Hkv, b = bhk / p.Hkv;
       const float* k = k32 + bhk * p.Lk * D;
@@ -709,9 +714,10 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
             // reference's softmax is NaN at its masked keys too, so their dV gets NaN; its dS
             // there stays 0 (masked_fill).  Selects, not branches: the mask is data.
             const double dv_at_zero = std::isnan(l) ? static_cast<double>(l) : 0.0;
+            drop_factors(p, b, h, i, n0, bn, zt.data());
             for (int64_t c = 0; c < bn; ++c) {
               const float pij = pt[c];
-              const float z = drop_factor(p, b, h, i, n0 + c);
+              const float z = zt[c];
               const float dp = static_cast<float>(dps[r * kBlockN + c]);
               const double pz = pij * z, ds = pij * (dp * z - dl);
               wv[c] = pick(pij == 0.0f, dv_at_zero, pz);
@@ -748,7 +754,7 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
     std::vector<double> qp(kBlockM * D8), dop(kBlockM * D8), kt(D * kBlockN), vt(D * kBlockN);
     std::vector<double> kp(kDqBlockN * D8), dq(kBlockM * D8), psum(kBlockM), pdp(kBlockM);
     std::vector<float> hidden(p.k_nonfinite ? kBlockM * D : 0);  // 0 * k_j of keys past the tiles
-    std::vector<float> pt(kBlockN);  // one row's p
+    std::vector<float> pt(kBlockN), zt(kBlockN);  // one row's p and dropout factors
     std::vector<double> et(kBlockN);  // one row's e = exp(s - lse) in double
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % nmb, bh = task / nmb, h = bh % p.H, b = bh / p.H;
@@ -787,6 +793,7 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
             } else {
               recompute_p(sr, l, 0.0f, bn, pt.data());
             }
+            if (exact_delta) drop_factors(p, b, h, i, n0, bn, zt.data());
             double ps = psum[r], pd = pdp[r];  // (in registers: the vectors' elements were reloaded)
             // A masked score adds nothing (e = 0; no 0 * dp, which a NaN / Inf in dO would make
             // NaN); selects, not branches: the mask is data.
@@ -794,7 +801,7 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
               const double e = refine_lse ? et[c] : static_cast<double>(pt[c]);
               ps += e;
               if (exact_delta) {  // with the float p and dp the gradients use (below, bwd_dkdv_kernel)
-                const float dp = static_cast<float>(dps[r * kBlockN + c]) * drop_factor(p, b, h, i, n0 + c);
+                const float dp = static_cast<float>(dps[r * kBlockN + c]) * zt[c];
                 const double term = e * dp;
                 pd += pick(sr[c] == kNegInf, 0.0, term);
               }
@@ -832,9 +839,10 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
           const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
           double* wr = w.data() + r * kBlockN;
           recompute_p(s.data() + r * kBlockN, l, l_lo, bn, pt.data());
+          drop_factors(p, b, h, i, n0, bn, zt.data());
           for (int64_t c = 0; c < bn; ++c) {  // (selects, not branches: the mask is data)
             const float pij = pt[c];
-            const float z = drop_factor(p, b, h, i, n0 + c);
+            const float z = zt[c];
             const float dp = static_cast<float>(dps[r * kBlockN + c]);
             const double ds = pij * (dp * z - dl);
             wr[c] = pick(pij == 0.0f, 0.0, ds);  // 0 where p = 0: 0 * k_j still carries a NaN / Inf of k
