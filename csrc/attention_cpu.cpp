@@ -339,54 +339,6 @@ void pack_transposed(const float* src, int64_t cols, int64_t D, int64_t cols_pad
   }
 }
 
-// C[i * ldc + j] = sum_{k < K} A[i * lda + k] * Bt[k * ldb + j] for i < m, j < n (m a multiple
-// of kRowStep, n of kColStep).
-void gemm_abt(const double* A, int64_t lda, const double* Bt, int64_t ldb, int64_t K, int64_t m,
-              int64_t n, double* C, int64_t ldc) {
-  for (int64_t j = 0; j < n; j += kColStep) {
-    for (int64_t i = 0; i < m; i += kRowStep) {
-      const double* a = A + i * lda;
-      const double* bt = Bt + j;
-      double* c = C + i * ldc + j;
-#if defined(__x86_64__) && (defined(TF_CPU_AVX2_PRAGMA) || defined(__AVX2__))
-      __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-              c30 = c00, c31 = c00;
-      for (int64_t k = 0; k < K; ++k) {
-        const __m256d b0 = _mm256_loadu_pd(bt + k * ldb), b1 = _mm256_loadu_pd(bt + k * ldb + 4);
-        __m256d x = _mm256_broadcast_sd(a + k);
-        c00 = _mm256_fmadd_pd(x, b0, c00);
-        c01 = _mm256_fmadd_pd(x, b1, c01);
-        x = _mm256_broadcast_sd(a + lda + k);
-        c10 = _mm256_fmadd_pd(x, b0, c10);
-        c11 = _mm256_fmadd_pd(x, b1, c11);
-        x = _mm256_broadcast_sd(a + 2 * lda + k);
-        c20 = _mm256_fmadd_pd(x, b0, c20);
-        c21 = _mm256_fmadd_pd(x, b1, c21);
-        x = _mm256_broadcast_sd(a + 3 * lda + k);
-        c30 = _mm256_fmadd_pd(x, b0, c30);
-        c31 = _mm256_fmadd_pd(x, b1, c31);
-      }
-      _mm256_storeu_pd(c, c00);
-      _mm256_storeu_pd(c + 4, c01);
-      _mm256_storeu_pd(c + ldc, c10);
-      _mm256_storeu_pd(c + ldc + 4, c11);
-      _mm256_storeu_pd(c + 2 * ldc, c20);
-      _mm256_storeu_pd(c + 2 * ldc + 4, c21);
-      _mm256_storeu_pd(c + 3 * ldc, c30);
-      _mm256_storeu_pd(c + 3 * ldc + 4, c31);
-#else
-      for (int64_t r = 0; r < kRowStep; ++r) {
-        for (int64_t col = 0; col < kColStep; ++col) {
-          double sum = 0.0;
-          for (int64_t k = 0; k < K; ++k) sum += a[r * lda + k] * bt[k * ldb + col];
-          c[r * ldc + col] = sum;
-        }
-      }
-#endif
-    }
-  }
-}
-
 // Acc[i * ldacc + d] += sum_{k < K, in order} W[i * wsi + k * wsk] * X[k * ldx + d] for i < m,
 // d < n (m a multiple of kRowStep, n of kColStep).  W's strides let one function take a weight
 // tile or its transpose (dK, dV: sums over the query rows of a (query, key) tile).
@@ -437,6 +389,14 @@ void gemm_acc(const double* W, int64_t wsi, int64_t wsk, const double* X, int64_
 #endif
     }
   }
+}
+
+// C[i * ldc + j] = sum_{k < K} A[i * lda + k] * Bt[k * ldb + j] for i < m, j < n (m a multiple
+// of kRowStep, n of kColStep): gemm_acc from zero.
+void gemm_abt(const double* A, int64_t lda, const double* Bt, int64_t ldb, int64_t K, int64_t m,
+              int64_t n, double* C, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) std::fill(C + i * ldc, C + i * ldc + n, 0.0);
+  gemm_acc(A, lda, 1, Bt, ldb, K, m, n, C, ldc);
 }
 
 // c ? x : y, as bit operations: whether a key is masked is data, and the compiler's branch on

@@ -155,6 +155,27 @@ def test_dead_rows_have_zero_gradient(device):
         assert torch.equal(t.grad[1], torch.zeros_like(t.grad[1]))
 
 
+@pytest.mark.parametrize("d", [1, 3, 17, 100])
+def test_launcher_head_dims_off_the_register_blocks(d):
+    """The C++ op takes head dims 1..256 (scaled_dot_product_attention offers it multiples of 8
+    alone); its tile GEMMs pad D to 8 columns, query rows to 4 and keys to 8 with zeros.  Other
+    sizes must give the float64 result, forward and backward (fp32: double sums, so ~1e-7)."""
+    import transformer_fast._C  # noqa: F401  (registers the ops)
+
+    op = torch.ops.transformer_fast_C
+    g = generator()
+    q, k, v, dout = (randn(2, 2, n, d, dtype=torch.float32, g=g) for n in (45, 37, 37, 45))
+    out, lse = op.attention_fwd(q, k, v, None, None, True, 0.3, 0.0, None, False)
+    dq, dk, dv = op.attention_bwd(dout, q, k, v, out, lse, None, None, True, 0.3, 0.0, None, False)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    s = (q64 @ k64.transpose(-1, -2)) * 0.3
+    s = s.masked_fill(torch.ones(45, 37, dtype=torch.bool).triu(1), -math.inf)
+    want = torch.softmax(s, -1) @ v64
+    want_grads = torch.autograd.grad(want, (q64, k64, v64), dout.double())
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (want,) + want_grads):
+        torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-5, atol=1e-6, msg=f"d={d} {name}")
+
+
 def test_backward_is_deterministic(device):
     dtype = ONE_DTYPE
     q, k, v = (t.requires_grad_() for t in _qkv(1, 4, 2, 70, 70, 32, dtype, device))
