@@ -173,6 +173,8 @@ constexpr int64_t kBlockN = 64;    // forward / dK dV: keys per tile
 constexpr int64_t kKvBlockM = 32;  // dK/dV pass: queries per tile
 constexpr int64_t kDqBlockN = 32;  // dQ pass: keys per tile
 constexpr int64_t kExactDeltaMaxLk = 128;  // backward: 16-bit delta from p * dp up to this Lk
+// dQ: the first pass's score tiles kept for the second up to this Lk (64 x Lk doubles a thread)
+constexpr int64_t kKeptScoresMaxLk = 4096;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Everything a tile needs to know besides the data: sizes, masks (read through their strides,
@@ -716,6 +718,20 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
     std::vector<float> hidden(p.k_nonfinite ? kBlockM * D : 0);  // 0 * k_j of keys past the tiles
     std::vector<float> pt(kBlockN), zt(kBlockN);  // one row's p and dropout factors
     std::vector<double> et(kBlockN);  // one row's e = exp(s - lse) in double
+    // The first pass's tiles (scores; dP too with exact_delta), kDqBlockN-wide, reused by the
+    // second pass instead of recomputed (the same values: one GEMM pass of the backward's ~8).
+    const bool keep = (refine_lse || exact_delta) && p.Lk <= kKeptScoresMaxLk;
+    const int64_t kept_tiles = keep ? (p.Lk + kDqBlockN - 1) / kDqBlockN : 0;
+    std::vector<double> kept_s(kept_tiles * kBlockM * kDqBlockN);
+    std::vector<double> kept_dp(exact_delta ? kept_s.size() : 0);
+    // rows [0, bm) of a kBlockN-pitched tile into tile t of a kept buffer
+    const auto keep_tile = [&](const std::vector<double>& tile, std::vector<double>& kept,
+                               int64_t t, int64_t bm, int64_t bn) {
+      double* dst = kept.data() + t * kBlockM * kDqBlockN;
+      for (int64_t r = 0; r < bm; ++r) {
+        std::copy(tile.data() + r * kBlockN, tile.data() + r * kBlockN + bn, dst + r * kDqBlockN);
+      }
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t mb = task % nmb, bh = task / nmb, h = bh % p.H, b = bh / p.H;
       const int64_t hk = h / group;
@@ -741,6 +757,10 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
           if (exact_delta) {
             pack_transposed(v + n0 * D, bn, D, n8, kBlockN, vt.data());
             gemm_abt(dop.data(), D8, vt.data(), kBlockN, D, m4, n8, dps.data(), kBlockN);
+          }
+          if (keep) {
+            keep_tile(s, kept_s, n0 / kDqBlockN, bm, bn);
+            if (exact_delta) keep_tile(dps, kept_dp, n0 / kDqBlockN, bm, bn);
           }
           for (int64_t r = 0; r < bm; ++r) {
             const int64_t i = m0 + r;
@@ -789,21 +809,35 @@ void bwd_dq_kernel(const Problem& p, const float* q32, const float* k32, const f
       }
       for (int64_t n0 = 0; n0 < n_end; n0 += kDqBlockN) {
         const int64_t bn = std::min(kDqBlockN, n_end - n0), n8 = round_up(bn, kColStep);
-        pack_transposed(k + n0 * D, bn, D, n8, kBlockN, kt.data());
-        pack_transposed(v + n0 * D, bn, D, n8, kBlockN, vt.data());
         pack_rows(k + n0 * D, bn, D, bn, D8, kp.data());
-        tile_scores(p, b, h, qp.data(), D8, kt.data(), m0, bm, n0, bn, s.data());
-        gemm_abt(dop.data(), D8, vt.data(), kBlockN, D, m4, n8, dps.data(), kBlockN);
+        // this tile's scores and dP (row pitches): kept by the first pass, or computed here
+        const double* st = s.data();
+        const double* dpt = dps.data();
+        int64_t s_pitch = kBlockN, dp_pitch = kBlockN;
+        if (keep) {
+          st = kept_s.data() + (n0 / kDqBlockN) * kBlockM * kDqBlockN;
+          s_pitch = kDqBlockN;
+        } else {
+          pack_transposed(k + n0 * D, bn, D, n8, kBlockN, kt.data());
+          tile_scores(p, b, h, qp.data(), D8, kt.data(), m0, bm, n0, bn, s.data());
+        }
+        if (keep && exact_delta) {
+          dpt = kept_dp.data() + (n0 / kDqBlockN) * kBlockM * kDqBlockN;
+          dp_pitch = kDqBlockN;
+        } else {
+          pack_transposed(v + n0 * D, bn, D, n8, kBlockN, vt.data());
+          gemm_abt(dop.data(), D8, vt.data(), kBlockN, D, m4, n8, dps.data(), kBlockN);
+        }
         for (int64_t r = 0; r < bm; ++r) {
           const int64_t i = m0 + r;
           const float l = lse[bh * p.Lq + i], l_lo = lse_lo[bh * p.Lq + i], dl = delta[bh * p.Lq + i];
           double* wr = w.data() + r * kBlockN;
-          recompute_p(s.data() + r * kBlockN, l, l_lo, bn, pt.data());
+          recompute_p(st + r * s_pitch, l, l_lo, bn, pt.data());
           drop_factors(p, b, h, i, n0, bn, zt.data());
           for (int64_t c = 0; c < bn; ++c) {  // (selects, not branches: the mask is data)
             const float pij = pt[c];
             const float z = zt[c];
-            const float dp = static_cast<float>(dps[r * kBlockN + c]);
+            const float dp = static_cast<float>(dpt[r * dp_pitch + c]);
             const double ds = pij * (dp * z - dl);
             wr[c] = pick(pij == 0.0f, 0.0, ds);  // 0 where p = 0: 0 * k_j still carries a NaN / Inf of k
           }
