@@ -629,7 +629,9 @@ void bwd_dkdv_kernel(const Problem& p, const float* q32, const float* k32, const
   const int64_t group = p.H / p.Hkv, D = p.D, D8 = round_up(D, kColStep);
   at::parallel_for(0, p.B * p.Hkv * nnb, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> s(kBlockM * kBlockN), dps(kBlockM * kBlockN);
-    // (query, key) weights of dV (p * z) and dK (dS); zero outside the tile
+    // (query, key) weights of dV (p * z) and dK (dS).  Columns past a short key block (bn up to
+    // its multiple of kRowStep) may hold an earlier task's weights: they feed only dK / dV rows
+    // past bn, which are never written out.
     std::vector<double> wdv(kKvBlockM * kBlockN, 0.0), wdk(kKvBlockM * kBlockN, 0.0);
     std::vector<double> qp(kKvBlockM * D8), dop(kKvBlockM * D8), kt(D * kBlockN), vt(D * kBlockN);
     std::vector<double> dk(kBlockN * D8), dv(kBlockN * D8);
