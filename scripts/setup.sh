@@ -14,6 +14,15 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+# torch's CUDA build with its nvidia-* wheels takes ~6 GB in the venv: warn up front rather
+# than leave only pip's bare "[Errno 28] No space left on device" half way through the install.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    free_kb=$(df -Pk "$VENV" | awk 'NR == 2 {print $4}')
+    if [ "${free_kb:-0}" -lt $((7 * 1024 * 1024)) ]; then
+        echo "setup: warning: only $((free_kb / 1024)) MB free where $VENV lives; the" \
+             "requirements (torch's CUDA build) take about 6.5 GB" >&2
+    fi
+fi
 start=$(date +%s)
 "$PY" -m pip install -q --disable-pip-version-check -r requirements.txt
 echo "setup: requirements installed in $(( $(date +%s) - start )) s"
