@@ -154,6 +154,53 @@ def test_default_chunks_by_path(monkeypatch, backend, dtype, chunks):
     assert len(calls) == chunks, calls
 
 
+class _Float64Ops(TorchDispatchMode):
+    """Records the ops that return a float64 tensor of more than ``floor`` elements, and the
+    dtype of every matrix product."""
+
+    def __init__(self, floor):
+        super().__init__()
+        self.floor, self.ops, self.mm_dtypes = floor, [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.startswith(("mm", "addmm")):
+            self.mm_dtypes.add(out.dtype)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.numel() > self.floor:
+                self.ops.append(func.__name__)
+        return out
+
+
+@pytest.mark.parametrize("chunk_rows,widened", [(None, False), (24, False), (16, False), (15, True), (1, True)])
+def test_float32_chunks_stay_float32_from_sixteen_rows(chunk_rows, widened):
+    """A float32 chunk of WIDE_BELOW_ROWS rows or more runs its softmax and d hidden GEMM in
+    float32, as the composition (float64 made a CPU training step's loss 2x slower); a smaller
+    chunk (a matrix-vector product, summed in another order than the composition's GEMM) in
+    float64.  No float64 tensor of a chunk's logits or of the weight's size otherwise: the row
+    and bias sums widen blocks, not the chunk."""
+    assert lce_module.WIDE_BELOW_ROWS == 16
+    n, e, v = 48, 8, 300  # 48: chunks of 16 and 24 leave no smaller last chunk
+    hidden, weight, b, target = _case((n,), e, v, torch.float32, True, generator())
+    for t in (hidden, weight, b):
+        t.requires_grad_(True)
+    with _Float64Ops(floor=v) as mode:  # above one row of logits / the bias's (V,) sums
+        linear_cross_entropy(hidden, weight, target, b, 0.1, PAD, chunk_rows=chunk_rows).backward()
+    assert bool(mode.ops) == widened, mode.ops
+    assert (torch.float64 in mode.mm_dtypes) == widened, mode.mm_dtypes  # the d hidden GEMM
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 127), (5, 128), (2, 300), (33, 1000)])
+def test_wide_sum_is_a_float64_sum(shape):
+    """_wide_sum's blocks: within float32 rounding of the block sums of float64's answer, along
+    either dimension, for lengths below, at and past the block."""
+    x = torch.randn(*shape, generator=generator()).exp()
+    for dim in (0, 1):
+        got = lce_module._wide_sum(x, dim)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, x.double().sum(dim=dim), rtol=2e-7, atol=0)
+
+
 def test_backward_is_bitwise_reproducible():
     hidden, weight, b, target = _case((40,), 16, 300, torch.float32, True, generator())
     runs = []

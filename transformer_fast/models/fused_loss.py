@@ -39,6 +39,9 @@ CHUNK_ELEMENTS = 1 << 25
 # each chunk is ~6 launches and one pass of adding its weight gradient into the float32 total,
 # and a training step on the lent GPUs' host was bound by launches (benchmarks/NOTES.md).
 ROW_KERNEL_CHUNK_ELEMENTS = 1 << 27
+# float32 chunks of fewer rows than this run their softmax and d hidden in float64
+# (_accumulation_dtype); larger ones in float32, as the composition does.
+WIDE_BELOW_ROWS = 16
 BACKENDS = (None, "auto", "triton", "torch", "reference")
 
 
@@ -132,13 +135,20 @@ def _ambient(requested: str) -> str:
     return "triton" if requested == "triton" else "torch"
 
 
-def _accumulation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype of a chunk's softmax and reductions.  16-bit logits: float32, as the composition
-    upcasts them.  float32 logits: float64 (unless tf32 GEMMs are allowed on CUDA, where the
-    oracle's tolerance is bf16's): the chunks' GEMMs and sums then land within the composition's
-    own float32 error rather than beside it (in float32, DESIGN section 6's oracle failed about
-    one case in 1000 at chunks of 1 and 7 rows)."""
-    if dtype == torch.float64 or (dtype == torch.float32 and not (device.type == "cuda" and _allow_tf32(dtype))):
+def _accumulation_dtype(dtype: torch.dtype, device: torch.device, rows: int) -> torch.dtype:
+    """The dtype of a chunk's softmax and of its d hidden GEMM.  16-bit logits: float32, as the
+    composition upcasts them.  float32 logits: float32 too, with the row sums and d bias summed in
+    float64 (_softmax_rows, the caller), for chunks of WIDE_BELOW_ROWS rows or more: each d hidden
+    row is then the composition's own float32 GEMM over the vocabulary, and the softmax more
+    exact than its log_softmax.  A chunk of fewer rows runs in float64 (unless tf32 GEMMs are
+    allowed on CUDA, where the oracle's tolerance is bf16's): its GEMM takes another path than the
+    composition's (a one-row chunk is a matrix-vector product, summed in another order), whose
+    float32 error went past twice the composition's in 6 of 1400 fresh draws (512 tokens, reduction
+    "sum", chunks of 1); in float64 it lands well inside it.  float64 throughout cost a float32
+    step 1.8x on the CPU (the d hidden GEMM alone 3x: benchmarks/NOTES.md, "The fused loss in
+    float32")."""
+    if dtype == torch.float64 or (dtype == torch.float32 and rows < WIDE_BELOW_ROWS
+                                  and not (device.type == "cuda" and _allow_tf32(dtype))):
         return torch.float64
     return torch.float32
 
@@ -150,11 +160,11 @@ def _softmax_rows(logits, t, kept, smoothing, acc, row_losses, want_grad):
     vocab = logits.shape[1]
     z = logits if logits.dtype == acc else logits.to(acc)
     z_target = z.gather(1, t).squeeze(1).double()
-    z_mean = z.mean(dim=1).double() if smoothing > 0.0 else None
+    z_mean = _wide_sum(z, 1) / vocab if smoothing > 0.0 else None
     row_max = z.amax(dim=1, keepdim=True)
     e = z.sub_(row_max).exp_()  # exp(z - max), in place
-    total_e = e.sum(dim=1)
-    lse = row_max.squeeze(1).double() + total_e.double().log()  # (rows,)
+    total_e = _wide_sum(e, 1)
+    lse = row_max.squeeze(1).double() + total_e.log()  # (rows,)
     row_loss = lse - (1.0 - smoothing) * z_target
     if z_mean is not None:  # skipped at 0: 0 * inf (a class masked with -inf) would be NaN
         row_loss = row_loss - smoothing * z_mean
@@ -162,11 +172,28 @@ def _softmax_rows(logits, t, kept, smoothing, acc, row_losses, want_grad):
     row_losses.copy_(row_loss.masked_fill(~kept, 0.0))
     if not want_grad:
         return None
-    dz = e.div_(total_e.unsqueeze(1))
+    dz = e.div_(total_e.to(e.dtype).unsqueeze(1))
     if smoothing > 0.0:
         dz.sub_(smoothing / vocab)
     dz.scatter_add_(1, t, torch.full_like(t, -(1.0 - smoothing), dtype=dz.dtype))
     return dz.masked_fill_(~kept.unsqueeze(1), 0.0)
+
+
+def _wide_sum(x: Tensor, dim: int) -> Tensor:
+    """x.sum(dim) in float64 for a 2-D chunk, without the float64 copy of x that
+    ``sum(dtype=torch.float64)`` makes (it cost a float32 chunk more than its softmax): blocks
+    of 128 elements along a row (16 rows down a column) summed in x's dtype, the block sums in
+    float64.  Sums in float32 alone, as the composition's, put the loss at 0.97x of twice the
+    composition's error in 1 of 4000 fresh draws, and the bias gradient 1.06x past it in 1 of
+    1400 (reduction "sum": benchmarks/NOTES.md, "The fused loss in float32")."""
+    block = 128 if dim == 1 else 16
+    n = x.shape[dim]
+    full = n - n % block
+    total = x.narrow(dim, full, n - full).sum(dim=dim, dtype=torch.float64)
+    if full:
+        blocks = x.narrow(dim, 0, full).unflatten(dim, (-1, block)).sum(dim=dim + 1)
+        total += blocks.sum(dim=dim, dtype=torch.float64)
+    return total
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -180,7 +207,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # hidden (N, E), weight (V, E), bias (V,) or None, keep / target (N,)
         n, vocab = hidden.shape[0], weight.shape[0]
         grads = ctx.needs_input_grad[:3]
-        acc = _accumulation_dtype(hidden.dtype, hidden.device)
         sixteen_bit = hidden.dtype in (torch.float16, torch.bfloat16)
         # Each token's loss in float64, summed once: the result is within half a unit of the
         # last place where the composition's float32 sum may be off by more.
@@ -189,7 +215,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         d_weight = torch.zeros(weight.shape, dtype=torch.float32 if sixteen_bit else weight.dtype,
                                device=weight.device) if grads[1] else None
         d_bias = torch.zeros(vocab, dtype=torch.float64, device=weight.device) if grads[2] else None
-        weight_dgrad = weight.to(acc) if grads[0] and not sixteen_bit else weight
+        weight_wide = None  # weight in float64, made for the first float64 chunk
         # A 16-bit GEMM per chunk would round d weight once per chunk; on the CPU (no faster in
         # 16-bit) each chunk's goes through float32 instead.  On CUDA, chunks are >= 1000 rows
         # at the base model's vocabulary: a few roundings, summed in float32.
@@ -199,6 +225,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, rows):
             stop = min(n, start + rows)
             h, kept, t = hidden[start:stop], keep[start:stop], target[start:stop].unsqueeze(1)
+            acc = _accumulation_dtype(hidden.dtype, hidden.device, stop - start)
             logits = F.linear(h, weight, bias)  # (rows, V) in hidden's dtype, as nn.Linear's
             if row_kernel:  # kernels/cross_entropy.py: the loss, and the gradient over the logits
                 row_losses[start:stop] = cross_entropy_rows(logits, t.squeeze(1), kept, smoothing, any(grads))
@@ -212,12 +239,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     continue
                 dz_low = dz if dz.dtype == hidden.dtype else dz.to(hidden.dtype)
             if d_bias is not None:
-                d_bias += dz.sum(dim=0) if dz is not None else dz_low.sum(dim=0, dtype=torch.float32)
+                d_bias += _wide_sum(dz, 0) if dz is not None else dz_low.sum(dim=0, dtype=torch.float32)
             if d_hidden is not None:
-                if sixteen_bit:
+                if dz_low is dz or sixteen_bit:  # the GEMM in hidden's dtype
                     torch.mm(dz_low, weight, out=d_hidden[start:stop])
-                else:
-                    d_hidden[start:stop] = torch.mm(dz, weight_dgrad)
+                else:  # a float64 chunk of float32 rows
+                    if weight_wide is None:
+                        weight_wide = weight.to(dz.dtype)
+                    d_hidden[start:stop] = torch.mm(dz, weight_wide)
             if d_weight is not None:
                 if wgrad_in_float32:
                     d_weight.addmm_((dz if dz is not None else dz_low.float()).t(), h.float())
