@@ -143,8 +143,8 @@ def _accumulation_dtype(dtype: torch.dtype, device: torch.device, rows: int) -> 
     exact than its log_softmax.  A chunk of fewer rows runs in float64 (unless tf32 GEMMs are
     allowed on CUDA, where the oracle's tolerance is bf16's): its GEMM takes another path than the
     composition's (a one-row chunk is a matrix-vector product, summed in another order), whose
-    float32 error went past twice the composition's in 6 of 1400 fresh draws (512 tokens, reduction
-    "sum", chunks of 1); in float64 it lands well inside it.  float64 throughout cost a float32
+    float32 d hidden went past twice the composition's error in 6 of 1400 fresh draws (512
+    tokens, reduction "sum", chunks of 1; up to 1.39x); in float64 it did not.  float64 throughout cost a float32
     step 1.8x on the CPU (the d hidden GEMM alone 3x: benchmarks/NOTES.md, "The fused loss in
     float32")."""
     if dtype == torch.float64 or (dtype == torch.float32 and rows < WIDE_BELOW_ROWS
