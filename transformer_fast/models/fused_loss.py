@@ -144,9 +144,9 @@ def _accumulation_dtype(dtype: torch.dtype, device: torch.device, rows: int) -> 
     allowed on CUDA, where the oracle's tolerance is bf16's): its GEMM takes another path than the
     composition's (a one-row chunk is a matrix-vector product, summed in another order), whose
     float32 d hidden went past twice the composition's error in 6 of 1400 fresh draws (512
-    tokens, reduction "sum", chunks of 1; up to 1.39x); in float64 it did not.  float64 throughout cost a float32
-    step 1.8x on the CPU (the d hidden GEMM alone 3x: benchmarks/NOTES.md, "The fused loss in
-    float32")."""
+    tokens, reduction "sum", chunks of 1; up to 1.39x); in float64 it did not.  float64
+    throughout cost a float32 step 1.8x on the CPU (the d hidden GEMM alone 3x:
+    benchmarks/NOTES.md, "The fused loss in float32")."""
     if dtype == torch.float64 or (dtype == torch.float32 and rows < WIDE_BELOW_ROWS
                                   and not (device.type == "cuda" and _allow_tf32(dtype))):
         return torch.float64
@@ -252,8 +252,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     d_weight.addmm_((dz if dz is not None else dz_low.float()).t(), h.float())
                 elif sixteen_bit:
                     d_weight += dz_low.t().mm(h)
-                else:
-                    d_weight.addmm_(dz.to(weight.dtype).t(), h)
+                else:  # (dz_low: dz in hidden's dtype, which is weight's)
+                    d_weight.addmm_(dz_low.t(), h)
             del dz, dz_low
         denom = keep.sum().clamp(min=1).to(torch.float64) if mean else None
         total = row_losses.sum()
