@@ -150,7 +150,11 @@ def test_encoder_layer_forward_copies_and_syncs(backend, batch_first, norm_first
     On "auto" (the CPU: C++ add_layer_norm / FFN, torch's SDPA) dropout is 0, because torch's
     CPU SDPA with dropout runs its math path, which copies q/k internally; the triton kernels
     (through the interpreter) take dropout 0.1 with the same single copy.  Torch's own layer
-    makes at least as many copies."""
+    makes at least as many copies, except where the cpu backend trains with dropout: its
+    attention then keeps the scores in memory (functional._cpu_materialized_attention, as
+    torch's CPU SDPA does with dropout) and torch's batched GEMMs take q, k and v packed (a copy
+    each, of the inputs' size, not the scores') and return (N, H, L, D), whose head merge copies:
+    four, where torch's layer makes three (sequence-first) or four (batch-first)."""
     # triton: CUDA tensors where a GPU is (CPU tensors run only through the interpreter).
     device = "cpu" if backend == "auto" else require_backend(backend)
     p = 0.0 if backend == "auto" else 0.1
@@ -162,12 +166,15 @@ def test_encoder_layer_forward_copies_and_syncs(backend, batch_first, norm_first
         layer(x, src_key_padding_mask=kpm)
     what = f"ops seen on {device}: {dict(ops.counts)}; functional ops resolved: {seen}"
     assert ops.syncs() == {}, f"host syncs {ops.syncs()}; {what}"
-    assert ops.copies() == ({"clone": 1} if backend == "auto" else {}), f"copies {ops.copies()}; {what}"
+    materialised = backend == "cpu" and training
+    expected = {"clone": 1} if backend == "auto" else {"clone": 4} if materialised else {}
+    assert ops.copies() == expected, f"copies {ops.copies()}; {what}"
     theirs = torch.nn.TransformerEncoderLayer(E, H, FF, dropout=p, batch_first=batch_first,
                                              norm_first=norm_first, device=device).train(training)
     with _CountOps() as torch_ops:
         theirs(x, src_key_padding_mask=kpm)
-    assert sum(torch_ops.copies().values()) >= sum(ops.copies().values()), (torch_ops.counts, ops.counts)
+    extra = 1 if materialised and not batch_first else 0
+    assert sum(torch_ops.copies().values()) + extra >= sum(ops.copies().values()), (torch_ops.counts, ops.counts)
 
 
 def test_copy_counter_sees_copies():

@@ -113,6 +113,31 @@ def _relu_inference(inputs: Mapping[str, object]) -> bool:
             and not inputs_need_grad(inputs))
 
 
+# The cpu backend's attention with dropout keeps the scores in memory up to this many elements
+# per call (B * H * Lq * Lk: 256 MB of fp32 probabilities, two such tensors saved for backward);
+# larger calls run its flash kernel, whose memory is linear in the lengths (and which is slower
+# than torch's SDPA on the CPU in forward+backward).  Without a gradient to take, the flash
+# kernel's forward is the faster one from ~1024 keys.
+CPU_ATTENTION_SCORES_IN_MEMORY = 1 << 26
+CPU_ATTENTION_FLASH_FORWARD_KEYS = 1024
+
+
+def cpu_attention_in_memory(scores: int, keys: int, needs_grad: bool) -> bool:
+    """Whether the cpu backend's attention with dropout materialises these scores (B * H * Lq
+    * Lk elements, ``keys`` = Lk)."""
+    return scores <= CPU_ATTENTION_SCORES_IN_MEMORY and (needs_grad or keys < CPU_ATTENTION_FLASH_FORWARD_KEYS)
+
+
+def _sdpa_cpu_dropout(inputs: Mapping[str, object]) -> bool:
+    """SDPA with dropout where the cpu backend beats torch's: forward+backward with the scores in
+    memory, or a forward alone (either of its paths)."""
+    q, k = inputs.get("query"), inputs.get("key")
+    if not (inputs.get("dropout_p") and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and q.dim() >= 2):
+        return False
+    return not inputs_need_grad(inputs) or q.shape[:-1].numel() * k.shape[-2] <= CPU_ATTENTION_SCORES_IN_MEMORY
+
+
 def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
     """A KV-cache call with 64 or more query rows per key head (Lq * H / Hkv: a prefill
     chunk), where torch's GEMMs beat the CPU decode kernel."""
@@ -143,7 +168,10 @@ def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
 # `cuda` differed only in that op's backend there (add_layer_norm and the relu FFN in inference
 # were already cuda's): an encoder layer (bf16, B 64, L 128, eval) measured 0.147 ms on cuda
 # against 0.292 on auto, and the base Seq2SeqTransformer's forward (S = T = 128) 2.84 against
-# 5.48 ms (H200 run, results/NVIDIA_H200/2026-11-29-6ee7f14, results_call2.md).
+# 5.48 ms (H200 run, results/NVIDIA_H200/2026-11-29-6ee7f14, results_call2.md).  On the CPU,
+# SDPA with dropout goes to cpu, whose materialising path (GEMMs + the fused masked_softmax
+# kernel) measured faster than torch's SDPA, which runs its math path with dropout
+# (benchmarks/NOTES.md, "The cpu backend's attention with dropout").
 # Everything else keeps AUTO_ORDER (torch first).
 AUTO_RULES: dict[tuple[str, str], list] = {
     ("cuda", "scaled_dot_product_attention"): [
@@ -154,6 +182,7 @@ AUTO_RULES: dict[tuple[str, str], list] = {
     ("cuda", "feed_forward"): [(_relu_inference, ("cuda", "torch", "triton"))],
     ("cuda", "linear_bias_act"): [(_relu_inference, ("cuda", "torch", "triton"))],
     ("cpu", "attention_with_kv_cache"): [(_kv_cache_many_rows, ("torch", "cpu"))],
+    ("cpu", "scaled_dot_product_attention"): [(_sdpa_cpu_dropout, ("cpu", "torch"))],
 }
 
 

@@ -509,6 +509,52 @@ def _allow_tf32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and _tf32_matmul_enabled()
 
 
+def _cpu_scores_in_memory(q4, k4, v4) -> bool:
+    """Whether the cpu backend's attention with dropout keeps these scores in memory
+    (backends.cpu_attention_in_memory) and _C has the masked_softmax kernel it then runs."""
+    needs_grad = torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad)
+    return (backends.cpu_attention_in_memory(q4.shape[:-1].numel() * k4.shape[2], k4.shape[2], needs_grad)
+            and not _masked_softmax_built("cpu"))
+
+
+def _cpu_materialized_attention(q4, k4, v4, mask4, padding, is_causal, scale, dropout_p, rng):
+    """Attention with dropout on the CPU, the scores in memory: ``q @ k^T`` and ``p @ v`` as
+    torch's batched GEMMs, scale + masks + softmax + dropout in one pass of the C++ masked_softmax
+    kernel (forward and backward; same Philox elements as the flash kernel's dropout).
+
+    Why not the flash kernel: on the CPU its recomputing backward and per-tile double sums make
+    it slower than torch's SDPA, which with dropout runs its own materialising math path (a
+    Bernoulli draw, a softmax and several elementwise passes over the scores); this path
+    measured 1.5-1.8x torch's forward+backward (benchmarks/NOTES.md, "The cpu backend's
+    attention with dropout").  Without a gradient to take, the flash kernel's forward is the
+    faster from 1024 keys and keeps that (backends.cpu_attention_in_memory).  16-bit inputs
+    compute in fp32, as torch's CPU math path does.
+    q4 (B, H, Lq, D), k4 / v4 (B, Hkv, Lk, D / Dv), mask4 (B, H, Lq, Lk) view or None, padding
+    (B, Lk) bool (True = pad) or None -> (B, H, Lq, Dv) in q4's dtype."""
+    b, h, lq, d = q4.shape
+    hkv, lk, dv = k4.shape[1], k4.shape[2], v4.shape[3]
+    dtype = q4.dtype
+    if dtype != torch.float32:
+        q4, k4, v4 = q4.float(), k4.float(), v4.float()
+    if mask4 is not None and mask4.is_floating_point() and mask4.dtype != torch.float32:
+        mask4 = mask4.float()
+    if padding is not None:
+        keys = ~padding[:, None, None, :]  # (B, 1, 1, Lk), True = takes part
+        if mask4 is None:
+            mask4 = keys.expand(b, h, lq, lk)
+        elif mask4.dtype == torch.bool:
+            mask4 = mask4 & keys
+        else:
+            mask4 = mask4.masked_fill(~keys, float("-inf"))
+    # GQA: the query heads that share key head j are consecutive, so (B, H, Lq, D) as
+    # (B, Hkv, G * Lq, D) meets each key head once; the scores come out in (B, H, Lq, Lk) order.
+    group = h // hkv
+    scores = (q4.reshape(b, hkv, group * lq, d) @ k4.transpose(-2, -1)).view(b, h, lq, lk)
+    probs = _masked_softmax_op.masked_softmax(scores, mask4, scale, is_causal, dropout_p, rng, "cpu")
+    out = (probs.view(b, hkv, group * lq, lk) @ v4).view(b, h, lq, dv)  # (B, H, Lq, Dv)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
 def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale, key_padding_mask):
     """Run a flash-attention backend on 4-D (B, H, L, D) views of the inputs."""
     lq, lk, d = query.shape[-2], key.shape[-2], query.shape[-1]
@@ -538,6 +584,9 @@ def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale,
             mask4 = mask4.to(mask_dtype)
     rng = philox.new_rng(query.device) if dropout_p > 0.0 else None
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if name == "cpu" and dropout_p > 0.0 and _cpu_scores_in_memory(q4, k4, v4):
+        out = _cpu_materialized_attention(q4, k4, v4, mask4, padding, is_causal, scale, dropout_p, rng)
+        return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
     out = _attention_op.attention(
         q4, k4, v4, mask4, padding, is_causal, scale, dropout_p, rng, _allow_tf32(query.dtype), name
     )

@@ -1,0 +1,222 @@
+"""The cpu backend's attention with dropout (functional._cpu_materialized_attention): the scores
+in memory, ``q @ k^T`` and ``p @ v`` as torch's batched GEMMs, scale + masks + softmax + dropout
+in the C++ masked_softmax kernel.  Checked against the float64 oracle of DESIGN section 6 with the
+exact Philox keep mask (the same elements as the flash kernel's dropout, which larger calls still
+run), over dtypes, every mask kind (dead rows included), GQA, Lq != Lk and strided views; and
+``auto``'s choice on the CPU."""
+import pytest
+import torch
+
+import transformer_fast as tf
+from transformer_fast import backends, philox, reference
+from transformer_fast import functional as F
+
+from _functional_helpers import DTYPES, MASK_KINDS, dt_id, generator, make_masks, oracle_atol, randn
+from conftest import require_backend
+
+
+@pytest.fixture(autouse=True)
+def _cpu():
+    require_backend("cpu")
+
+
+@pytest.fixture
+def flash_only(monkeypatch):
+    """No call keeps its scores in memory: dropout runs the flash kernel."""
+    monkeypatch.setattr(backends, "CPU_ATTENTION_SCORES_IN_MEMORY", 0)
+
+
+def _check_dropout(q, k, v, p, *, attn_mask=None, key_padding_mask=None, is_causal=False,
+                   scale=None, enable_gqa=False, context=""):
+    """The oracle over out, dq, dk, dv, the reference dropping exactly philox's elements."""
+    seed = int(torch.randint(0, 2**31, (1,)))
+    b, h, lq, lk = q.shape[:-3].numel(), q.shape[-3], q.shape[-2], k.shape[-2]
+    torch.manual_seed(seed)
+    keep = philox.dropout_keep_mask(philox.new_rng("cpu"), (b, h, lq, lk), p).reshape(*q.shape[:-1], lk)
+
+    def kernel(query, key, value, attn_mask=None):
+        torch.manual_seed(seed)  # the functional draws the same rng as above
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, p, is_causal, scale, enable_gqa,
+            key_padding_mask=key_padding_mask, backend="cpu")
+
+    def ref(query, key, value, attn_mask=None):
+        return reference.scaled_dot_product_attention(
+            query, key, value, attn_mask, p, is_causal, scale, enable_gqa,
+            key_padding_mask=key_padding_mask, keep=keep)
+
+    inputs = {"query": q, "key": k, "value": v}
+    if attn_mask is not None:
+        inputs["attn_mask"] = attn_mask
+    results = reference.run_oracle(kernel, ref, inputs, ["query", "key", "value"],
+                                   atol=oracle_atol("cpu", q.dtype))
+    reference.assert_oracle(results, f"cpu dropout {context}")
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dt_id)
+def test_masks(dtype, kind):
+    g = generator()
+    b, h, lq, lk, d = 2, 3, 7, 70, 32
+    q, k, v = (randn(b, h, n, d, dtype=dtype, g=g) for n in (lq, lk, lk))
+    _check_dropout(q, k, v, 0.3, **make_masks(kind, b, h, lq, lk, dtype, g), context=kind)
+
+
+@pytest.mark.parametrize("lq,lk,d,causal", [(1, 1, 16, False), (1, 127, 64, True), (127, 7, 24, True),
+                                             (64, 64, 96, False), (5, 19, 256, True)])
+def test_lengths_and_head_dims(lq, lk, d, causal):
+    g = generator()
+    q, k, v = (randn(1, 2, n, d, g=g) for n in (lq, lk, lk))
+    _check_dropout(q, k, v, 0.2, is_causal=causal, scale=0.3, context=f"{lq}x{lk} d={d}")
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dt_id)
+def test_gqa(hkv, dtype):
+    """Query heads 2j, 2j+1 (or all four) share key head j: dk / dv summed over each group."""
+    g = generator()
+    q = randn(2, 4, 9, 32, dtype=dtype, g=g)
+    k, v = (randn(2, hkv, 13, 32, dtype=dtype, g=g) for _ in range(2))
+    _check_dropout(q, k, v, 0.25, enable_gqa=True, **make_masks("causal+kpm", 2, 4, 9, 13, dtype, g),
+                   context=f"gqa hkv={hkv}")
+
+
+def test_strided_views_and_leading_dims():
+    """q/k/v as (B, H, L, D) views of one packed (B, L, 3, H, D) projection; and 5-D inputs."""
+    g = generator()
+    packed = randn(2, 11, 3, 2, 32, g=g)
+    q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    _check_dropout(q, k, v, 0.3, **make_masks("kpm", 2, 2, 11, 11, torch.float32, g), context="packed")
+    q, k, v = (randn(2, 3, 2, 5, 16, g=g) for _ in range(3))
+    _check_dropout(q, k, v, 0.3, is_causal=True, context="5-D")
+
+
+def test_dead_rows_are_zero_with_zero_gradients():
+    g = generator()
+    q, k, v = (randn(2, 2, 6, 16, g=g).requires_grad_() for _ in range(3))
+    mask = torch.ones(2, 2, 6, 6, dtype=torch.bool)
+    mask[1, 0, 3] = False
+    out = F.scaled_dot_product_attention(q, k, v, mask, 0.5, backend="cpu")
+    out.sum().backward()
+    assert torch.equal(out[1, 0, 3], torch.zeros(16))
+    assert torch.equal(q.grad[1, 0, 3], torch.zeros(16))
+    assert torch.isfinite(out).all() and torch.isfinite(k.grad).all()
+
+
+def test_same_elements_as_the_flash_kernel(monkeypatch):
+    """With the same rng draw both cpu paths drop the same probabilities: outputs and gradients
+    agree to rounding (they differ in where the sums round, not in what they drop)."""
+    g = generator()
+    q, k, v = (randn(2, 4, 33, 64, g=g) for _ in range(3))
+    kpm = make_masks("kpm", 2, 4, 33, 33, torch.float32, g)["key_padding_mask"]
+    do = randn(2, 4, 33, 64, g=g)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(7)
+        out = F.scaled_dot_product_attention(*leaves, dropout_p=0.4, is_causal=True,
+                                             key_padding_mask=kpm, backend="cpu")
+        out.backward(do)
+        return [out] + [t.grad for t in leaves]
+
+    materialised = run()
+    monkeypatch.setattr(backends, "CPU_ATTENTION_SCORES_IN_MEMORY", 0)
+    flash = run()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), materialised, flash):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_flash_kernel_dropout_still_tested(flash_only):
+    """Past the size bound the flash kernel's own dropout runs: the same oracle."""
+    g = generator()
+    q, k, v = (randn(2, 2, n, 32, g=g) for n in (9, 70, 70))
+    _check_dropout(q, k, v, 0.3, **make_masks("causal+bool_b1", 2, 2, 9, 70, torch.float32, g),
+                   context="flash")
+
+
+def test_kept_fraction():
+    """Statistics: v = identity makes out the dropped probabilities; kept ~ 1 - p."""
+    p, n = 0.3, 64
+    q = torch.zeros(4, 4, n, n)
+    k = torch.zeros(4, 4, n, n)
+    v = torch.eye(n).expand(4, 4, n, n)
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, backend="cpu")
+    kept = out != 0
+    frac = kept.double().mean().item()
+    assert abs(frac - (1 - p)) < 5 * (p * (1 - p) / kept.numel()) ** 0.5
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1.0 / (n * (1 - p))))
+
+
+def test_empty_queries_and_batches():
+    for shape_q, shape_k in (((2, 2, 0, 16), (2, 2, 5, 16)), ((0, 2, 3, 16), (0, 2, 5, 16))):
+        q = torch.randn(shape_q, requires_grad=True)
+        k, v = (torch.randn(shape_k, requires_grad=True) for _ in range(2))
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, backend="cpu")
+        assert out.shape == shape_q
+        out.sum().backward()
+        assert k.grad.shape == shape_k and torch.equal(k.grad, torch.zeros(shape_k))
+
+
+def test_auto_takes_cpu_for_dropout_on_the_cpu(monkeypatch):
+    q = torch.randn(2, 2, 8, 16)
+    qg = q.clone().requires_grad_()
+    inputs = {"query": q, "key": q, "value": q, "attn_mask": None, "key_padding_mask": None,
+              "is_causal": False}
+    train = {**inputs, "query": qg}
+    resolve = backends.resolve
+    assert resolve("scaled_dot_product_attention", "auto", {**inputs, "dropout_p": 0.1}) == "cpu"
+    assert resolve("scaled_dot_product_attention", "auto", {**train, "dropout_p": 0.1}) == "cpu"
+    assert resolve("scaled_dot_product_attention", "auto", {**inputs, "dropout_p": 0.0}) == "torch"
+    assert resolve("scaled_dot_product_attention", "auto", {**train, "dropout_p": 0.0}) == "torch"
+    # Beyond the bound the cpu backend runs its flash kernel: faster than torch's SDPA in a
+    # forward, slower in forward+backward.
+    monkeypatch.setattr(backends, "CPU_ATTENTION_SCORES_IN_MEMORY", 2 * 2 * 8 * 8 - 1)
+    assert resolve("scaled_dot_product_attention", "auto", {**train, "dropout_p": 0.1}) == "torch"
+    assert resolve("scaled_dot_product_attention", "auto", {**inputs, "dropout_p": 0.1}) == "cpu"
+    # head dims the cpu kernels do not take stay on torch
+    q12 = torch.randn(2, 2, 8, 12)
+    monkeypatch.setattr(backends, "CPU_ATTENTION_SCORES_IN_MEMORY", 1 << 26)
+    with tf.use_backend("auto"):
+        assert resolve("scaled_dot_product_attention", None,
+                       {**inputs, "query": q12, "key": q12, "value": q12, "dropout_p": 0.1}) == "torch"
+
+
+@pytest.mark.parametrize("bound,keys,grad,kernel", [
+    (1 << 26, 5, True, "masked_softmax_fwd"), (1 << 26, 5, False, "masked_softmax_fwd"),
+    (1 << 26, 1024, True, "masked_softmax_fwd"), (1 << 26, 1024, False, "attention_fwd"),
+    (0, 5, True, "attention_fwd")], ids=["train", "forward", "train-1024-keys", "forward-1024-keys", "past-bound"])
+def test_which_kernel_runs(monkeypatch, bound, keys, grad, kernel):
+    """Within the bound the scores go through the masked_softmax kernel; past it, and in a
+    forward without gradient from 1024 keys (where its forward measured faster), the flash
+    kernel runs (and no masked_softmax)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(backends, "CPU_ATTENTION_SCORES_IN_MEMORY", bound)
+    q = torch.randn(1, 2, 5, 16, requires_grad=grad)
+    k = torch.randn(1, 2, keys, 16, requires_grad=grad)
+    with Seen() as seen:
+        out = F.scaled_dot_product_attention(q, k, k, dropout_p=0.5, backend="cpu")
+        if grad:
+            out.sum().backward()
+    other = "attention_fwd" if kernel == "masked_softmax_fwd" else "masked_softmax_fwd"
+    assert kernel in seen.names and other not in seen.names, seen.names
+
+
+@pytest.mark.parametrize("std", [34.0, 60.0])
+def test_fp32_large_logits(std):
+    """Logits of a standard deviation of 34-60 (a nearly one-hot softmax), where the oracle's
+    bound shrinks to a few ulps: the fp32 GEMM scores round as the reference's own (0 misses in
+    500 draws at std 1-150 when measured, worst 0.58x the bound)."""
+    for t in range(4):
+        g = torch.Generator().manual_seed(9100 + t)
+        dim, length = (64, 128)[t % 2], (100, 7)[t // 2]
+        q = randn(2, 2, 9, dim, g=g) * std * (128 / dim) ** 0.5
+        k, v = (randn(2, 2, length, dim, g=g) for _ in range(2))
+        _check_dropout(q, k, v, 0.1, context=f"std {std} draw {t}")
