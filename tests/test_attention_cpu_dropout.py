@@ -220,3 +220,17 @@ def test_fp32_large_logits(std):
         q = randn(2, 2, 9, dim, g=g) * std * (128 / dim) ** 0.5
         k, v = (randn(2, 2, length, dim, g=g) for _ in range(2))
         _check_dropout(q, k, v, 0.1, context=f"std {std} draw {t}")
+
+
+def test_nan_key_at_a_masked_position_stays_out():
+    """A NaN in K where padding or causality masks it does not reach the output (README's
+    Limits: the reference, cpu, triton and cuda backends; torch's SDPA lets it through)."""
+    g = generator()
+    q, k, v = (randn(2, 2, 6, 16, g=g) for _ in range(3))
+    k[:, :, 5] = float("nan")
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[:, 4:] = True
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, key_padding_mask=kpm, backend="cpu")
+    assert torch.isfinite(out).all()
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True, backend="cpu")
+    assert torch.isfinite(out[:, :, :5]).all()
