@@ -135,7 +135,7 @@ def _sdpa_cpu_dropout(inputs: Mapping[str, object]) -> bool:
     if not (inputs.get("dropout_p") and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and q.dim() >= 2):
         return False
-    return not inputs_need_grad(inputs) or q.shape[:-1].numel() * k.shape[-2] <= CPU_ATTENTION_SCORES_IN_MEMORY
+    return not inputs_need_grad(inputs) or cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], True)
 
 
 def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:

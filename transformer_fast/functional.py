@@ -536,16 +536,10 @@ def _cpu_materialized_attention(q4, k4, v4, mask4, padding, is_causal, scale, dr
     dtype = q4.dtype
     if dtype != torch.float32:
         q4, k4, v4 = q4.float(), k4.float(), v4.float()
-    if mask4 is not None and mask4.is_floating_point() and mask4.dtype != torch.float32:
-        mask4 = mask4.float()
-    if padding is not None:
-        keys = ~padding[:, None, None, :]  # (B, 1, 1, Lk), True = takes part
-        if mask4 is None:
-            mask4 = keys.expand(b, h, lq, lk)
-        elif mask4.dtype == torch.bool:
-            mask4 = mask4 & keys
-        else:
-            mask4 = mask4.masked_fill(~keys, float("-inf"))
+    # One mask for the kernel (float masks added in fp32), expanded as its contract asks.
+    mask4 = masks.combine(mask4, False, padding, lq, lk, 4, torch.float32, q4.device)
+    if mask4 is not None:
+        mask4 = mask4.expand(b, h, lq, lk)
     # GQA: the query heads that share key head j are consecutive, so (B, H, Lq, D) as
     # (B, Hkv, G * Lq, D) meets each key head once; the scores come out in (B, H, Lq, Lk) order.
     group = h // hkv
