@@ -73,7 +73,8 @@ struct RowSum {
   }
 };
 
-// A row sum in double lanes, for add_layer_norm's mean and variance, where one ulp matters: with
+// A row sum in double lanes, for add_layer_norm's mean and variance (and masked_softmax's
+// backward delta), where one ulp matters: with
 // a large common offset in a row (mean / std ~1e4) RowSum's fp32 lanes put the mean an ulp off,
 // shifting every xhat of the row (up to 3.7x past the oracle's bound), where the reference's
 // cascaded fp32 sum does not.  Two conversions and two adds per vector (AVX2); these passes are
@@ -97,6 +98,14 @@ struct RowSumD {
     lo = _mm256_fmadd_pd(a, a, lo);
     hi = _mm256_fmadd_pd(b, b, hi);
   }
+  // sum of a * b, the products exact in double.
+  void add_product(const Vec& a, const Vec& b) {
+    const __m256 fa = a, fb = b;
+    lo = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(fa)),
+                         _mm256_cvtps_pd(_mm256_castps256_ps128(fb)), lo);
+    hi = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(fa, 1)),
+                         _mm256_cvtps_pd(_mm256_extractf128_ps(fb, 1)), hi);
+  }
   double value() const {
     alignas(32) double t[4];
     _mm256_store_pd(t, _mm256_add_pd(lo, hi));
@@ -114,6 +123,12 @@ struct RowSumD {
     alignas(64) float t[kN];
     v.store(t);
     for (int i = 0; i < kN; ++i) acc[i] += static_cast<double>(t[i]) * t[i];
+  }
+  void add_product(const Vec& a, const Vec& b) {
+    alignas(64) float ta[kN], tb[kN];
+    a.store(ta);
+    b.store(tb);
+    for (int i = 0; i < kN; ++i) acc[i] += static_cast<double>(ta[i]) * tb[i];
   }
   double value() const {
     double total = 0.0;

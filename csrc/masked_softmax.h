@@ -19,11 +19,14 @@ inline bool masked_softmax_dtype_ok(c10::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
-inline void masked_softmax_check_4d(const at::Tensor& t, const char* name, c10::DeviceType dev) {
+inline void masked_softmax_check_4d(const at::Tensor& t, const char* name, c10::DeviceType dev,
+                                    bool double_ok = false) {
   TORCH_CHECK_VALUE(t.dim() == 4, "masked_softmax: ", name, " must be 4-D (B, H, Lq, Lk), got ",
                     t.sizes());
-  TORCH_CHECK_TYPE(masked_softmax_dtype_ok(t.scalar_type()), "masked_softmax: ", name,
-                   " must be float16, bfloat16 or float32, got ", t.scalar_type());
+  TORCH_CHECK_TYPE(masked_softmax_dtype_ok(t.scalar_type()) ||
+                       (double_ok && t.scalar_type() == at::kDouble),
+                   "masked_softmax: ", name, " must be float16, bfloat16 or float32",
+                   double_ok ? " (or float64)" : "", ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device().type() == dev, "masked_softmax: ", name, " must be a ", dev,
                     " tensor, got ", t.device());
   // Rows are indexed with 32-bit row numbers (B*H*Lq) on both backends.
@@ -48,8 +51,8 @@ inline void masked_softmax_check_dropout(double dropout_p, const std::optional<a
 inline void check_masked_softmax_fwd_args(const at::Tensor& scores,
                                           const std::optional<at::Tensor>& mask, double scale,
                                           double dropout_p, const std::optional<at::Tensor>& rng,
-                                          c10::DeviceType dev) {
-  masked_softmax_check_4d(scores, "scores", dev);
+                                          c10::DeviceType dev, bool double_scores_ok = false) {
+  masked_softmax_check_4d(scores, "scores", dev, double_scores_ok);
   TORCH_CHECK_VALUE(std::isfinite(scale), "masked_softmax: scale must be finite, got ", scale);
   if (mask.has_value() && mask->defined()) {
     const at::Tensor& m = *mask;

@@ -5,7 +5,8 @@
 //   masked_softmax_fwd(scores, mask?, scale, is_causal, dropout_p, rng?) -> (out, probs)
 //   masked_softmax_bwd(dout, probs, scale, dropout_p, rng?) -> dscores
 // scores / dout / probs (B, H, Lq, Lk) fp32/fp16/bf16, any strides with unit last stride (else
-// copied); mask (B, H, Lq, Lk) read through all four strides (stride-0 dims of an expanded mask
+// copied); on the CPU also float64 scores, whose outputs are fp32 (the cpu attention's exact fp32
+// path: ops/cpu_attention.py); mask (B, H, Lq, Lk) read through all four strides (stride-0 dims of an expanded mask
 // included), bool True = takes part, float added after scaling; top-left causal.  Outputs are
 // contiguous.  A row with nothing allowed (or only -inf) is zeros; NaN / +inf scores give a NaN
 // row, as in the reference.  Dropout keeps element ((b*H + h)*Lq + i)*Lk + j iff its Philox word
@@ -17,9 +18,11 @@
 //                     buffer (the row then sits in L1/L2), and its max m;
 //             pass 2  e = exp(s - m) in place and l = sum(e) (fp32 lanes flushed to double);
 //             pass 3  p = e / l (zeros when l == 0: a dead row), dropout, store.
+//             float64 scores: passes 1 and 2 in double, each p rounded to fp32 once.
 //             Entries past the causal diagonal are neither read nor computed.
-//   backward  dp = dout (* keep / (1-p)); delta = sum(dp * probs); ds = scale * probs * (dp - delta).
-// fp32 arithmetic, vectorised with at::vec::Vectorized<float> (AVX2 on x86-64, see below).
+//   backward  dp = dout (* keep / (1-p)); delta = sum(dp * probs); ds = scale * probs * (dp - delta),
+//             delta and ds in double.
+// fp32 arithmetic otherwise, vectorised with at::vec::Vectorized<float> (AVX2 on x86-64, see below).
 //
 // The argument checks shared with masked_softmax_cuda.cu are in masked_softmax.h.
 #include <ATen/core/Tensor.h>
@@ -62,6 +65,7 @@ struct FwdArgs {
   void* probs;  // idem, only with dropout
   int64_t H, Lq, Lk;
   float scale;
+  double scale_d;  // the same, unrounded (float64 scores are scaled in double)
   bool causal;
   bool drop;
   uint64_t seed, offset;
@@ -76,7 +80,7 @@ struct BwdArgs {
   int64_t p_sb, p_sh, p_sm;
   void* ds;  // contiguous
   int64_t H, Lq, Lk;
-  float scale;
+  double scale_d;
   bool drop;
   uint64_t seed, offset;
   uint32_t threshold;
@@ -123,14 +127,102 @@ const float* mask_row(const FwdArgs& a, int64_t row, int64_t n, float* buf) {
   }
 }
 
-template <typename T>
+// Pass 1 of a row of fp32 / 16-bit scores: s = x * scale, masked, into `s`; returns the max.
+inline float scale_mask_max(const FwdArgs& a, const float* x, const float* m, int64_t n, float* s) {
+  const Vec vscale(a.scale), vninf(kNegInf), vzero(0.0f);
+  Vec vmax(kNegInf);
+  int64_t j = 0;
+  for (; j + kV <= n; j += kV) {
+    Vec v = Vec::loadu(x + j) * vscale;
+    if (a.kind == kMaskBool) {
+      v = Vec::blendv(vninf, v, Vec::loadu(m + j) != vzero);
+    } else if (a.kind == kMaskFloat) {
+      v = v + Vec::loadu(m + j);
+    }
+    v.store(s + j);
+    vmax = at::vec::maximum(vmax, v);  // propagates NaN
+  }
+  float mx = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return at::vec::maximum(u, v); }, vmax);
+  for (; j < n; ++j) {
+    float v = x[j] * a.scale;
+    if (a.kind == kMaskBool) {
+      v = m[j] != 0.0f ? v : kNegInf;
+    } else if (a.kind == kMaskFloat) {
+      v += m[j];
+    }
+    s[j] = v;
+    mx = (v > mx || v != v) ? v : mx;
+  }
+  return mx;
+}
+
+// The probabilities of a row of float64 scores (fp32 attention's q.k summed in double by the
+// caller), the whole softmax in double (scale, masks, max, exp, sum), each p rounded to fp32 once
+// into `s`.  A score of ~60 rounded to fp32 before its max is subtracted moves its p by up to
+// 60 x 2^-24, and an fp32 exp and sum add a few ulps more: either is as much as the fp32
+// reference's own error (the flash kernel keeps its scores in double for the same reason).
+// Returns the factor pass 3 applies to `s`: 1, or NaN for a NaN row (a NaN or +inf score).
+inline float softmax_row_double(const FwdArgs& a, const double* x, const float* m, int64_t n,
+                                float* s, double* d, double* md) {
+  using VecD = at::vec::Vectorized<double>;
+  constexpr int64_t kVD = VecD::size();
+  constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
+  const VecD vscale(a.scale_d), vninf(kNegInfD), vzero(0.0);
+  if (m != nullptr) at::vec::convert(m, md, n);
+  VecD vmax(kNegInfD);
+  int64_t j = 0;
+  for (; j + kVD <= n; j += kVD) {
+    VecD v = VecD::loadu(x + j) * vscale;
+    if (a.kind == kMaskBool) {
+      v = VecD::blendv(vninf, v, VecD::loadu(md + j) != vzero);
+    } else if (a.kind == kMaskFloat) {
+      v = v + VecD::loadu(md + j);
+    }
+    v.store(d + j);
+    vmax = at::vec::maximum(vmax, v);  // propagates NaN
+  }
+  double mx = at::vec::vec_reduce_all([](VecD& u, VecD& v) { return at::vec::maximum(u, v); }, vmax);
+  for (; j < n; ++j) {
+    double v = x[j] * a.scale_d;
+    if (a.kind == kMaskBool) {
+      v = md[j] != 0.0 ? v : kNegInfD;
+    } else if (a.kind == kMaskFloat) {
+      v += md[j];
+    }
+    d[j] = v;
+    mx = (v > mx || v != v) ? v : mx;
+  }
+  const double shift = mx == kNegInfD ? 0.0 : mx;  // a dead row: exp(-inf) = 0 everywhere
+  const VecD vshift(shift);
+  VecD vsum(0.0);
+  for (j = 0; j + kVD <= n; j += kVD) {
+    const VecD e = (VecD::loadu(d + j) - vshift).exp();
+    e.store(d + j);
+    vsum = vsum + e;
+  }
+  double l = at::vec::vec_reduce_all([](VecD& u, VecD& v) { return u + v; }, vsum);
+  for (; j < n; ++j) {
+    d[j] = std::exp(d[j] - shift);
+    l += d[j];
+  }
+  const double inv = l == 0.0 ? 0.0 : 1.0 / l;
+  const VecD vinv(inv);
+  for (j = 0; j + kVD <= n; j += kVD) (VecD::loadu(d + j) * vinv).store(d + j);
+  for (; j < n; ++j) d[j] *= inv;
+  at::vec::convert(d, s, n);
+  return l != l ? std::numeric_limits<float>::quiet_NaN() : 1.0f;
+}
+
+// TIn: the scores' type; T: the outputs' (TIn itself, or float for float64 scores).
+template <typename TIn, typename T>
 void fwd_rows(const FwdArgs& a, int64_t begin, int64_t end) {
+  constexpr bool kDoubleScores = std::is_same_v<TIn, double>;
   const int64_t Lk = a.Lk;
   std::vector<float> buf(static_cast<size_t>(2 * Lk));
   float* s = buf.data();   // the row: scores -> masked scaled scores -> exp -> probabilities
   float* mb = s + Lk;      // the mask row, then the dropout factors
-  const Vec vscale(a.scale), vninf(kNegInf), vzero(0.0f);
-  const T* scores = static_cast<const T*>(a.s);
+  std::vector<double> dbuf(kDoubleScores ? static_cast<size_t>(2 * Lk) : 0);  // the row; the mask
+  const TIn* scores = static_cast<const TIn*>(a.s);
   T* out = static_cast<T*>(a.out);
   T* probs = static_cast<T*>(a.probs);
 
@@ -138,52 +230,35 @@ void fwd_rows(const FwdArgs& a, int64_t begin, int64_t end) {
     const int64_t i = row % a.Lq;
     // Top-left causal: query i sees keys j <= i; entries j >= n are removed.
     const int64_t n = a.causal ? std::min(Lk, i + 1) : Lk;
-    const float* x = row_as_float(scores + row_offset(row, a.H, a.Lq, a.s_sb, a.s_sh, a.s_sm), n, s);
+    const TIn* x = scores + row_offset(row, a.H, a.Lq, a.s_sb, a.s_sh, a.s_sm);
     const float* m = a.kind != kMaskNone ? mask_row(a, row, n, mb) : nullptr;
 
-    // pass 1: s = x * scale, masked; running max
-    Vec vmax(kNegInf);
-    int64_t j = 0;
-    for (; j + kV <= n; j += kV) {
-      Vec v = Vec::loadu(x + j) * vscale;
-      if (a.kind == kMaskBool) {
-        v = Vec::blendv(vninf, v, Vec::loadu(m + j) != vzero);
-      } else if (a.kind == kMaskFloat) {
-        v = v + Vec::loadu(m + j);
-      }
-      v.store(s + j);
-      vmax = at::vec::maximum(vmax, v);  // propagates NaN
-    }
-    float mx = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return at::vec::maximum(u, v); }, vmax);
-    for (; j < n; ++j) {
-      float v = x[j] * a.scale;
-      if (a.kind == kMaskBool) {
-        v = m[j] != 0.0f ? v : kNegInf;
-      } else if (a.kind == kMaskFloat) {
-        v += m[j];
-      }
-      s[j] = v;
-      mx = (v > mx || v != v) ? v : mx;
-    }
+    float inv;  // pass 3's factor
+    if constexpr (kDoubleScores) {
+      inv = softmax_row_double(a, x, m, n, s, dbuf.data(), dbuf.data() + Lk);
+    } else {
+      // pass 1: s = x * scale, masked; the row max
+      const float mx = scale_mask_max(a, row_as_float(x, n, s), m, n, s);
 
-    // pass 2: e = exp(s - m), l = sum(e).  A dead row has m = -inf: shift by 0 instead, so that
-    // exp gives 0 everywhere (never exp(-inf + inf) = NaN) and l = 0.  A NaN or +inf score makes
-    // l NaN, and the whole row NaN, like the reference.
-    const float shift = mx == kNegInf ? 0.0f : mx;
-    const Vec vshift(shift);
-    RowSum sum;
-    j = 0;
-    for (; j + kV <= n; j += kV) {
-      const Vec e = (Vec::loadu(s + j) - vshift).exp();
-      e.store(s + j);
-      sum.add(e);
+      // pass 2: e = exp(s - m), l = sum(e).  A dead row has m = -inf: shift by 0 instead, so
+      // that exp gives 0 everywhere (never exp(-inf + inf) = NaN) and l = 0.  A NaN or +inf
+      // score makes l NaN, and the whole row NaN, like the reference.
+      const float shift = mx == kNegInf ? 0.0f : mx;
+      const Vec vshift(shift);
+      RowSum sum;
+      int64_t j = 0;
+      for (; j + kV <= n; j += kV) {
+        const Vec e = (Vec::loadu(s + j) - vshift).exp();
+        e.store(s + j);
+        sum.add(e);
+      }
+      double l = sum.value();
+      for (; j < n; ++j) {
+        s[j] = std::exp(s[j] - shift);
+        l += s[j];
+      }
+      inv = l == 0.0 ? 0.0f : static_cast<float>(1.0 / l);
     }
-    double l = sum.value();
-    for (; j < n; ++j) {
-      s[j] = std::exp(s[j] - shift);
-      l += s[j];
-    }
-    const float inv = l == 0.0 ? 0.0f : static_cast<float>(1.0 / l);
 
     // pass 3: p = e * inv (+ dropout).  Entries past the causal diagonal are exp(-inf) * inv:
     // 0, or NaN in a NaN row (as the reference's 0 / NaN; dropout keeps NaN * 0 = NaN too).
@@ -192,11 +267,11 @@ void fwd_rows(const FwdArgs& a, int64_t begin, int64_t end) {
     T* orow = out + row * Lk;
     if (!a.drop && std::is_same_v<T, float>) {
       float* o = reinterpret_cast<float*>(orow);
-      j = 0;
+      int64_t j = 0;
       for (; j + kV <= n; j += kV) (Vec::loadu(s + j) * vinv).store(o + j);
       for (; j < n; ++j) o[j] = s[j] * inv;
     } else {
-      j = 0;
+      int64_t j = 0;
       for (; j + kV <= n; j += kV) (Vec::loadu(s + j) * vinv).store(s + j);
       for (; j < n; ++j) s[j] *= inv;
       if (a.drop) {
@@ -224,7 +299,6 @@ void bwd_rows(const BwdArgs& a, int64_t begin, int64_t end) {
   const T* dout = static_cast<const T*>(a.dout);
   const T* probs = static_cast<const T*>(a.probs);
   T* ds = static_cast<T*>(a.ds);
-  const Vec vscale(a.scale);
 
   for (int64_t row = begin; row < end; ++row) {
     const float* p = row_as_float(probs + row_offset(row, a.H, a.Lq, a.p_sb, a.p_sh, a.p_sm), Lk, pbuf);
@@ -237,29 +311,32 @@ void bwd_rows(const BwdArgs& a, int64_t begin, int64_t end) {
       for (; j < Lk; ++j) dbuf[j] = d[j] * fbuf[j];
       d = dbuf;
     }
-    RowSum sum;
+    // delta and ds in double, rounded once: where dp ~ delta, an fp32 delta's rounding is as
+    // large as the difference (the fp32 attention's peaked rows missed the oracle by it).
+    RowSumD sum;
     int64_t j = 0;
     for (; j + kV <= Lk; j += kV) sum.add_product(Vec::loadu(d + j), Vec::loadu(p + j));
-    double delta_d = sum.value();
-    for (; j < Lk; ++j) delta_d += static_cast<double>(d[j]) * p[j];
-    const float delta = static_cast<float>(delta_d);
-    const Vec vdelta(delta);
+    double delta = sum.value();
+    for (; j < Lk; ++j) delta += static_cast<double>(d[j]) * p[j];
     float* o = std::is_same_v<T, float> ? reinterpret_cast<float*>(ds + row * Lk) : fbuf;
-    j = 0;
-    for (; j + kV <= Lk; j += kV) {
-      const Vec pv = Vec::loadu(p + j);
-      (vscale * (pv * (Vec::loadu(d + j) - vdelta))).store(o + j);
+    for (j = 0; j < Lk; ++j) {  // (vectorised by the compiler: no reduction)
+      o[j] = static_cast<float>(a.scale_d * (static_cast<double>(p[j]) * (static_cast<double>(d[j]) - delta)));
     }
-    for (; j < Lk; ++j) o[j] = a.scale * (p[j] * (d[j] - delta));
     if constexpr (!std::is_same_v<T, float>) store_row(fbuf, ds + row * Lk, Lk);
   }
 }
 
 // Non-template launchers, defined inside the target region (so the kernels instantiate there).
 void run_fwd(const FwdArgs& a, c10::ScalarType dtype, int64_t M) {
+  if (dtype == at::kDouble) {
+    at::parallel_for(0, M, row_grain(a.Lk), [&](int64_t begin, int64_t end) {
+      fwd_rows<double, float>(a, begin, end);
+    });
+    return;
+  }
   dispatch_float_dtype("masked_softmax", dtype, [&](auto tag) {
     at::parallel_for(0, M, row_grain(a.Lk), [&](int64_t begin, int64_t end) {
-      fwd_rows<decltype(tag)>(a, begin, end);
+      fwd_rows<decltype(tag), decltype(tag)>(a, begin, end);
     });
   });
 }
@@ -293,12 +370,16 @@ void read_rng(const std::optional<Tensor>& rng, uint64_t& seed, uint64_t& offset
 }  // namespace
 
 Tensor2 masked_softmax_fwd_cpu(TF_MASKED_SOFTMAX_FWD_ARGS) {
-  check_masked_softmax_fwd_args(scores, mask, scale, dropout_p, rng, c10::DeviceType::CPU);
+  // float64 scores (the cpu attention's exact fp32 path) give fp32 outputs.
+  check_masked_softmax_fwd_args(scores, mask, scale, dropout_p, rng, c10::DeviceType::CPU,
+                                /*double_scores_ok=*/true);
   check_cpu_avx2();
   const int64_t B = scores.size(0), H = scores.size(1), Lq = scores.size(2), Lk = scores.size(3);
   const bool drop = dropout_p > 0.0;
-  Tensor out = at::empty({B, H, Lq, Lk}, scores.options());
-  Tensor probs = drop ? at::empty({B, H, Lq, Lk}, scores.options()) : at::empty({0}, scores.options());
+  const auto options = scores.scalar_type() == at::kDouble ? scores.options().dtype(at::kFloat)
+                                                           : scores.options();
+  Tensor out = at::empty({B, H, Lq, Lk}, options);
+  Tensor probs = drop ? at::empty({B, H, Lq, Lk}, options) : at::empty({0}, options);
   const int64_t M = B * H * Lq;
   if (M == 0 || Lk == 0) return {out, probs};
 
@@ -319,6 +400,7 @@ Tensor2 masked_softmax_fwd_cpu(TF_MASKED_SOFTMAX_FWD_ARGS) {
   a.probs = drop ? probs.mutable_data_ptr() : nullptr;
   a.H = H, a.Lq = Lq, a.Lk = Lk;
   a.scale = static_cast<float>(scale);
+  a.scale_d = scale;
   a.causal = is_causal;
   a.drop = drop;
   if (drop) {
@@ -349,7 +431,7 @@ Tensor masked_softmax_bwd_cpu(TF_MASKED_SOFTMAX_BWD_ARGS) {
     a.p_sb = p.stride(0), a.p_sh = p.stride(1), a.p_sm = p.stride(2);
     a.ds = ds.mutable_data_ptr();
     a.H = H, a.Lq = Lq, a.Lk = Lk;
-    a.scale = static_cast<float>(scale);
+    a.scale_d = scale;
     a.drop = dropout_p > 0.0;
     if (a.drop) {
       read_rng(rng, a.seed, a.offset);

@@ -459,7 +459,8 @@ def test_op_argument_errors(device):
     with pytest.raises(ValueError, match="scores must be 4-D"):
         fwd(s[0], None, 1.0, False, 0.0, None)
     with pytest.raises(TypeError, match="scores must be float16"):
-        fwd(s.double(), None, 1.0, False, 0.0, None)
+        # (float64 scores are the cpu attention's exact fp32 path: CPU only)
+        fwd(s.double() if device != "cpu" else s.int(), None, 1.0, False, 0.0, None)
     with pytest.raises(ValueError, match="mask must have shape"):
         fwd(s, torch.ones(4, 5, dtype=torch.bool, device=device), 1.0, False, 0.0, None)
     with pytest.raises(TypeError, match="mask must be bool or floating"):
@@ -548,6 +549,62 @@ at::Tensor bwd(at::Tensor dout, at::Tensor probs, double scale, double p, std::o
 // Values per lane of the warp kernels for a row length; 0 = the block (long-row) kernels.
 int64_t warp_items(int64_t lk) { return transformer_fast::warp_items(lk); }
 """
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "float", "causal", "dropout"])
+def test_float64_scores_give_exact_fp32_probabilities(device, kind):
+    """float64 scores (the cpu attention's exact fp32 path, transformer_fast/ops/cpu_attention.py):
+    the softmax in double, each probability rounded to fp32 once: within an fp32 ulp of the
+    float64 softmax at logits up to ~150, where rounding the scores to fp32 first is off by up
+    to ~150 x 2^-24 relative.  Masks, causal rows, dead rows and dropout as for fp32 scores."""
+    if device != "cpu":
+        pytest.skip("float64 scores: the CPU kernel only")
+    g = generator()
+    scores = torch.randn(2, 3, 7, 37, generator=g, dtype=torch.float64) * 50
+    mask, causal, p, rng = None, kind == "causal", 0.0, None
+    if kind == "bool":
+        mask = bool_mask((2, 3, 7, 37), g)
+        mask[0, 1, 3] = False  # a dead row
+    elif kind == "float":
+        mask = torch.randn(2, 3, 7, 37, generator=g)
+        mask[1, 2, 4, :] = float("-inf")  # a dead row
+    elif kind == "dropout":
+        p, rng = 0.3, philox.new_rng("cpu")
+    out, probs, _ = _run(scores, mask, scale=0.7, causal=causal, p=p, rng=rng)
+    assert out.dtype == torch.float32 and probs.dtype == torch.float32
+
+    x = scores * 0.7
+    if kind == "bool":
+        x = x.masked_fill(~mask, float("-inf"))
+    elif kind == "float":
+        x = x + mask.double()
+    elif causal:
+        x = x.masked_fill(torch.ones(7, 37, dtype=torch.bool).triu(1), float("-inf"))
+    dead = (x == float("-inf")).all(-1, keepdim=True)
+    exact = torch.softmax(x.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    got = probs if p > 0 else out
+    err = (got.double() - exact).abs()
+    assert (err <= exact * 2.0**-24 + 1e-45).all(), f"worst relative error {(err / exact.clamp_min(1e-300)).max():.3g}"
+    if kind in ("bool", "float"):
+        assert torch.equal(got[dead.expand_as(got)], torch.zeros_like(got[dead.expand_as(got)]))
+    if p > 0:
+        keep = philox.dropout_keep_mask(rng, out.shape, p)
+        assert torch.equal(out, torch.where(keep, probs * (1 / (1 - p)), 0.0).float()) or torch.allclose(
+            out, torch.where(keep, probs / (1 - p), 0.0), rtol=2.0**-23, atol=0.0)
+        # the fp32 path drops the same elements
+        out32, probs32, _ = _run(scores.float(), None, scale=0.7, p=p, rng=rng)
+        assert torch.equal(out32, torch.where(keep, out32, 0.0)) and (out32[keep] > 0).sum() == (probs32[keep] > 0).sum()
+
+
+def test_float64_scores_nan_rows(device):
+    """A NaN or +inf score makes its row NaN, as with fp32 scores (and the reference)."""
+    if device != "cpu":
+        pytest.skip("float64 scores: the CPU kernel only")
+    scores = torch.randn(1, 1, 3, 9, dtype=torch.float64)
+    scores[0, 0, 0, 4] = float("nan")
+    scores[0, 0, 1, 2] = float("inf")
+    out, _, _ = _run(scores)
+    assert out[0, 0, :2].isnan().all() and torch.isfinite(out[0, 0, 2]).all()
 
 
 @pytest.fixture(scope="module")

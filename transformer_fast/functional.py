@@ -19,6 +19,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from . import _checks, backends, masks, philox, reference
 from ._checks import ArgumentTypeError, ArgumentValueError
 from .ops import attention as _attention_op
+from .ops import cpu_attention as _cpu_attention_op
 from .ops import decode as _decode_op
 from .ops import ffn as _ffn_op
 from .ops import layer_norm as _layer_norm_op
@@ -518,35 +519,25 @@ def _cpu_scores_in_memory(q4, k4, v4) -> bool:
 
 
 def _cpu_materialized_attention(q4, k4, v4, mask4, padding, is_causal, scale, dropout_p, rng):
-    """Attention with dropout on the CPU, the scores in memory: ``q @ k^T`` and ``p @ v`` as
-    torch's batched GEMMs, scale + masks + softmax + dropout in one pass of the C++ masked_softmax
-    kernel (forward and backward; same Philox elements as the flash kernel's dropout).
+    """The cpu backend's attention with the scores in memory (ops/cpu_attention.py: q @ k^T and
+    attn @ v as torch's batched GEMMs, scale + masks + softmax + dropout in one pass of the C++
+    masked_softmax kernel, the same Philox elements as the flash kernel's dropout).
 
     Why not the flash kernel: on the CPU its recomputing backward and per-tile double sums make
     it slower than torch's SDPA, which with dropout runs its own materialising math path (a
     Bernoulli draw, a softmax and several elementwise passes over the scores); this path
     measured 1.5-1.8x torch's forward+backward (benchmarks/NOTES.md, "The cpu backend's
     attention with dropout").  Without a gradient to take, the flash kernel's forward is the
-    faster from 1024 keys and keeps that (backends.cpu_attention_in_memory).  16-bit inputs
-    compute in fp32, as torch's CPU math path does.
+    faster from 1024 keys and keeps that (backends.cpu_attention_in_memory).
     q4 (B, H, Lq, D), k4 / v4 (B, Hkv, Lk, D / Dv), mask4 (B, H, Lq, Lk) view or None, padding
     (B, Lk) bool (True = pad) or None -> (B, H, Lq, Dv) in q4's dtype."""
-    b, h, lq, d = q4.shape
-    hkv, lk, dv = k4.shape[1], k4.shape[2], v4.shape[3]
-    dtype = q4.dtype
-    if dtype != torch.float32:
-        q4, k4, v4 = q4.float(), k4.float(), v4.float()
+    b, h, lq, _ = q4.shape
+    lk = k4.shape[2]
     # One mask for the kernel (float masks added in fp32), expanded as its contract asks.
     mask4 = masks.combine(mask4, False, padding, lq, lk, 4, torch.float32, q4.device)
     if mask4 is not None:
         mask4 = mask4.expand(b, h, lq, lk)
-    # GQA: the query heads that share key head j are consecutive, so (B, H, Lq, D) as
-    # (B, Hkv, G * Lq, D) meets each key head once; the scores come out in (B, H, Lq, Lk) order.
-    group = h // hkv
-    scores = (q4.reshape(b, hkv, group * lq, d) @ k4.transpose(-2, -1)).view(b, h, lq, lk)
-    probs = _masked_softmax_op.masked_softmax(scores, mask4, scale, is_causal, dropout_p, rng, "cpu")
-    out = (probs.view(b, hkv, group * lq, lk) @ v4).view(b, h, lq, dv)  # (B, H, Lq, Dv)
-    return out if dtype == torch.float32 else out.to(dtype)
+    return _cpu_attention_op.attention_in_memory(q4, k4, v4, mask4, is_causal, scale, dropout_p, rng)
 
 
 def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale, key_padding_mask):
