@@ -1,5 +1,6 @@
 """C++ flash attention (csrc/attention_cpu.cpp, the `cpu` backend of scaled_dot_product_attention
-and the tested reference of the tiling csrc/attention_cuda.cu runs) against the float64 oracle of
+where it does not keep the scores in memory, and the tested reference of the tiling
+csrc/attention_cuda.cu runs) against the float64 oracle of
 DESIGN section 6: the whole functional path (validation, mask folding, custom op, autograd) and the
 C++ launcher directly (lse, dead rows, dropout keep mask bit for bit).
 
@@ -14,7 +15,7 @@ import torch
 
 import transformer_fast as tf
 from transformer_fast import functional as F
-from transformer_fast import philox, reference
+from transformer_fast import backends, philox, reference
 
 from _functional_helpers import DTYPES, MASK_KINDS, dt_id, generator, make_masks, randn
 from conftest import require_backend
@@ -29,6 +30,13 @@ ONE_DTYPE = torch.float32  # the dtype of the tests that run one dtype (cuda: fl
 @pytest.fixture
 def device():
     return require_backend(BACKEND)
+
+
+@pytest.fixture(autouse=True)
+def _flash_kernel(monkeypatch):
+    """This file tests the flash kernel: no call keeps its scores in memory (the cpu backend's
+    path for dropout and 16-bit inputs, tested in tests/test_attention_cpu_dropout.py)."""
+    monkeypatch.setattr(backends, "CPU_ATTENTION_SCORES_IN_MEMORY", 0)
 
 
 def _qkv(b, h, hkv, lq, lk, d, dtype, device, g=None):

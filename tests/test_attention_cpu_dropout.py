@@ -1,9 +1,10 @@
-"""The cpu backend's attention with dropout (functional._cpu_materialized_attention): the scores
-in memory, ``q @ k^T`` and ``p @ v`` as torch's batched GEMMs, scale + masks + softmax + dropout
-in the C++ masked_softmax kernel.  Checked against the float64 oracle of DESIGN section 6 with the
-exact Philox keep mask (the same elements as the flash kernel's dropout, which larger calls still
-run), over dtypes, every mask kind (dead rows included), GQA, Lq != Lk and strided views; and
-``auto``'s choice on the CPU."""
+"""The cpu backend's attention with the scores in memory (ops/cpu_attention.py, taken with dropout
+and for 16-bit inputs where the scores fit): ``q @ k^T`` and ``p @ v`` as torch's batched GEMMs,
+scale + masks + softmax + dropout in the C++ masked_softmax kernel.  Checked against the float64
+oracle of DESIGN section 6 with the exact Philox keep mask (the same elements as the flash
+kernel's dropout, which larger calls still run), over dtypes, every mask kind (dead rows
+included), GQA, Lq != Lk and strided views, with and without dropout; and ``auto``'s choice on
+the CPU."""
 import pytest
 import torch
 
@@ -54,13 +55,15 @@ def _check_dropout(q, k, v, p, *, attn_mask=None, key_padding_mask=None, is_caus
     reference.assert_oracle(results, f"cpu dropout {context}")
 
 
+@pytest.mark.parametrize("p", [0.3, 0.0])
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dt_id)
-def test_masks(dtype, kind):
+def test_masks(dtype, kind, p):
+    """(p = 0: 16-bit inputs keep the scores in memory, fp32 ones take the flash kernel.)"""
     g = generator()
     b, h, lq, lk, d = 2, 3, 7, 70, 32
     q, k, v = (randn(b, h, n, d, dtype=dtype, g=g) for n in (lq, lk, lk))
-    _check_dropout(q, k, v, 0.3, **make_masks(kind, b, h, lq, lk, dtype, g), context=kind)
+    _check_dropout(q, k, v, p, **make_masks(kind, b, h, lq, lk, dtype, g), context=f"{kind} p={p}")
 
 
 @pytest.mark.parametrize("lq,lk,d,causal", [(1, 1, 16, False), (1, 127, 64, True), (127, 7, 24, True),
@@ -71,25 +74,27 @@ def test_lengths_and_head_dims(lq, lk, d, causal):
     _check_dropout(q, k, v, 0.2, is_causal=causal, scale=0.3, context=f"{lq}x{lk} d={d}")
 
 
+@pytest.mark.parametrize("p", [0.25, 0.0])
 @pytest.mark.parametrize("hkv", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dt_id)
-def test_gqa(hkv, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dt_id)
+def test_gqa(hkv, dtype, p):
     """Query heads 2j, 2j+1 (or all four) share key head j: dk / dv summed over each group."""
     g = generator()
     q = randn(2, 4, 9, 32, dtype=dtype, g=g)
     k, v = (randn(2, hkv, 13, 32, dtype=dtype, g=g) for _ in range(2))
-    _check_dropout(q, k, v, 0.25, enable_gqa=True, **make_masks("causal+kpm", 2, 4, 9, 13, dtype, g),
+    _check_dropout(q, k, v, p, enable_gqa=True, **make_masks("causal+kpm", 2, 4, 9, 13, dtype, g),
                    context=f"gqa hkv={hkv}")
 
 
-def test_strided_views_and_leading_dims():
+@pytest.mark.parametrize("dtype,p", [(torch.float32, 0.3), (torch.bfloat16, 0.0)], ids=["fp32-dropout", "bf16"])
+def test_strided_views_and_leading_dims(dtype, p):
     """q/k/v as (B, H, L, D) views of one packed (B, L, 3, H, D) projection; and 5-D inputs."""
     g = generator()
-    packed = randn(2, 11, 3, 2, 32, g=g)
+    packed = randn(2, 11, 3, 2, 32, dtype=dtype, g=g)
     q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
-    _check_dropout(q, k, v, 0.3, **make_masks("kpm", 2, 2, 11, 11, torch.float32, g), context="packed")
-    q, k, v = (randn(2, 3, 2, 5, 16, g=g) for _ in range(3))
-    _check_dropout(q, k, v, 0.3, is_causal=True, context="5-D")
+    _check_dropout(q, k, v, p, **make_masks("kpm", 2, 2, 11, 11, dtype, g), context="packed")
+    q, k, v = (randn(2, 3, 2, 5, 16, dtype=dtype, g=g) for _ in range(3))
+    _check_dropout(q, k, v, p, is_causal=True, context="5-D")
 
 
 def test_dead_rows_are_zero_with_zero_gradients():
@@ -169,6 +174,14 @@ def test_auto_takes_cpu_for_dropout_on_the_cpu(monkeypatch):
     assert resolve("scaled_dot_product_attention", "auto", {**train, "dropout_p": 0.1}) == "cpu"
     assert resolve("scaled_dot_product_attention", "auto", {**inputs, "dropout_p": 0.0}) == "torch"
     assert resolve("scaled_dot_product_attention", "auto", {**train, "dropout_p": 0.0}) == "torch"
+    # 16-bit without dropout: float16 always, bfloat16 forward+backward (its forward alone
+    # measured slower than torch's)
+    for dtype, forward, training in ((torch.float16, "cpu", "cpu"), (torch.bfloat16, "torch", "cpu")):
+        q16 = q.to(dtype)
+        half = {**inputs, "query": q16, "key": q16, "value": q16, "dropout_p": 0.0}
+        assert resolve("scaled_dot_product_attention", "auto", half) == forward, dtype
+        assert resolve("scaled_dot_product_attention", "auto",
+                       {**half, "query": q16.clone().requires_grad_()}) == training, dtype
     # Beyond the bound the cpu backend runs its flash kernel: faster than torch's SDPA in a
     # forward, slower in forward+backward.
     monkeypatch.setattr(backends, "CPU_ATTENTION_SCORES_IN_MEMORY", 2 * 2 * 8 * 8 - 1)
@@ -186,10 +199,12 @@ def test_auto_takes_cpu_for_dropout_on_the_cpu(monkeypatch):
     (1 << 26, 5, True, "cpu_attention_fwd"), (1 << 26, 5, False, "cpu_attention_fwd"),
     (1 << 26, 1024, True, "cpu_attention_fwd"), (1 << 26, 1024, False, "attention_fwd"),
     (0, 5, True, "attention_fwd")], ids=["train", "forward", "train-1024-keys", "forward-1024-keys", "past-bound"])
-def test_which_kernel_runs(monkeypatch, bound, keys, grad, kernel):
+@pytest.mark.parametrize("dtype,p", [(torch.float32, 0.5), (torch.bfloat16, 0.0), (torch.float16, 0.0)],
+                         ids=["fp32-dropout", "bf16", "fp16"])
+def test_which_kernel_runs(monkeypatch, bound, keys, grad, kernel, dtype, p):
     """Within the bound the scores stay in memory (the cpu_attention op); past it, and in a
     forward without gradient from 1024 keys (where its forward measured faster), the flash
-    kernel runs (and no masked_softmax)."""
+    kernel runs (and no masked_softmax).  fp32 without dropout: always the flash kernel."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Seen(TorchDispatchMode):
@@ -200,14 +215,32 @@ def test_which_kernel_runs(monkeypatch, bound, keys, grad, kernel):
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(backends, "CPU_ATTENTION_SCORES_IN_MEMORY", bound)
-    q = torch.randn(1, 2, 5, 16, requires_grad=grad)
-    k = torch.randn(1, 2, keys, 16, requires_grad=grad)
+    q = torch.randn(1, 2, 5, 16, dtype=dtype, requires_grad=grad)
+    k = torch.randn(1, 2, keys, 16, dtype=dtype, requires_grad=grad)
     with Seen() as seen:
-        out = F.scaled_dot_product_attention(q, k, k, dropout_p=0.5, backend="cpu")
+        out = F.scaled_dot_product_attention(q, k, k, dropout_p=p, backend="cpu")
         if grad:
             out.sum().backward()
     other = "attention_fwd" if kernel == "cpu_attention_fwd" else "cpu_attention_fwd"
     assert kernel in seen.names and other not in seen.names, seen.names
+
+
+def test_fp32_without_dropout_keeps_the_flash_kernel():
+    """fp32 without dropout: the flash kernel (exact: its probabilities recomputed in double),
+    never the in-memory path, whose fp32 probabilities miss the bound in rare peaked rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 2, 5, 16, requires_grad=True)
+    with Seen() as seen:
+        F.scaled_dot_product_attention(q, q, q, backend="cpu").sum().backward()
+    assert "attention_fwd" in seen.names and "cpu_attention_fwd" not in seen.names
 
 
 @pytest.mark.parametrize("std", [34.0, 60.0])

@@ -113,29 +113,38 @@ def _relu_inference(inputs: Mapping[str, object]) -> bool:
             and not inputs_need_grad(inputs))
 
 
-# The cpu backend's attention with dropout keeps the scores in memory up to this many elements
-# per call (B * H * Lq * Lk: 256 MB of fp32 probabilities, two such tensors saved for backward);
-# larger calls run its flash kernel, whose memory is linear in the lengths (and which is slower
-# than torch's SDPA on the CPU in forward+backward).  Without a gradient to take, the flash
-# kernel's forward is the faster one from ~1024 keys.
+# The cpu backend's attention keeps the scores in memory, with dropout or 16-bit inputs, up to
+# this many elements per call (B * H * Lq * Lk: 256 MB of fp32 probabilities, two such tensors
+# saved for backward); larger calls run its flash kernel, whose memory is linear in the lengths
+# (and which is slower than torch's SDPA on the CPU in forward+backward).  Without a gradient to
+# take, the flash kernel's forward is the faster one from ~1024 keys.
 CPU_ATTENTION_SCORES_IN_MEMORY = 1 << 26
 CPU_ATTENTION_FLASH_FORWARD_KEYS = 1024
 
 
 def cpu_attention_in_memory(scores: int, keys: int, needs_grad: bool) -> bool:
-    """Whether the cpu backend's attention with dropout materialises these scores (B * H * Lq
-    * Lk elements, ``keys`` = Lk)."""
+    """Whether the cpu backend's attention (with dropout, or 16-bit) materialises these scores
+    (B * H * Lq * Lk elements, ``keys`` = Lk)."""
     return scores <= CPU_ATTENTION_SCORES_IN_MEMORY and (needs_grad or keys < CPU_ATTENTION_FLASH_FORWARD_KEYS)
 
 
-def _sdpa_cpu_dropout(inputs: Mapping[str, object]) -> bool:
-    """SDPA with dropout where the cpu backend beats torch's: forward+backward with the scores in
-    memory, or a forward alone (either of its paths)."""
+def _sdpa_cpu_in_memory(inputs: Mapping[str, object]) -> bool:
+    """SDPA where the cpu backend beats torch's on the CPU (benchmarks/NOTES.md, "The cpu
+    backend's attention with dropout", "Exact scores for the cpu attention in memory"): with
+    dropout, forward+backward with the scores in memory or a forward alone (either of its
+    paths); without, float16 with the scores in memory (torch's CPU SDPA measured 1.3-2.4x
+    slower forward, 4-7x forward+backward) and bfloat16 forward+backward with them in memory
+    (1.1-1.9x below 512 keys, 0.91-0.96x at 512; the forward alone 0.65-1.05x stays on torch)."""
     q, k = inputs.get("query"), inputs.get("key")
-    if not (inputs.get("dropout_p") and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and q.dim() >= 2):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2):
         return False
-    return not inputs_need_grad(inputs) or cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], True)
+    grad = inputs_need_grad(inputs)
+    in_memory = cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], grad)
+    if inputs.get("dropout_p"):
+        return not grad or in_memory
+    if q.dtype == torch.float16:
+        return in_memory
+    return q.dtype == torch.bfloat16 and grad and in_memory
 
 
 def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
@@ -171,7 +180,8 @@ def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
 # 5.48 ms (H200 run, results/NVIDIA_H200/2026-11-29-6ee7f14, results_call2.md).  On the CPU,
 # SDPA with dropout goes to cpu, whose materialising path (GEMMs + the fused masked_softmax
 # kernel) measured faster than torch's SDPA, which runs its math path with dropout
-# (benchmarks/NOTES.md, "The cpu backend's attention with dropout").
+# (benchmarks/NOTES.md, "The cpu backend's attention with dropout"), and so do 16-bit calls
+# without dropout where that path measured faster (_sdpa_cpu_in_memory).
 # Everything else keeps AUTO_ORDER (torch first).
 AUTO_RULES: dict[tuple[str, str], list] = {
     ("cuda", "scaled_dot_product_attention"): [
@@ -182,7 +192,7 @@ AUTO_RULES: dict[tuple[str, str], list] = {
     ("cuda", "feed_forward"): [(_relu_inference, ("cuda", "torch", "triton"))],
     ("cuda", "linear_bias_act"): [(_relu_inference, ("cuda", "torch", "triton"))],
     ("cpu", "attention_with_kv_cache"): [(_kv_cache_many_rows, ("torch", "cpu"))],
-    ("cpu", "scaled_dot_product_attention"): [(_sdpa_cpu_dropout, ("cpu", "torch"))],
+    ("cpu", "scaled_dot_product_attention"): [(_sdpa_cpu_in_memory, ("cpu", "torch"))],
 }
 
 

@@ -510,9 +510,14 @@ def _allow_tf32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and _tf32_matmul_enabled()
 
 
-def _cpu_scores_in_memory(q4, k4, v4) -> bool:
-    """Whether the cpu backend's attention with dropout keeps these scores in memory
-    (backends.cpu_attention_in_memory) and _C has the masked_softmax kernel it then runs."""
+def _cpu_scores_in_memory(q4, k4, v4, dropout_p) -> bool:
+    """Whether the cpu backend's attention keeps these scores in memory: with dropout, or with
+    16-bit inputs, where they fit (backends.cpu_attention_in_memory) and _C has the
+    masked_softmax kernel it then runs.  fp32 inputs without dropout keep the flash kernel,
+    exact in double where the in-memory path saves fp32 probabilities (benchmarks/NOTES.md,
+    "Exact scores for the cpu attention in memory")."""
+    if dropout_p == 0.0 and q4.dtype not in (torch.float16, torch.bfloat16):
+        return False
     needs_grad = torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad)
     return (backends.cpu_attention_in_memory(q4.shape[:-1].numel() * k4.shape[2], k4.shape[2], needs_grad)
             and not _masked_softmax_built("cpu"))
@@ -526,9 +531,11 @@ def _cpu_materialized_attention(q4, k4, v4, mask4, padding, is_causal, scale, dr
     Why not the flash kernel: on the CPU its recomputing backward and per-tile double sums make
     it slower than torch's SDPA, which with dropout runs its own materialising math path (a
     Bernoulli draw, a softmax and several elementwise passes over the scores); this path
-    measured 1.5-1.8x torch's forward+backward (benchmarks/NOTES.md, "The cpu backend's
-    attention with dropout").  Without a gradient to take, the flash kernel's forward is the
-    faster from 1024 keys and keeps that (backends.cpu_attention_in_memory).
+    measured 1.3-1.5x torch's forward+backward in fp32 and 1.7-2x in bf16 with dropout, and
+    2-3x the flash kernel without (benchmarks/NOTES.md, "The cpu backend's attention with
+    dropout", "Exact scores for the cpu attention in memory").  Without a gradient to take, the
+    flash kernel's forward is the faster from 1024 keys and keeps that
+    (backends.cpu_attention_in_memory).
     q4 (B, H, Lq, D), k4 / v4 (B, Hkv, Lk, D / Dv), mask4 (B, H, Lq, Lk) view or None, padding
     (B, Lk) bool (True = pad) or None -> (B, H, Lq, Dv) in q4's dtype."""
     b, h, lq, _ = q4.shape
@@ -569,7 +576,7 @@ def _fused_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale,
             mask4 = mask4.to(mask_dtype)
     rng = philox.new_rng(query.device) if dropout_p > 0.0 else None
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if name == "cpu" and dropout_p > 0.0 and _cpu_scores_in_memory(q4, k4, v4):
+    if name == "cpu" and _cpu_scores_in_memory(q4, k4, v4, dropout_p):
         out = _cpu_materialized_attention(q4, k4, v4, mask4, padding, is_causal, scale, dropout_p, rng)
         return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
     out = _attention_op.attention(
