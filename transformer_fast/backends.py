@@ -132,9 +132,10 @@ def _sdpa_cpu_in_memory(inputs: Mapping[str, object]) -> bool:
     """SDPA where the cpu backend beats torch's on the CPU (benchmarks/NOTES.md, "The cpu
     backend's attention with dropout", "Exact scores for the cpu attention in memory"): with
     dropout, forward+backward with the scores in memory or a forward alone (either of its
-    paths); without, float16 with the scores in memory (torch's CPU SDPA measured 1.3-2.4x
-    slower forward, 4-7x forward+backward) and bfloat16 forward+backward with them in memory
-    (1.1-1.9x below 512 keys, 0.91-0.96x at 512; the forward alone 0.65-1.05x stays on torch)."""
+    paths); without, 16-bit forward+backward with them in memory (float16 4-7x torch's SDPA,
+    bfloat16 1.1-1.9x below 512 keys, 0.91-0.96x at 512).  A 16-bit forward alone stays on
+    torch: bfloat16's measured 0.65-1.05x, and a layer's inference call runs the flash kernel
+    in its C++ op (modules/_native.py), 0.76-1.0x torch's in float16."""
     q, k = inputs.get("query"), inputs.get("key")
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2):
         return False
@@ -142,9 +143,7 @@ def _sdpa_cpu_in_memory(inputs: Mapping[str, object]) -> bool:
     in_memory = cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], grad)
     if inputs.get("dropout_p"):
         return not grad or in_memory
-    if q.dtype == torch.float16:
-        return in_memory
-    return q.dtype == torch.bfloat16 and grad and in_memory
+    return q.dtype in (torch.float16, torch.bfloat16) and grad and in_memory
 
 
 def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
