@@ -181,6 +181,13 @@ def test_auto_takes_cpu_for_dropout_on_the_cpu(monkeypatch):
         assert resolve("scaled_dot_product_attention", "auto", half) == forward, dtype
         assert resolve("scaled_dot_product_attention", "auto",
                        {**half, "query": q16.clone().requires_grad_()}) == training, dtype
+    # bf16 from 512 keys: torch's SDPA measured as fast
+    long_k = torch.randn(2, 2, 512, 16, dtype=torch.bfloat16)
+    for dtype, choice in ((torch.bfloat16, "torch"), (torch.float16, "cpu")):
+        q16 = q.to(dtype).requires_grad_()
+        k16 = long_k.to(dtype)
+        assert resolve("scaled_dot_product_attention", "auto",
+                       {**inputs, "query": q16, "key": k16, "value": k16, "dropout_p": 0.0}) == choice, dtype
     # Beyond the bound the cpu backend runs its flash kernel: faster than torch's SDPA in a
     # forward, slower in forward+backward.
     monkeypatch.setattr(backends, "CPU_ATTENTION_SCORES_IN_MEMORY", 2 * 2 * 8 * 8 - 1)

@@ -120,6 +120,9 @@ def _relu_inference(inputs: Mapping[str, object]) -> bool:
 # take, the flash kernel's forward is the faster one from ~1024 keys.
 CPU_ATTENTION_SCORES_IN_MEMORY = 1 << 26
 CPU_ATTENTION_FLASH_FORWARD_KEYS = 1024
+# bf16 SDPA without dropout goes to the cpu backend (`auto`) up to this many keys: torch's bf16
+# CPU SDPA is as fast from 512 (cpu-AMD_EPYC/2026-12-02-3a90c1a-quick).
+CPU_ATTENTION_BF16_KEYS = 256
 
 
 def cpu_attention_in_memory(scores: int, keys: int, needs_grad: bool) -> bool:
@@ -132,10 +135,10 @@ def _sdpa_cpu_in_memory(inputs: Mapping[str, object]) -> bool:
     """SDPA where the cpu backend beats torch's on the CPU (benchmarks/NOTES.md, "The cpu
     backend's attention with dropout", "Exact scores for the cpu attention in memory"): with
     dropout, forward+backward with the scores in memory or a forward alone (either of its
-    paths); without, 16-bit forward+backward with them in memory (float16 4-7x torch's SDPA,
-    bfloat16 1.1-1.9x below 512 keys, 0.91-0.96x at 512).  A 16-bit forward alone stays on
-    torch: bfloat16's measured 0.65-1.05x, and a layer's inference call runs the flash kernel
-    in its C++ op (modules/_native.py), 0.76-1.0x torch's in float16."""
+    paths); without, 16-bit forward+backward with them in memory: float16 (4-7x torch's SDPA)
+    and bfloat16 up to CPU_ATTENTION_BF16_KEYS keys (1.1-2.2x; 0.76-1.02x at 512).  A 16-bit
+    forward alone stays on torch: bfloat16's measured 0.65-1.17x, and a layer's inference call
+    runs the flash kernel in its C++ op (modules/_native.py), 0.76-1.0x torch's in float16."""
     q, k = inputs.get("query"), inputs.get("key")
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2):
         return False
@@ -143,7 +146,9 @@ def _sdpa_cpu_in_memory(inputs: Mapping[str, object]) -> bool:
     in_memory = cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], grad)
     if inputs.get("dropout_p"):
         return not grad or in_memory
-    return q.dtype in (torch.float16, torch.bfloat16) and grad and in_memory
+    if q.dtype == torch.float16:
+        return grad and in_memory
+    return q.dtype == torch.bfloat16 and grad and in_memory and k.shape[-2] <= CPU_ATTENTION_BF16_KEYS
 
 
 def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
