@@ -143,12 +143,17 @@ def _sdpa_cpu_in_memory(inputs: Mapping[str, object]) -> bool:
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2):
         return False
     grad = inputs_need_grad(inputs)
-    in_memory = cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], grad)
+    # (No size comparison unless needed: on a traced call's symbolic sizes each one is a guard,
+    # and an exported model's dynamic batch or length would be specialised by it.)
     if inputs.get("dropout_p"):
-        return not grad or in_memory
-    if q.dtype == torch.float16:
-        return grad and in_memory
-    return q.dtype == torch.bfloat16 and grad and in_memory and k.shape[-2] <= CPU_ATTENTION_BF16_KEYS
+        return not grad or cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], True)
+    if not grad or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not all(type(n) is int for n in (*q.shape, k.shape[-2])):
+        return False  # symbolic sizes (a traced call): torch, as before this rule
+    if q.dtype == torch.bfloat16 and k.shape[-2] > CPU_ATTENTION_BF16_KEYS:
+        return False
+    return cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], True)
 
 
 def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:
