@@ -28,10 +28,10 @@ def flash_only(monkeypatch):
 
 
 def _check_dropout(q, k, v, p, *, attn_mask=None, key_padding_mask=None, is_causal=False,
-                   scale=None, enable_gqa=False, context="", upstream_seed=None):
+                   scale=None, enable_gqa=False, context="", draw_seed=None):
     """The oracle over out, dq, dk, dv, the reference dropping exactly philox's elements
-    (``upstream_seed``: the dropout's and the upstream gradient's seed, to replay a draw)."""
-    seed = int(torch.randint(0, 2**31, (1,))) if upstream_seed is None else upstream_seed
+    (``draw_seed``: the seed of the dropout and of the upstream gradient, to replay a draw)."""
+    seed = int(torch.randint(0, 2**31, (1,))) if draw_seed is None else draw_seed
     b, h, lq, lk = q.shape[:-3].numel(), q.shape[-3], q.shape[-2], k.shape[-2]
     torch.manual_seed(seed)
     keep = philox.dropout_keep_mask(philox.new_rng("cpu"), (b, h, lq, lk), p).reshape(*q.shape[:-1], lk)
@@ -51,7 +51,7 @@ def _check_dropout(q, k, v, p, *, attn_mask=None, key_padding_mask=None, is_caus
     if attn_mask is not None:
         inputs["attn_mask"] = attn_mask
     results = reference.run_oracle(kernel, ref, inputs, ["query", "key", "value"],
-                                   atol=oracle_atol("cpu", q.dtype), seed=upstream_seed)
+                                   atol=oracle_atol("cpu", q.dtype), seed=draw_seed)
     reference.assert_oracle(results, f"cpu dropout {context}")
 
 
@@ -277,7 +277,7 @@ def test_fp32_peaked_rows(seed, scale):
     if seed % 3 == 0:  # tied: the first keys equal the first queries (nearly one-hot rows)
         k[:, :, : min(lq, lk)] = q[:, :, : min(lq, lk)]
     _check_dropout(q, k, v, 0.1, is_causal=seed % 5 == 1, scale=scale, context=f"seed {seed}",
-                   upstream_seed=seed)
+                   draw_seed=seed)
 
 
 def test_nan_key_at_a_masked_position_stays_out():
