@@ -127,27 +127,33 @@ const float* mask_row(const FwdArgs& a, int64_t row, int64_t n, float* buf) {
   }
 }
 
-// Pass 1 of a row of fp32 / 16-bit scores: s = x * scale, masked, into `s`; returns the max.
-inline float scale_mask_max(const FwdArgs& a, const float* x, const float* m, int64_t n, float* s) {
-  const Vec vscale(a.scale), vninf(kNegInf), vzero(0.0f);
-  Vec vmax(kNegInf);
+// Pass 1 of a row: s = x * scale, masked (-inf where a bool mask is 0, + a float mask), into
+// `s`; returns the row max (NaN if any).  S = float for fp32 / 16-bit scores, double for float64
+// ones (the mask row then converted to double).
+template <typename S>
+inline S scale_mask_max(int kind, const S* x, const S* m, int64_t n, S* s, S scale) {
+  using VecS = at::vec::Vectorized<S>;
+  constexpr int64_t kVS = VecS::size();
+  constexpr S kNegInfS = -std::numeric_limits<S>::infinity();
+  const VecS vscale(scale), vninf(kNegInfS), vzero(S(0));
+  VecS vmax(kNegInfS);
   int64_t j = 0;
-  for (; j + kV <= n; j += kV) {
-    Vec v = Vec::loadu(x + j) * vscale;
-    if (a.kind == kMaskBool) {
-      v = Vec::blendv(vninf, v, Vec::loadu(m + j) != vzero);
-    } else if (a.kind == kMaskFloat) {
-      v = v + Vec::loadu(m + j);
+  for (; j + kVS <= n; j += kVS) {
+    VecS v = VecS::loadu(x + j) * vscale;
+    if (kind == kMaskBool) {
+      v = VecS::blendv(vninf, v, VecS::loadu(m + j) != vzero);
+    } else if (kind == kMaskFloat) {
+      v = v + VecS::loadu(m + j);
     }
     v.store(s + j);
     vmax = at::vec::maximum(vmax, v);  // propagates NaN
   }
-  float mx = at::vec::vec_reduce_all([](Vec& u, Vec& v) { return at::vec::maximum(u, v); }, vmax);
+  S mx = at::vec::vec_reduce_all([](VecS& u, VecS& v) { return at::vec::maximum(u, v); }, vmax);
   for (; j < n; ++j) {
-    float v = x[j] * a.scale;
-    if (a.kind == kMaskBool) {
-      v = m[j] != 0.0f ? v : kNegInf;
-    } else if (a.kind == kMaskFloat) {
+    S v = x[j] * scale;
+    if (kind == kMaskBool) {
+      v = m[j] != S(0) ? v : kNegInfS;
+    } else if (kind == kMaskFloat) {
       v += m[j];
     }
     s[j] = v;
@@ -167,35 +173,13 @@ inline float softmax_row_double(const FwdArgs& a, const double* x, const float* 
   using VecD = at::vec::Vectorized<double>;
   constexpr int64_t kVD = VecD::size();
   constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
-  const VecD vscale(a.scale_d), vninf(kNegInfD), vzero(0.0);
   if (m != nullptr) at::vec::convert(m, md, n);
-  VecD vmax(kNegInfD);
-  int64_t j = 0;
-  for (; j + kVD <= n; j += kVD) {
-    VecD v = VecD::loadu(x + j) * vscale;
-    if (a.kind == kMaskBool) {
-      v = VecD::blendv(vninf, v, VecD::loadu(md + j) != vzero);
-    } else if (a.kind == kMaskFloat) {
-      v = v + VecD::loadu(md + j);
-    }
-    v.store(d + j);
-    vmax = at::vec::maximum(vmax, v);  // propagates NaN
-  }
-  double mx = at::vec::vec_reduce_all([](VecD& u, VecD& v) { return at::vec::maximum(u, v); }, vmax);
-  for (; j < n; ++j) {
-    double v = x[j] * a.scale_d;
-    if (a.kind == kMaskBool) {
-      v = md[j] != 0.0 ? v : kNegInfD;
-    } else if (a.kind == kMaskFloat) {
-      v += md[j];
-    }
-    d[j] = v;
-    mx = (v > mx || v != v) ? v : mx;
-  }
+  const double mx = scale_mask_max<double>(a.kind, x, md, n, d, a.scale_d);
   const double shift = mx == kNegInfD ? 0.0 : mx;  // a dead row: exp(-inf) = 0 everywhere
   const VecD vshift(shift);
   VecD vsum(0.0);
-  for (j = 0; j + kVD <= n; j += kVD) {
+  int64_t j = 0;
+  for (; j + kVD <= n; j += kVD) {
     const VecD e = (VecD::loadu(d + j) - vshift).exp();
     e.store(d + j);
     vsum = vsum + e;
@@ -238,7 +222,7 @@ void fwd_rows(const FwdArgs& a, int64_t begin, int64_t end) {
       inv = softmax_row_double(a, x, m, n, s, dbuf.data(), dbuf.data() + Lk);
     } else {
       // pass 1: s = x * scale, masked; the row max
-      const float mx = scale_mask_max(a, row_as_float(x, n, s), m, n, s);
+      const float mx = scale_mask_max<float>(a.kind, row_as_float(x, n, s), m, n, s, a.scale);
 
       // pass 2: e = exp(s - m), l = sum(e).  A dead row has m = -inf: shift by 0 instead, so
       // that exp gives 0 everywhere (never exp(-inf + inf) = NaN) and l = 0.  A NaN or +inf
