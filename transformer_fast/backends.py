@@ -125,10 +125,18 @@ CPU_ATTENTION_FLASH_FORWARD_KEYS = 1024
 CPU_ATTENTION_BF16_KEYS = 256
 
 
-def cpu_attention_in_memory(scores: int, keys: int, needs_grad: bool) -> bool:
-    """Whether the cpu backend's attention (with dropout, or 16-bit) materialises these scores
-    (B * H * Lq * Lk elements, ``keys`` = Lk)."""
-    return scores <= CPU_ATTENTION_SCORES_IN_MEMORY and (needs_grad or keys < CPU_ATTENTION_FLASH_FORWARD_KEYS)
+def cpu_attention_in_memory(q: torch.Tensor, k: torch.Tensor, dropout_p: float, needs_grad: bool) -> bool:
+    """Whether the cpu backend's attention keeps the scores of q (..., H, Lq, D) against k
+    (..., Lk, D) in memory: with dropout, or 16-bit inputs (fp32 without dropout keeps the flash
+    kernel, exact in double where this path saves fp32 probabilities), where they fit.  Without
+    dropout, symbolic sizes (a traced call) keep the flash kernel: each size comparison would be
+    a guard that an exported model's dynamic batch or length is specialised by."""
+    if not dropout_p and (q.dtype not in (torch.float16, torch.bfloat16)
+                          or not all(type(n) is int for n in (*q.shape, k.shape[-2]))):
+        return False
+    keys = k.shape[-2]
+    return (q.shape[:-1].numel() * keys <= CPU_ATTENTION_SCORES_IN_MEMORY
+            and (needs_grad or keys < CPU_ATTENTION_FLASH_FORWARD_KEYS))
 
 
 def _sdpa_cpu_in_memory(inputs: Mapping[str, object]) -> bool:
@@ -143,17 +151,12 @@ def _sdpa_cpu_in_memory(inputs: Mapping[str, object]) -> bool:
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2):
         return False
     grad = inputs_need_grad(inputs)
-    # (No size comparison unless needed: on a traced call's symbolic sizes each one is a guard,
-    # and an exported model's dynamic batch or length would be specialised by it.)
-    if inputs.get("dropout_p"):
-        return not grad or cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], True)
-    if not grad or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if not all(type(n) is int for n in (*q.shape, k.shape[-2])):
-        return False  # symbolic sizes (a traced call): torch, as before this rule
-    if q.dtype == torch.bfloat16 and k.shape[-2] > CPU_ATTENTION_BF16_KEYS:
-        return False
-    return cpu_attention_in_memory(q.shape[:-1].numel() * k.shape[-2], k.shape[-2], True)
+    dropout_p = inputs.get("dropout_p") or 0.0
+    if dropout_p:
+        return not grad or cpu_attention_in_memory(q, k, dropout_p, True)
+    # (the key count compared only where the sizes are concrete: cpu_attention_in_memory)
+    return (grad and cpu_attention_in_memory(q, k, 0.0, True)
+            and (q.dtype != torch.bfloat16 or k.shape[-2] <= CPU_ATTENTION_BF16_KEYS))
 
 
 def _kv_cache_many_rows(inputs: Mapping[str, object]) -> bool:

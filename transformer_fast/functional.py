@@ -511,17 +511,11 @@ def _allow_tf32(dtype: torch.dtype) -> bool:
 
 
 def _cpu_scores_in_memory(q4, k4, v4, dropout_p) -> bool:
-    """Whether the cpu backend's attention keeps these scores in memory: with dropout, or with
-    16-bit inputs, where they fit (backends.cpu_attention_in_memory) and _C has the
-    masked_softmax kernel it then runs.  fp32 inputs without dropout keep the flash kernel,
-    exact in double where the in-memory path saves fp32 probabilities (benchmarks/NOTES.md,
-    "Exact scores for the cpu attention in memory")."""
-    if dropout_p == 0.0 and (q4.dtype not in (torch.float16, torch.bfloat16)
-                             or not all(type(n) is int for n in (*q4.shape, k4.shape[2]))):
-        return False  # (symbolic sizes, a traced call: no size guard that was not there before)
+    """Whether the cpu backend's attention keeps these scores in memory
+    (backends.cpu_attention_in_memory: with dropout or 16-bit inputs, where they fit) and _C has
+    the masked_softmax kernel it then runs."""
     needs_grad = torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad)
-    return (backends.cpu_attention_in_memory(q4.shape[:-1].numel() * k4.shape[2], k4.shape[2], needs_grad)
-            and not _masked_softmax_built("cpu"))
+    return backends.cpu_attention_in_memory(q4, k4, dropout_p, needs_grad) and not _masked_softmax_built("cpu")
 
 
 def _cpu_materialized_attention(q4, k4, v4, mask4, padding, is_causal, scale, dropout_p, rng):

@@ -1,6 +1,6 @@
 """The cpu backend's attention with the scores in memory, as a torch.library custom op.
 
-Where the scores fit (backends.cpu_attention_in_memory), the cpu backend's SDPA keeps them in
+Where the scores fit (transformer_fast.backends.cpu_attention_in_memory), the cpu backend's SDPA keeps them in
 memory, as torch's CPU math path does, but in three passes instead of torch's chain of ops:
 
   forward   scores = q @ k^T (torch's batched GEMM), the C++ masked_softmax kernel (scale, masks,
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends, philox, reference
+from .. import philox, reference
 from . import call, eager_autograd, half_to_float, own, recomputed_grads, recording_backward
 from . import masked_softmax as _masked_softmax_op
 
@@ -60,8 +60,8 @@ def _cpu_attention_fwd_impl(
     kw = k.to(wide)
     scores = (_grouped(qw, hkv) @ kw.transpose(-2, -1)).view(b, h, lq, lk)
     del qw, kw
-    backends.extension_status()  # imports _C, which registers the ops
-    attn, probs = torch.ops.transformer_fast_C.masked_softmax_fwd(scores, mask, scale, is_causal, dropout_p, rng)
+    softmax_fwd, _ = _masked_softmax_op._launcher("cpu")  # csrc/masked_softmax_cpu.cpp
+    attn, probs = softmax_fwd(scores, mask, scale, is_causal, dropout_p, rng)
     del scores
     out = (_grouped(attn, hkv) @ v.float()).view(b, h, lq, dv)
     return own(out if q.dtype == torch.float32 else out.to(q.dtype)), attn, probs
