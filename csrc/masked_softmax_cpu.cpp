@@ -297,11 +297,23 @@ void bwd_rows(const BwdArgs& a, int64_t begin, int64_t end) {
     }
     // delta and ds in double, rounded once: where dp ~ delta, an fp32 delta's rounding is as
     // large as the difference (the fp32 attention's peaked rows missed the oracle by it).
-    RowSumD sum;
+    // delta is taken over the saved probabilities' own sum: rounded, they sum to 1 +- a few
+    // ulps, and sum(p * dp) alone then carries that excess times dp's common part into every ds
+    // (the in-memory attention's peaked rows with dropout missed by up to 8x).  Divided by
+    // sum(p), delta is exact for a constant dp, as the true gradient's (dp + c gives the same ds).
+    RowSumD sum, psum;
     int64_t j = 0;
-    for (; j + kV <= Lk; j += kV) sum.add_product(Vec::loadu(d + j), Vec::loadu(p + j));
-    double delta = sum.value();
-    for (; j < Lk; ++j) delta += static_cast<double>(d[j]) * p[j];
+    for (; j + kV <= Lk; j += kV) {
+      const Vec pv = Vec::loadu(p + j);
+      sum.add_product(Vec::loadu(d + j), pv);
+      psum.add(pv);
+    }
+    double delta = sum.value(), total = psum.value();
+    for (; j < Lk; ++j) {
+      delta += static_cast<double>(d[j]) * p[j];
+      total += p[j];
+    }
+    if (total > 0.0) delta /= total;  // (a dead row's p are 0: its ds stays 0 * (dp - delta))
     float* o = std::is_same_v<T, float> ? reinterpret_cast<float*>(ds + row * Lk) : fbuf;
     for (j = 0; j < Lk; ++j) {  // (vectorised by the compiler: no reduction)
       o[j] = static_cast<float>(a.scale_d * (static_cast<double>(p[j]) * (static_cast<double>(d[j]) - delta)));

@@ -184,6 +184,25 @@ def test_poisoned_outputs_fill_new_tensors_with_nan():
     assert torch.are_deterministic_algorithms_enabled() == was
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sliced_copies_hold_a_huge_finite_value_in_their_gaps(dtype):
+    """The oracle's copy of a sliced input keeps its strides, and its gaps hold a quarter of the
+    dtype's max (another tensor's data in a caller's buffer), even under poisoned_outputs: a
+    kernel that used them would be far off, but torch's oneDNN bf16 GEMMs on AMX CPUs, which
+    read a row's gap elements against zero padding, give the contiguous input's result (with
+    NaN there they gave NaN: the fuzz's linear_cross_entropy failed on an AMX Xeon)."""
+    base = torch.randn(17, 38, dtype=dtype)
+    sliced = base[:, 1:36]
+    with reference.poisoned_outputs():
+        copy = reference.copy_keeping_layout(sliced)
+    assert copy.stride() == sliced.stride() and torch.equal(copy, sliced)
+    flat = copy.as_strided((copy.untyped_storage().nbytes() // copy.element_size(),), (1,), 0)
+    gaps = flat.view(-1)[35:].unfold(0, 3, 38)  # the 3 elements after each row but the last
+    assert (gaps == torch.finfo(dtype).max / 4).all()
+    w = torch.randn(7, 35, dtype=dtype)
+    assert torch.equal(torch.mm(copy, w.t()), torch.mm(sliced.contiguous(), w.t()))
+
+
 # --------------------------------------------------------------------------------------------
 # Attention's output layout: torch.empty_like's order for an expanded or sliced query.
 

@@ -291,7 +291,15 @@ def _as_tuple(x):
 def copy_keeping_layout(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` with ``t``'s strides, so that the kernel under test sees the caller's
     layout: ``clone()`` keeps a dense layout (transposed, permuted) but makes a sliced view
-    contiguous and materialises an expanded (stride-0) one."""
+    contiguous and materialises an expanded (stride-0) one.
+
+    The gaps between a sliced view's rows hold a huge finite value (a quarter of the dtype's
+    max), as they hold another tensor's data in a caller's buffer: a kernel that used them would
+    be far off, while one that only reads them into a product with zero padding is unaffected.
+    Not NaN (what ``poisoned_outputs`` would leave there): torch's own oneDNN bf16 / fp16 GEMMs
+    on CPUs with AMX read a row's gap elements into tiles whose other operand is zero-padded, so
+    a NaN there makes even ``F.linear``'s result NaN (benchmarks/NOTES.md, "Sliced inputs' gaps
+    and AMX GEMMs")."""
     if t.numel() == 0 or t.is_contiguous():
         return t.clone()
     core = t
@@ -299,7 +307,10 @@ def copy_keeping_layout(t: torch.Tensor) -> torch.Tensor:
         if t.stride(d) == 0 and t.size(d) > 1:
             core = core.narrow(d, 0, 1)  # the broadcast dim is expanded again below
     span = 1 + sum((n - 1) * s for n, s in zip(core.shape, core.stride()))
-    copy = core.new_empty(span).as_strided(core.shape, core.stride())
+    copy = core.new_empty(span)
+    if copy.is_floating_point():
+        copy.fill_(torch.finfo(copy.dtype).max / 4)
+    copy = copy.as_strided(core.shape, core.stride())
     try:
         copy.copy_(core)
     except RuntimeError:  # self-overlapping strides other than broadcasts: a dense copy

@@ -25,6 +25,7 @@ dropout); only ``out`` is the caller's, the others are saved for backward.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -43,6 +44,27 @@ def _grouped(t: Tensor, hkv: int) -> Tensor:
     return t.reshape(b, hkv, (h // hkv) * l, x)
 
 
+def _autocast_off():
+    """The caller's CPU autocast switched off around this op's GEMMs: an eager call runs the
+    body directly, inside the caller's autocast region (and a backward called there runs in it
+    too), where ``q @ k^T`` would run in 16 bits and save 16-bit probabilities.  The inputs come
+    already cast to the autocast dtype (functional._autocast), as torch's SDPA casts them."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()
+
+
+def _output_like(q: Tensor, out: Tensor) -> Tensor:
+    """out (B, H, Lq, Dv) fp32, contiguous, in q's dtype and in torch.empty_like(q)'s memory
+    order, as the flash kernels and torch's SDPA give it: a (B, L, H, D) projection's output
+    then views back as (B, L, H * D)."""
+    if out.shape == q.shape:
+        res = torch.empty_like(q)
+        if not (res.is_contiguous() and q.dtype == out.dtype):
+            return res.copy_(out)
+    return out if q.dtype == out.dtype else out.to(q.dtype)
+
+
 def _cpu_attention_fwd_impl(
     q: Tensor,
     k: Tensor,
@@ -56,15 +78,16 @@ def _cpu_attention_fwd_impl(
     b, h, lq, _ = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     wide = torch.float64 if q.dtype == torch.float32 else torch.float32
-    qw = q.to(wide, memory_format=torch.contiguous_format)
-    kw = k.to(wide)
-    scores = (_grouped(qw, hkv) @ kw.transpose(-2, -1)).view(b, h, lq, lk)
-    del qw, kw
-    softmax_fwd, _ = _masked_softmax_op._launcher("cpu")  # csrc/masked_softmax_cpu.cpp
-    attn, probs = softmax_fwd(scores, mask, scale, is_causal, dropout_p, rng)
-    del scores
-    out = (_grouped(attn, hkv) @ v.float()).view(b, h, lq, dv)
-    return own(out if q.dtype == torch.float32 else out.to(q.dtype)), attn, probs
+    with _autocast_off():
+        qw = q.to(wide, memory_format=torch.contiguous_format)
+        kw = k.to(wide)
+        scores = (_grouped(qw, hkv) @ kw.transpose(-2, -1)).view(b, h, lq, lk)
+        del qw, kw
+        softmax_fwd, _ = _masked_softmax_op._launcher("cpu")  # csrc/masked_softmax_cpu.cpp
+        attn, probs = softmax_fwd(scores, mask, scale, is_causal, dropout_p, rng)
+        del scores
+        out = (_grouped(attn, hkv) @ v.float()).view(b, h, lq, dv)
+    return own(_output_like(q, out)), attn, probs
 
 
 cpu_attention_fwd = torch.library.custom_op(
@@ -78,7 +101,8 @@ def _(q, k, v, mask, is_causal, scale, dropout_p, rng):
     lk, dv = k.shape[2], v.shape[3]
     attn = q.new_empty((b, h, lq, lk), dtype=torch.float32)
     probs = torch.empty_like(attn) if dropout_p > 0.0 else attn.new_empty(_EMPTY_SHAPE)
-    return q.new_empty((b, h, lq, dv)), attn, probs
+    out = torch.empty_like(q) if dv == q.shape[3] else q.new_empty((b, h, lq, dv))
+    return out, attn, probs
 
 
 def _setup_context(ctx, inputs, output):
@@ -91,9 +115,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dattn, _dprobs):
-    none = (None,) * 5
     if dout is None:
-        return (None, None, None) + none
+        return (None,) * 8
+    with _autocast_off():
+        return _backward_fp32(ctx, dout)
+
+
+def _backward_fp32(ctx, dout):
+    none = (None,) * 5
     q, k, v, mask, attn, probs, rng = ctx.saved_tensors
     is_causal, scale, dropout_p = ctx.flags
     b, h, lq, d = q.shape
