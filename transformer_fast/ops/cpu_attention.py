@@ -55,9 +55,9 @@ def _autocast_off():
 
 
 def _output_like(q: Tensor, out: Tensor) -> Tensor:
-    """out (B, H, Lq, Dv) fp32, contiguous, in q's dtype and in torch.empty_like(q)'s memory
-    order, as the flash kernels and torch's SDPA give it: a (B, L, H, D) projection's output
-    then views back as (B, L, H * D)."""
+    """The GEMM's contiguous fp32 ``out`` (B, H, Lq, Dv) given back in q's dtype and in
+    torch.empty_like(q)'s memory order, as the flash kernels and torch's SDPA give theirs: the
+    output of q/k/v viewed from a (B, L, H, D) projection then views back as (B, L, H * D)."""
     if out.shape == q.shape:
         res = torch.empty_like(q)
         if not (res.is_contiguous() and q.dtype == out.dtype):
