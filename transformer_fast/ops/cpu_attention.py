@@ -1,7 +1,8 @@
 """The cpu backend's attention with the scores in memory, as a torch.library custom op.
 
-Where the scores fit (transformer_fast.backends.cpu_attention_in_memory), the cpu backend's SDPA keeps them in
-memory, as torch's CPU math path does, but in three passes instead of torch's chain of ops:
+Where the scores fit (transformer_fast.backends.cpu_attention_in_memory), the cpu backend's SDPA
+keeps them in memory, as torch's CPU math path does, but in three passes instead of torch's
+chain of ops:
 
   forward   scores = q @ k^T (torch's batched GEMM), the C++ masked_softmax kernel (scale, masks,
             softmax and dropout in one pass over the scores), out = attn @ v;
@@ -118,10 +119,10 @@ def _backward(ctx, dout, _dattn, _dprobs):
     if dout is None:
         return (None,) * 8
     with _autocast_off():
-        return _backward_fp32(ctx, dout)
+        return _backward_body(ctx, dout)
 
 
-def _backward_fp32(ctx, dout):
+def _backward_body(ctx, dout):
     none = (None,) * 5
     q, k, v, mask, attn, probs, rng = ctx.saved_tensors
     is_causal, scale, dropout_p = ctx.flags
