@@ -263,7 +263,7 @@ inline void bwd_row(const float* xf, const float* rf, const float* dyf, const fl
     if (dwp) dwp[j] += static_cast<double>(dyf[j]) * xh;
     if (dbp) dbp[j] += dyf[j];
     sum_g += gv;
-    sum_gx += gv * xh;
+    sum_gx += static_cast<double>(gv) * xh;
     sum_x += xh;
   }
   // Pass 2: dresidual = rstd * (g - a - (xhat - xbar) * b) (+ dh), dx = dresidual * m, with
@@ -274,8 +274,8 @@ inline void bwd_row(const float* xf, const float* rf, const float* dyf, const fl
   // row of two close values) that error was up to 12x the oracle's bound in 6% of fresh draws;
   // centring xhat removes it.  Rounding a and xbar to fp32 would shift every element alike
   // again (the exact result sums to zero): off is that shift, from the double sums.
-  const double xbar = sum_x / N, a_d = sum_g / N;
-  const float a = static_cast<float>(a_d), b = static_cast<float>(sum_gx / N - xbar * a_d);
+  const double xbar = sum_x / N, a_d = sum_g / N, b_d = sum_gx / N - xbar * a_d;
+  const float a = static_cast<float>(a_d), b = static_cast<float>(b_d);
   const float xbar_f = static_cast<float>(xbar);
   const float off = static_cast<float>((a_d - a) - b * (xbar - xbar_f));
   const Vec va(a), vb(b), vxbar(xbar_f), voff(off);
@@ -297,14 +297,18 @@ inline void bwd_row(const float* xf, const float* rf, const float* dyf, const fl
     store_vec(orow + j, v, stream);
     if (dxrow) store_vec(dxrow + j, v * Vec::loadu(m + j), stream);
   }
+  // The tail in double, rounded once (a row narrower than a vector is all tail): a 7-wide fp32
+  // row's six roundings here (two more for dh and dx) put single elements of size ~8 two ulps
+  // off, 1.07x the oracle's bound at `verify --seed 1105801729`; fresh 2-wide draws without
+  // dropout missed 28 -> 11 times in 3000 (benchmarks/NOTES.md "... backward's tail in double").
   for (; j < N; ++j) {
     const float xh = (rf[j] + (m ? xf[j] * m[j] : xf[j]) - mu) * rs;
     const float gv = w ? dyf[j] * w[j] : dyf[j];
-    float v = (gv - a - (xh - xbar_f) * b - off) * rs;
+    double vd = (gv - a_d - (xh - xbar) * b_d) * rs;
     if (unshift_dw) dwp[j] -= static_cast<double>(dyf[j]) * xbar_f;
-    if (dhf) v += dhf[j];
-    orow[j] = v;
-    if (dxrow) dxrow[j] = v * m[j];
+    if (dhf) vd += dhf[j];
+    orow[j] = static_cast<float>(vd);
+    if (dxrow) dxrow[j] = static_cast<float>(vd * m[j]);
   }
 }
 

@@ -169,34 +169,10 @@ __device__ __forceinline__ Dropout make_dropout(const int64_t* rng, uint32_t thr
   return d;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;  // the xor butterfly leaves the same bits in every lane (fp add is commutative)
-}
-
-// Sum of (a, b) over the `wpt` warps of a team starting at warp `first_warp`; every thread of
-// the team gets the result.  Must be called by all threads of the block (block-uniform wpt).
-// red: >= blockDim.x / 32 float2 of shared memory.
-__device__ __forceinline__ float2 team_sum2(float a, float b, float2* red, int wpt, int first_warp) {
-  a = warp_sum(a);
-  b = warp_sum(b);
-  if (wpt == 1) return make_float2(a, b);
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) red[warp] = make_float2(a, b);
-  __syncthreads();
-  float2 s = make_float2(0.0f, 0.0f);
-  for (int w = 0; w < wpt; ++w) {  // fixed order: deterministic
-    const float2 v = red[first_warp + w];
-    s.x += v.x;
-    s.y += v.y;
-  }
-  __syncthreads();  // red may be reused right after
-  return s;
-}
-
-// team_sum2 for one value of type S (the row statistics' sums: double, or float for 16-bit rows
-// in fwd_reg_kernel).  red: >= blockDim.x / 32 values of S in shared memory.
+// Sum of v (a row statistic's partial: double, or float for 16-bit rows in fwd_reg_kernel) over
+// the `wpt` warps of a team starting at warp `first_warp`; every thread of the team gets the
+// result.  Must be called by all threads of the block (block-uniform wpt).  red: >= blockDim.x
+// / 32 values of S in shared memory.
 template <typename S>
 __device__ __forceinline__ S team_sum1(S v, S* red, int wpt, int first_warp) {
 #pragma unroll
@@ -208,6 +184,58 @@ __device__ __forceinline__ S team_sum1(S v, S* red, int wpt, int first_warp) {
   for (int w = 0; w < wpt; ++w) s += red[first_warp + w];  // fixed order: deterministic
   __syncthreads();  // red may be reused right after
   return s;
+}
+
+// team_sum1 of three values at once (two barriers, not six).  red: >= 3 * blockDim.x / 32.
+template <typename S>
+__device__ __forceinline__ void team_sum3(S& a, S& b, S& c, S* red, int wpt, int first_warp) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, off);
+    b += __shfl_xor_sync(0xffffffffu, b, off);
+    c += __shfl_xor_sync(0xffffffffu, c, off);
+  }
+  if (wpt == 1) return;
+  if ((threadIdx.x & 31) == 0) {
+    S* slot = red + 3 * (threadIdx.x >> 5);
+    slot[0] = a;
+    slot[1] = b;
+    slot[2] = c;
+  }
+  __syncthreads();
+  a = b = c = 0;
+  for (int w = 0; w < wpt; ++w) {  // fixed order: deterministic
+    const S* slot = red + 3 * (first_warp + w);
+    a += slot[0];
+    b += slot[1];
+    c += slot[2];
+  }
+  __syncthreads();  // red may be reused right after
+}
+
+// The backward's row statistics from a team's (or block's) partial sums of g, g * xhat and xhat
+// (S: double for fp32 rows, float for 16-bit ones; red: >= 3 * blockDim.x / 32 of them):
+// ca = mean(g), cc = mean(xhat), cb = mean(g * (xhat - cc)), rounded to fp32, and off, the
+// common shift that the rounding of ca and cc leaves in g - ca - (xhat - cc) * cb (the exact
+// result sums to zero over the row; 0 for S = float).  As the cpu kernel's bwd_row: with fp32
+// sums and a rounded 1/N, 7-wide fp32 rows missed the oracle in 2-3 of 300 fresh draws in
+// emulation (benchmarks/NOTES.md "The cpu add_layer_norm backward's tail in double").
+struct BwdStats {
+  float ca, cb, cc, off;
+};
+
+template <typename S>
+__device__ __forceinline__ BwdStats bwd_stats(S sg, S sgx, S sx, S* red, int wpt, int first_warp, int N) {
+  team_sum3<S>(sg, sgx, sx, red, wpt, first_warp);
+  const S n = static_cast<S>(N);
+  const S cc_s = sx / n, ca_s = sg / n;
+  const S cb_s = sgx / n - cc_s * ca_s;
+  BwdStats st;
+  st.ca = static_cast<float>(ca_s);
+  st.cb = static_cast<float>(cb_s);
+  st.cc = static_cast<float>(cc_s);
+  st.off = static_cast<float>((ca_s - st.ca) - st.cb * (cc_s - st.cc));
+  return st;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -244,8 +272,8 @@ struct BwdArgs {
   const int64_t* rng;
   void* dx;  // nullptr unless dropout
   void* dres;
-  float* dw_part;  // (num_teams, N) partials; nullptr when not wanted
-  float* db_part;
+  double* dw_part;  // (num_teams, N) partials; nullptr when not wanted
+  double* db_part;
   float* xbar;  // (M,) each row's mean(xhat), for the long-row dweight kernel; else nullptr
   int64_t M;
   int64_t sdy, sdh, sx, sr;
@@ -444,25 +472,33 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_loop_kernel(FwdArgs a) {
 template <typename T, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
   static_assert(NV * VEC <= 32, "one keep bit per element in a uint32");
-  TF_STATIC_SHARED float2 red[kMaxThreads / 32];
+  // fp32 rows read one value at a time, at most two a thread (odd or unaligned rows of up to
+  // 256): the row sums' cross-thread reduction, the statistics and the dweight / dbias column
+  // sums over the rows a team visits in double.  With fp32 there and a rounded 1/N, a 7-wide
+  // row's dweight and dresidual missed the oracle at 1.1-1.4x in 4 of 900 emulated draws
+  // (benchmarks/NOTES.md "... backward's tail in double").  The other kernels keep fp32: doubles
+  // took the fp32 VEC 4 x NV 1 kernel (rows of 512) from 64 to 70 registers and VEC 4 x NV 4 to
+  // 232 bytes of spills.
+  constexpr bool kDoubleSums = std::is_same<T, float>::value && NV * VEC <= 2;
+  using Stat = typename std::conditional<kDoubleSums, double, float>::type;
+  TF_STATIC_SHARED Stat red[3 * kMaxThreads / 32];
   const int tpr = a.tpr;
   const int teams = blockDim.x / tpr;
   const int team = threadIdx.x / tpr;
   const int t = threadIdx.x - team * tpr;
   const int wpt = tpr >> 5;
   const int N = a.N;
-  const float inv_n = 1.0f / static_cast<float>(N);
   const Dropout drop = make_dropout(a.rng, a.threshold, a.scale, a.drop);
   const T* __restrict__ xp = static_cast<const T*>(a.x);
   const T* __restrict__ rp = static_cast<const T*>(a.r);
   const T* __restrict__ dyp = static_cast<const T*>(a.dy);
   const T* __restrict__ dhp = static_cast<const T*>(a.dh);
 
-  float acc_w[NV][VEC], acc_b[NV][VEC];
+  Stat acc_w[NV][VEC], acc_b[NV][VEC];
 #pragma unroll
   for (int k = 0; k < NV; ++k)
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc_w[k][e] = acc_b[k][e] = 0.0f;
+    for (int e = 0; e < VEC; ++e) acc_w[k][e] = acc_b[k][e] = 0;
 
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * teams; base < a.M;
        base += static_cast<int64_t>(gridDim.x) * teams) {
@@ -472,7 +508,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
     const float rs = valid ? a.rstd[row] : 0.0f;
     float xh[NV][VEC], dys[NV][VEC];  // xhat and dy (g = dy * w is recomputed after the sums)
     uint32_t keep = 0;  // bit k * VEC + e: element kept by dropout
-    float sg = 0.0f, sgx = 0.0f, sx = 0.0f;
+    float sg = 0.0f, sgx = 0.0f, sx = 0.0f;  // a thread's <= 16 values: fp32 (registers)
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
       const int col = (t + k * tpr) * VEC;
@@ -506,12 +542,10 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
         for (int e = 0; e < VEC; ++e) xh[k][e] = dys[k][e] = 0.0f;
       }
     }
-    const float2 s = team_sum2(sg, sgx, red, wpt, team * wpt);
     // xhat centred on its row mean (0 in exact arithmetic; the fp32 mean's rounding shifts the
     // whole row, which the uncentred formula turns into a first-order dres error on narrow rows
     // far from zero; benchmarks/NOTES.md): cb = mean(g * (xhat - cc)).
-    const float cc = team_sum2(sx, 0.0f, red, wpt, team * wpt).x * inv_n;
-    const float ca = s.x * inv_n, cb = s.y * inv_n - cc * ca;
+    const BwdStats st = bwd_stats<Stat>(sg, sgx, sx, red, wpt, team * wpt, N);
     if (valid) {
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
@@ -523,10 +557,10 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             const float gv = a.w ? dys[k][e] * wv[e] : dys[k][e];
-            const float xc = xh[k][e] - cc;
-            ds[e] = (gv - ca - xc * cb) * rs;
+            const float xc = xh[k][e] - st.cc;
+            ds[e] = (gv - st.ca - xc * st.cb - st.off) * rs;
             if (dhp) ds[e] += dhv[e];
-            acc_w[k][e] += dys[k][e] * xc;
+            acc_w[k][e] += static_cast<Stat>(dys[k][e]) * xc;
           }
           store_f<T, VEC>(static_cast<T*>(a.dres) + row * N + col, ds);
           if (a.dx) {
@@ -544,8 +578,11 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
   for (int k = 0; k < NV; ++k) {
     const int col = (t + k * tpr) * VEC;
     if (col < N) {
-      if (a.dw_part) store_f<float, VEC == 1 ? 1 : VEC>(a.dw_part + team_id * N + col, acc_w[k]);
-      if (a.db_part) store_f<float, VEC == 1 ? 1 : VEC>(a.db_part + team_id * N + col, acc_b[k]);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        if (a.dw_part) a.dw_part[team_id * N + col + e] = acc_w[k][e];
+        if (a.db_part) a.db_part[team_id * N + col + e] = acc_b[k][e];
+      }
     }
   }
 }
@@ -555,18 +592,18 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_reg_kernel(BwdArgs a) {
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
-  TF_STATIC_SHARED float2 red[kMaxThreads / 32];
+  using Stat = typename std::conditional<std::is_same<T, float>::value, double, float>::type;
+  TF_STATIC_SHARED Stat red[3 * kMaxThreads / 32];
   const int N = a.N;
   const int nvec = N / VEC;
   const int wpt = blockDim.x >> 5;
-  const float inv_n = 1.0f / static_cast<float>(N);
   const Dropout drop = make_dropout(a.rng, a.threshold, a.scale, a.drop);
   for (int64_t row = blockIdx.x; row < a.M; row += gridDim.x) {  // block-uniform
     const T* xr = static_cast<const T*>(a.x) + row * a.sx;
     const T* rr = static_cast<const T*>(a.r) + row * a.sr;
     const T* dyr = static_cast<const T*>(a.dy) + row * a.sdy;
     const float mu = a.mean[row], rs = a.rstd[row];
-    float sg = 0.0f, sgx = 0.0f, sx = 0.0f;
+    Stat sg = 0, sgx = 0, sx = 0;
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       const int col = v * VEC;
       float xv[VEC], rv[VEC], dv[VEC], wv[VEC];
@@ -583,14 +620,12 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
         const float xhat = (rv[e] + xe - mu) * rs;
         const float gv = a.w ? dv[e] * wv[e] : dv[e];
         sg += gv;
-        sgx += gv * xhat;
+        sgx += static_cast<Stat>(gv) * xhat;
         sx += xhat;
       }
     }
-    const float2 s = team_sum2(sg, sgx, red, wpt, 0);
-    const float cc = team_sum2(sx, 0.0f, red, wpt, 0).x * inv_n;  // as the register path
-    const float ca = s.x * inv_n, cb = s.y * inv_n - cc * ca;
-    if (a.xbar && threadIdx.x == 0) a.xbar[row] = cc;
+    const BwdStats st = bwd_stats<Stat>(sg, sgx, sx, red, wpt, 0, N);  // as the register path
+    if (a.xbar && threadIdx.x == 0) a.xbar[row] = st.cc;
     for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
       const int col = v * VEC;
       float xv[VEC], rv[VEC], dv[VEC], wv[VEC], dhv[VEC], ds[VEC], dxv[VEC];
@@ -611,7 +646,7 @@ __global__ void __launch_bounds__(kMaxThreads) bwd_loop_kernel(BwdArgs a) {
         }
         const float xhat = (rv[e] + xe - mu) * rs;
         const float gv = a.w ? dv[e] * wv[e] : dv[e];
-        ds[e] = (gv - ca - (xhat - cc) * cb) * rs;
+        ds[e] = (gv - st.ca - (xhat - st.cc) * st.cb - st.off) * rs;
         if (a.dh) ds[e] += dhv[e];
         dxv[e] = ds[e] * f;
       }
@@ -631,13 +666,13 @@ constexpr int kColsX = 32, kColsY = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(kColsX * kColsY) bwd_dwdb_cols_kernel(BwdArgs a, int64_t rows_per_group) {
-  TF_STATIC_SHARED float sw[kColsY][kColsX + 1], sb[kColsY][kColsX + 1];
+  TF_STATIC_SHARED double sw[kColsY][kColsX + 1], sb[kColsY][kColsX + 1];
   const int N = a.N;
   const int col = blockIdx.x * kColsX + threadIdx.x;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_group;
   const int64_t r1 = min(a.M, r0 + rows_per_group);
   const Dropout drop = make_dropout(a.rng, a.threshold, a.scale, a.drop);
-  float aw = 0.0f, ab = 0.0f;
+  double aw = 0.0, ab = 0.0;
   if (col < N) {
     for (int64_t row = r0 + threadIdx.y; row < r1; row += kColsY) {
       float xe = to_f(static_cast<const T*>(a.x)[row * a.sx + col]);
@@ -645,7 +680,7 @@ __global__ void __launch_bounds__(kColsX * kColsY) bwd_dwdb_cols_kernel(BwdArgs 
       const float hv = to_f(static_cast<const T*>(a.r)[row * a.sr + col]) + xe;
       const float d = to_f(static_cast<const T*>(a.dy)[row * a.sdy + col]);
       // centred, as the register path (a.xbar is set whenever dweight is wanted)
-      if (a.dw_part) aw += d * ((hv - a.mean[row]) * a.rstd[row] - a.xbar[row]);
+      if (a.dw_part) aw += static_cast<double>(d) * ((hv - a.mean[row]) * a.rstd[row] - a.xbar[row]);
       ab += d;
     }
   }
@@ -666,10 +701,10 @@ __global__ void __launch_bounds__(kColsX * kColsY) bwd_dwdb_cols_kernel(BwdArgs 
 constexpr int kRedX = 32, kRedY = 16;
 
 template <typename OT>
-__global__ void __launch_bounds__(kRedX * kRedY) reduce_cols_kernel(const float* __restrict__ part, int64_t P, int N, OT* __restrict__ out) {
-  TF_STATIC_SHARED float s[kRedY][kRedX + 1];
+__global__ void __launch_bounds__(kRedX * kRedY) reduce_cols_kernel(const double* __restrict__ part, int64_t P, int N, OT* __restrict__ out) {
+  TF_STATIC_SHARED double s[kRedY][kRedX + 1];
   const int col = blockIdx.x * kRedX + threadIdx.x;
-  float acc = 0.0f;
+  double acc = 0.0;
   if (col < N) {
     for (int64_t p = threadIdx.y; p < P; p += kRedY) acc += part[p * N + col];
   }
@@ -677,7 +712,7 @@ __global__ void __launch_bounds__(kRedX * kRedY) reduce_cols_kernel(const float*
   __syncthreads();
   if (threadIdx.y == 0 && col < N) {
     for (int i = 1; i < kRedY; ++i) acc += s[i][threadIdx.x];
-    out[col] = from_f<OT>(acc);
+    out[col] = from_f<OT>(static_cast<float>(acc));
   }
 }
 
@@ -877,7 +912,7 @@ void launch_reduce(const Tensor& part, int64_t P, int N, Tensor& out, cudaStream
   dispatch_dtype(out.scalar_type(), [&](auto tag) {
     using OT = decltype(tag);
     const unsigned grid = static_cast<unsigned>(ceil_div(N, kRedX));
-    launch(reduce_cols_kernel<OT>, dim3(grid), dim3(kRedX, kRedY), stream, part.const_data_ptr<float>(), P, N,
+    launch(reduce_cols_kernel<OT>, dim3(grid), dim3(kRedX, kRedY), stream, part.const_data_ptr<double>(), P, N,
            out.mutable_data_ptr<OT>());
   });
 }
@@ -990,11 +1025,11 @@ Tensor4 add_layer_norm_bwd_cuda(const Tensor& dy, const std::optional<Tensor>& d
   Tensor dw_part, db_part, xbar;
   auto alloc_partials = [&](int64_t P, bool long_rows) {
     const auto opts = x.options().dtype(at::kFloat);
-    if (want_dw) dw_part = at::empty({P, N}, opts);
-    if (want_db) db_part = at::empty({P, N}, opts);
+    if (want_dw) dw_part = at::empty({P, N}, opts.dtype(at::kDouble));
+    if (want_db) db_part = at::empty({P, N}, opts.dtype(at::kDouble));
     if (want_dw && long_rows) xbar = at::empty({M}, opts);
-    a.dw_part = want_dw ? dw_part.mutable_data_ptr<float>() : nullptr;
-    a.db_part = want_db ? db_part.mutable_data_ptr<float>() : nullptr;
+    a.dw_part = want_dw ? dw_part.mutable_data_ptr<double>() : nullptr;
+    a.db_part = want_db ? db_part.mutable_data_ptr<double>() : nullptr;
     a.xbar = xbar.defined() ? xbar.mutable_data_ptr<float>() : nullptr;
   };
 

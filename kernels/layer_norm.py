@@ -251,7 +251,7 @@ def _bwd_kernel(
     M, N, stride_dym, stride_dhm, stride_xm, stride_rm, drop_thr, drop_scale,
     num_row_blocks, num_groups,
     HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, HAS_DH: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, COMPUTE_STATS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, COMPUTE_STATS: tl.constexpr, F64_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (pid_g, pid_n): row blocks pid_g, pid_g + num_groups, ... of column block pid_n.
@@ -262,7 +262,13 @@ def _bwd_kernel(
     xbar is 0 in exact arithmetic, but the computed xhat carries the fp32 mean's rounding as a
     shift of the whole row, which the uncentred formula turns into a first-order error where a
     row's mean is large against its spread (27 of 300 fresh 2-wide fp32 draws failed the
-    oracle; the C++ cpu kernel does the same, benchmarks/NOTES.md)."""
+    oracle; the C++ cpu kernel does the same, benchmarks/NOTES.md).
+
+    F64_ROWS (fp32 rows of at most 8, one tile each): the row sums and dresidual in float64 from
+    the fp32 xhat and g, rounded once, as the cpu kernel's tail: on 2-3 wide rows, where
+    dresidual is a cancellation, the fp32 arithmetic's roundings missed the oracle's bound in
+    39 of 3000 fresh 2-wide draws (benchmarks/NOTES.md "The cpu add_layer_norm backward's tail
+    in double")."""
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -288,7 +294,17 @@ def _bwd_kernel(
             g = dy * w
         else:
             g = dy
-        if COMPUTE_STATS:
+        if F64_ROWS:
+            g64 = g.to(tl.float64)
+            xhat64 = xhat.to(tl.float64)
+            c2 = tl.sum(g64, axis=1)[:, None] / N
+            c3 = tl.sum(xhat64, axis=1)[:, None] / N
+            c1 = tl.sum(g64 * xhat64, axis=1)[:, None] / N - c3 * c2
+            dsum = (g64 - c2 - (xhat64 - c3) * c1) * rstd.to(tl.float64)
+            if HAS_DH:
+                dsum += tl.load(DH + rows64 * stride_dhm + cols, mask=mask, other=0.0).to(tl.float64)
+            c3 = c3.to(tl.float32)  # for dweight's fp32 accumulator
+        elif COMPUTE_STATS:
             c2 = _div(tl.sum(g, axis=1), N)[:, None]
             c3 = _div(tl.sum(xhat, axis=1), N)[:, None]
             c1 = _div(tl.sum(g * xhat, axis=1), N)[:, None] - c3 * c2
@@ -296,9 +312,10 @@ def _bwd_kernel(
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)[:, None]
             c2 = tl.load(C2 + rows, mask=row_ok, other=0.0)[:, None]
             c3 = tl.load(C3 + rows, mask=row_ok, other=0.0)[:, None]
-        dsum = (g - c2 - (xhat - c3) * c1) * rstd
-        if HAS_DH:
-            dsum += tl.load(DH + rows64 * stride_dhm + cols, mask=mask, other=0.0).to(tl.float32)
+        if not F64_ROWS:
+            dsum = (g - c2 - (xhat - c3) * c1) * rstd
+            if HAS_DH:
+                dsum += tl.load(DH + rows64 * stride_dhm + cols, mask=mask, other=0.0).to(tl.float32)
         out_off = rows64 * N + cols
         tl.store(DRES + out_off, cast_out(dsum, DRES.dtype.element_ty, INTERPRET), mask=mask)
         if HAS_DROPOUT:
@@ -489,6 +506,7 @@ def add_layer_norm_bwd(dy, dh, x, residual, weight, bias, mean, rstd, dropout_p:
             num_row_blocks, num_groups,
             HAS_W=weight is not None, HAS_DW=has_dw, HAS_DB=has_db, HAS_DH=dh is not None,
             HAS_DROPOUT=has_dropout, COMPUTE_STATS=fused,
+            F64_ROWS=fused and block_n <= 8 and x.dtype == torch.float32,
             BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=is_interpreting(), num_warps=num_warps,
             **_FP_OPTIONS,
         )
