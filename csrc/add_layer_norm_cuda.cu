@@ -214,7 +214,7 @@ __device__ __forceinline__ void team_sum3(S& a, S& b, S& c, S* red, int wpt, int
 }
 
 // The backward's row statistics from a team's (or block's) partial sums of g, g * xhat and xhat
-// (S: double for fp32 rows, float for 16-bit ones; red: >= 3 * blockDim.x / 32 of them):
+// (S: double, or float for 16-bit rows and wide fp32 register rows; red: >= 3 * blockDim.x / 32):
 // ca = mean(g), cc = mean(xhat), cb = mean(g * (xhat - cc)), rounded to fp32, and off, the
 // common shift that the rounding of ca and cc leaves in g - ca - (xhat - cc) * cb (the exact
 // result sums to zero over the row; 0 for S = float).  As the cpu kernel's bwd_row: with fp32

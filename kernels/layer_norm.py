@@ -267,8 +267,8 @@ def _bwd_kernel(
     F64_ROWS (fp32 rows of at most 8, one tile each): the row sums and dresidual in float64 from
     the fp32 xhat and g, rounded once, as the cpu kernel's tail: on 2-3 wide rows, where
     dresidual is a cancellation, the fp32 arithmetic's roundings missed the oracle's bound in
-    39 of 3000 fresh 2-wide draws (benchmarks/NOTES.md "The cpu add_layer_norm backward's tail
-    in double")."""
+    39 of 3000 fresh 2-wide draws, 18 now (benchmarks/NOTES.md "The cpu add_layer_norm
+    backward's tail in double")."""
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
     cols1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
