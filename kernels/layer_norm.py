@@ -294,16 +294,13 @@ def _bwd_kernel(
             g = dy * w
         else:
             g = dy
-        if F64_ROWS:
-            g64 = g.to(tl.float64)
-            xhat64 = xhat.to(tl.float64)
-            c2 = tl.sum(g64, axis=1)[:, None] / N
-            c3 = tl.sum(xhat64, axis=1)[:, None] / N
-            c1 = tl.sum(g64 * xhat64, axis=1)[:, None] / N - c3 * c2
-            dsum = (g64 - c2 - (xhat64 - c3) * c1) * rstd.to(tl.float64)
-            if HAS_DH:
-                dsum += tl.load(DH + rows64 * stride_dhm + cols, mask=mask, other=0.0).to(tl.float64)
-            c3 = c3.to(tl.float32)  # for dweight's fp32 accumulator
+        if F64_ROWS:  # the rest of the row's arithmetic in float64 (see the docstring)
+            g = g.to(tl.float64)
+            xhat = xhat.to(tl.float64)
+            rstd = rstd.to(tl.float64)
+            c2 = tl.sum(g, axis=1)[:, None] / N
+            c3 = tl.sum(xhat, axis=1)[:, None] / N
+            c1 = tl.sum(g * xhat, axis=1)[:, None] / N - c3 * c2
         elif COMPUTE_STATS:
             c2 = _div(tl.sum(g, axis=1), N)[:, None]
             c3 = _div(tl.sum(xhat, axis=1), N)[:, None]
@@ -312,17 +309,16 @@ def _bwd_kernel(
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)[:, None]
             c2 = tl.load(C2 + rows, mask=row_ok, other=0.0)[:, None]
             c3 = tl.load(C3 + rows, mask=row_ok, other=0.0)[:, None]
-        if not F64_ROWS:
-            dsum = (g - c2 - (xhat - c3) * c1) * rstd
-            if HAS_DH:
-                dsum += tl.load(DH + rows64 * stride_dhm + cols, mask=mask, other=0.0).to(tl.float32)
+        dsum = (g - c2 - (xhat - c3) * c1) * rstd
+        if HAS_DH:
+            dsum += tl.load(DH + rows64 * stride_dhm + cols, mask=mask, other=0.0).to(dsum.dtype)
         out_off = rows64 * N + cols
         tl.store(DRES + out_off, cast_out(dsum, DRES.dtype.element_ty, INTERPRET), mask=mask)
         if HAS_DROPOUT:
             dx = tl.where(keep, dsum * drop_scale, 0.0)
             tl.store(DX + out_off, cast_out(dx, DX.dtype.element_ty, INTERPRET), mask=mask)
         if HAS_DW:  # centred as dresidual's xhat: sum(dy * (xhat - xbar))
-            dw_acc += dy * (xhat - c3)
+            dw_acc += dy * (xhat - c3).to(tl.float32)
         if HAS_DB:
             db_acc += dy
     # The tile's row slots are summed in float64 (once per program, after the loop), so a
