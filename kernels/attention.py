@@ -817,7 +817,7 @@ def _attn_bwd_dq_kernel(
                               HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET)
         rinv_sum = tl.full([BLOCK_M], 1.0, dtype=psum.dtype)
         if REFINE_LSE:
-            rinv_sum = tl.where(psum > 0.0, 1.0 / psum, 1.0)  # (fp64 when PRECISE)
+            rinv_sum = 1.0 / tl.where(psum > 0.0, psum, 1.0)  # (fp64 when PRECISE); no 1 / 0 computed for an empty row
             rinv = rinv_sum.to(tl.float32)
             tl.store(RINV + row_base + offs_m, rinv, mask=m_ok)
     if EXACT_DELTA:  # every block through the masked loop, as _row_sums computed p
