@@ -945,6 +945,20 @@ def _smem_estimate(kind: str, c, args) -> int:
         est = st * 2 * bm * bd * es + bm * bd * es + bn * bd * (2 * es + 4) + 1024
         if args.get("ATOMIC_DQ", False):  # the dq product's operands: k once more, ds (Triton 3.8)
             est += bn * bd * es + bm * bn * es
+    if es == 4:
+        # fp32 (tf32 or exact dots), fitted on 2026-12-02 to every _FP32_CONFIGS entry at BLOCK_D
+        # 64 / 128 / 256, no mask and float mask + padding + dropout (Triton 3.8, sm_90; 3.6 gives
+        # the same): the terms above came in up to 36% under it.  Exact (PRECISE): the float64
+        # dot operands (dq: q, +bm*bd*8; dk/dv: the streamed and held tiles' conversions); the
+        # forward's score tile through shared memory at BLOCK_M 64; tf32 dq's accumulator
+        # conversion at BLOCK_M 64.
+        precise = args.get("PRECISE", False)
+        if kind == "fwd":
+            est += bm * bn * 4 + 256
+        elif kind == "dq":
+            est += bm * bd * (8 if precise else 2)
+        elif precise:
+            est += 2 * (bm + bn) * bd
     if args.get("MASK_KIND", 0):
         est += st * bm * bn * 4
     if args.get("HAS_DROPOUT", 0) == 2:

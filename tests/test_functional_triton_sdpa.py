@@ -124,13 +124,14 @@ def test_kept_configs_fit_shared_memory(monkeypatch, tune):
         "dq": (A._prune_dq, A._all_configs(A._DQ_CONFIGS, A._FP32_CONFIGS["dq"])),
         "dkdv": (A._prune_dkdv, A._all_configs(A._DKDV_CONFIGS, A._FP32_CONFIGS["dkdv"])),
     }
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+    for dtype, precise in ((torch.float16, False), (torch.bfloat16, False), (torch.float32, False),
+                           (torch.float32, True)):
         q = torch.empty(1, dtype=dtype)
         for block_d in (16, 32, 64, 128, 256):
             for length in (1, 8, 16, 32, 64, 128, 1024):
                 for mask_kind, drop in ((0, 0), (1, 0), (2, 0), (0, 2), (2, 2)):
                     args = dict(BLOCK_D=block_d, LQ_KEY=length, LK_KEY=length, MASK_KIND=mask_kind,
-                                HAS_DROPOUT=drop)
+                                HAS_DROPOUT=drop, PRECISE=precise)
                     for kind, (prune, configs) in lists.items():
                         kept = prune(configs, {"Q": q}, **args)
                         assert kept and (len(kept) == 1 or tune == "1")
@@ -141,3 +142,37 @@ def test_kept_configs_fit_shared_memory(monkeypatch, tune):
     args = dict(BLOCK_D=256, LQ_KEY=8, LK_KEY=32, MASK_KIND=0)
     first = A._key(A._prune_fwd(lists["fwd"][1], {"Q": torch.empty(1, dtype=torch.float16)}, **args)[0])
     assert first != (16, 128, 4, 3) and first[0] == 16
+
+
+# Triton 3.8's metadata.shared for sm_90 (TRITON_INTERPRET=0, compile_check --resources; Triton
+# 3.6 gives the same) of fp32 configs the estimate once put under it: exact fp32 ("precise")
+# holds float64 dot operands.  (kind, precise, BLOCK_D, mask + dropout, config, bytes)
+_FP32_SMEM_MEASURED = [
+    ("dq", True, 256, False, (64, 32, 8, 2), 360448),  # kept first with AUTOTUNE=0: OutOfResources
+    ("dq", True, 256, True, (32, 32, 4, 2), 233472),
+    ("dq", True, 128, False, (64, 64, 8, 3), 262144),
+    ("dq", True, 64, False, (64, 32, 8, 2), 90112),
+    ("dq", False, 256, False, (64, 32, 8, 2), 262144),
+    ("dq", False, 128, True, (64, 32, 8, 2), 139264),
+    ("fwd", True, 64, False, (64, 32, 8, 2), 57600),
+    ("fwd", False, 64, True, (64, 32, 4, 2), 65536),
+    ("dkdv", True, 256, False, (16, 32, 4, 2), 172224),
+    ("dkdv", True, 256, False, (64, 32, 8, 2), 328448),
+    ("dkdv", True, 128, True, (16, 32, 4, 2), 88256),
+    ("dkdv", True, 64, False, (16, 32, 4, 2), 43200),
+]
+
+
+@pytest.mark.parametrize("kind, precise, block_d, masked, cfg, measured", _FP32_SMEM_MEASURED)
+def test_fp32_smem_estimate_covers_the_compiled_kernels(kind, precise, block_d, masked, cfg, measured):
+    """The shared-memory estimate is at or above what the compiled fp32 kernels allocate, so the
+    pruning never keeps one that does not fit: exact fp32's dq at head dims 129-256 kept (64, 32,
+    8, 2), which needs 360448 bytes (sm_90 gives 232448)."""
+    import triton
+
+    from transformer_fast.kernels import attention as A
+
+    c = triton.Config({"BLOCK_M": cfg[0], "BLOCK_N": cfg[1]}, num_warps=cfg[2], num_stages=cfg[3])
+    args = {"Q": torch.empty(1, dtype=torch.float32), "BLOCK_D": block_d, "PRECISE": precise,
+            "MASK_KIND": 2 if masked else 0, "HAS_DROPOUT": 2 if masked else 0}
+    assert A._smem_estimate(kind, c, args) >= measured
