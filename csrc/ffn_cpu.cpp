@@ -188,25 +188,27 @@ constexpr bool aux_holds_grad(FfnAct act) {
 
 // Forward epilogue over mm (M, N) contiguous: pre = mm + b, y = dropout(act(pre)) into y (which
 // may be mm itself); when keep_pre, mm becomes the activation state in place (pre, or act'(pre):
-// aux_holds_grad; without a bias mm already is pre).
-template <typename T>
+// aux_holds_grad; without a bias mm already is pre).  TM: mm's element type, T or (for a 16-bit
+// y from the unrounded fp32 GEMM output, which then holds pre already) float.
+template <typename T, typename TM = T>
 void fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, bool keep_pre, Tensor& y) {
   const int64_t M = mm.size(0), N = mm.size(1);
-  T* mp = mm.mutable_data_ptr<T>();
+  TM* mp = mm.mutable_data_ptr<TM>();
   T* yp = y.mutable_data_ptr<T>();
   const bool keep_grad = keep_pre && aux_holds_grad<T>(act);
   const bool write_pre = keep_pre && !keep_grad && bias != nullptr;
+  TORCH_INTERNAL_ASSERT((std::is_same_v<T, TM>) || !(keep_grad || write_pre), "ffn: an fp32 mm is pre already");
   at::parallel_for(0, M, row_grain(N), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(static_cast<size_t>(N) * 3);
     float* vbuf = buf.data();  // pre (fp32)
     float* obuf = vbuf + N;    // y (fp32)
     float* fbuf = obuf + N;    // dropout factors
     for (int64_t i = begin; i < end; ++i) {
-      T* mrow = mp + i * N;
+      TM* mrow = mp + i * N;
       T* yrow = yp + i * N;
       const float* in = row_as_float(mrow, N, vbuf);
       if (dr.on) keep_factors(dr, static_cast<uint64_t>(i) * N, N, fbuf);
-      float* pre_out = std::is_same_v<T, float> ? reinterpret_cast<float*>(mrow) : vbuf;
+      float* pre_out = std::is_same_v<TM, float> ? reinterpret_cast<float*>(mrow) : vbuf;
       float* y_out = std::is_same_v<T, float> ? reinterpret_cast<float*>(yrow) : obuf;
       int64_t j = 0;
       for (; j + kV <= N; j += kV) {
@@ -238,7 +240,9 @@ void fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, boo
         y_out[j] = o;
       }
       if constexpr (!std::is_same_v<T, float>) {
-        if (write_pre) at::vec::convert(vbuf, mrow, N);
+        if constexpr (std::is_same_v<T, TM>) {
+          if (write_pre) at::vec::convert(vbuf, mrow, N);
+        }
         at::vec::convert(obuf, yrow, N);
       }
     }
@@ -522,8 +526,13 @@ void run_col_sum(const Tensor& t, Tensor& out) {
 }
 
 void run_fwd_epilogue(Tensor& mm, const float* bias, FfnAct act, const Drop& dr, bool keep_pre, Tensor& y) {
-  dispatch_float_dtype("ffn", mm.scalar_type(), [&](auto tag) {
-    fwd_epilogue<decltype(tag)>(mm, bias, act, dr, keep_pre, y);
+  dispatch_float_dtype("ffn", y.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    if (mm.scalar_type() == at::kFloat) {
+      fwd_epilogue<T, float>(mm, bias, act, dr, keep_pre, y);
+    } else {
+      fwd_epilogue<T>(mm, bias, act, dr, keep_pre, y);
+    }
   });
 }
 
@@ -728,6 +737,12 @@ bool exact_gemm(const Tensor& a, int64_t n) {
          2.0 * static_cast<double>(a.size(0)) * static_cast<double>(a.size(1)) * static_cast<double>(n) <= kExactMaxFlops;
 }
 
+// a @ b (+ bias) for 16-bit a, b: the fp32 product, unrounded.
+Tensor gemm_in_fp32(const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias) {
+  const Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
+  return present(bias) ? at::addmm(bias->to(at::kFloat), a32, b32) : at::mm(a32, b32);
+}
+
 Tensor cpu_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias = std::nullopt,
                 bool keep_fp32 = false) {
   if (exact_gemm(a, b.size(1))) {
@@ -736,9 +751,26 @@ Tensor cpu_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& b
     return (present(bias) ? at::addmm(bias->to(at::kDouble), a64, b64) : at::mm(a64, b64)).to(at::kFloat);
   }
   if (!fp16_gemm(a)) return present(bias) ? at::addmm(*bias, a, b) : at::mm(a, b);
-  const Tensor a32 = a.to(at::kFloat), b32 = b.to(at::kFloat);
-  Tensor r = present(bias) ? at::addmm(bias->to(at::kFloat), a32, b32) : at::mm(a32, b32);
+  Tensor r = gemm_in_fp32(a, b, bias);
   return keep_fp32 ? r : r.to(a.scalar_type());
+}
+
+// Whether the forward of 16-bit x (M, K) against N outputs reads its GEMM's fp32 product: fp16
+// (its GEMM runs in fp32 anyway, cpu_gemm) and bf16 GEMMs of <= kExactMaxFlops.  The epilogue
+// then rounds y = dropout(act(pre)) once, as the Triton epilogue does from its accumulator,
+// instead of after pre's own rounding (torch's linear, act and dropout round three times).  With
+// few outputs the oracle's bound (twice the bf16 reference's largest error) is set by a handful
+// of roundings: x (1, 16), d_ff 24, relu, dropout 0.1 missed it on grad w2 in 16 of 4000 draws
+// with pre rounded first, 0 with one rounding (worst 1.75x -> 0.85x the bound; a float64 model
+// of this path, benchmarks/NOTES.md).  Larger bf16 GEMMs keep oneDNN's bf16 path (2x fp32's
+// speed), and so do weights of more than kWidenMaxWeight elements: their fp32 copy would cost
+// more than a GEMM of a few rows (a decoding step's 2048 x 512 weight: ~1M conversions).
+constexpr int64_t kWidenMaxWeight = int64_t{1} << 16;
+bool forward_from_fp32(const Tensor& x, int64_t n) {
+  const int64_t k = x.size(1);
+  return fp16_gemm(x) || (x.scalar_type() == at::kBFloat16 && k * n <= kWidenMaxWeight &&
+                          2.0 * static_cast<double>(x.size(0)) * static_cast<double>(k) *
+                                  static_cast<double>(n) <= kExactMaxFlops);
 }
 
 }  // namespace
@@ -764,6 +796,12 @@ Tensor2 ffn_linear_fwd_cpu(const Tensor& x, const Tensor& w, const std::optional
     return {y, store_pre ? mm : empty0(x)};
   }
   const Drop dr = make_drop(dropout_p, rng);
+  if (forward_from_fp32(x, N)) {
+    Tensor mm32 = gemm_in_fp32(x, w.t(), b);  // (M, N) fp32, the bias added: pre, unrounded
+    Tensor y = at::empty({M, N}, x.options());
+    run_fwd_epilogue(mm32, nullptr, act, dr, false, y);
+    return {y, store_pre ? mm32.to(x.scalar_type()) : empty0(x)};  // 16-bit state: pre itself
+  }
   if (store_pre) {
     // pre is kept (gelu): the GEMM adds the bias (addmm writes pre once) and the one pass reads
     // pre and writes y (and, in fp32, act'(pre) over pre).  Adding the bias in the pass instead
