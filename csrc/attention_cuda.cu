@@ -884,14 +884,7 @@ void check_cuda_inputs(const Tensor& q) {
 template <typename Kernel>
 void launch_threads(Kernel kernel, int64_t blocks, int threads, size_t smem, const Params& p) {
   TORCH_CHECK(blocks < (int64_t{1} << 31), "attention (cuda): too many CTAs (", blocks, ")");
-  // Head dims past 128 take ~133 KB a block: more than compute capability 8.6 / 8.9 allows
-  // (99 KB; 8.0: 163 KB, 9.0: 227 KB).  Said here, not as cudaFuncSetAttribute's "invalid argument".
-  int dev = 0, optin = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  TORCH_CHECK(smem <= static_cast<size_t>(optin), "attention (cuda): head dim ", p.D, " needs ", smem,
-              " bytes of shared memory a block; device ", dev, " allows ", optin,
-              " (use backend='triton' or 'torch' for it)");
+  check_block_smem(smem, p.D, "attention (cuda)");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
   kernel<<<static_cast<unsigned>(blocks), threads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);

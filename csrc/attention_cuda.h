@@ -14,7 +14,26 @@
 
 #include "philox.h"
 
+#if defined(__CUDACC__) && !defined(TF_CUDA_EMULATE)
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+#endif
+
 namespace transformer_fast {
+
+#if defined(__CUDACC__) && !defined(TF_CUDA_EMULATE)
+// Head dims past 128 take 100-133 KB a block: more than compute capability 8.6 / 8.9 allows
+// (99 KB; 8.0: 163 KB, 9.0: 227 KB).  Said before the launch, not as cudaFuncSetAttribute's
+// "invalid argument".
+inline void check_block_smem(size_t smem, int64_t head_dim, const char* who) {
+  int dev = 0, optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  TORCH_CHECK(smem <= static_cast<size_t>(optin), who, ": head dim ", head_dim, " needs ", smem,
+              " bytes of shared memory a block; device ", dev, " allows ", optin,
+              " (use backend='triton' or 'torch' for it)");
+}
+#endif
 
 // q's B, H, L dims from outermost to innermost in memory, as torch.empty_like orders a tensor
 // that is not dense (ATen's infer_dense_strides; kernels/layout.py's memory_order): an insertion

@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
         const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), l, l_lo);
         const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
         Zs[(r0 + a) * kTile + lane] = pe * z;
-        Ss[(r0 + a) * kTile + lane] = pe * (dp[a] * z - dl);
+        Ss[(r0 + a) * kTile + lane] = pe * (__fmul_rn(dp[a], z) - dl);  // no FMA: as delta's pass
       }
       __syncwarp();
       // dV += (P Z)^T dO, dK += dS^T Q (each tile's product summed on its own), lane = column.
@@ -456,7 +456,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
       const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r], 0.0f);
       const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
       Ss[r * kTile + lane] = pe;
-      Ws[r * kTile + lane] = dp[a] * z;  // as the second pass forms it
+      Ws[r * kTile + lane] = __fmul_rn(dp[a], z);  // rounded, as the second pass forms it
     }
     __syncwarp();
     if (lane < RW) {
@@ -494,7 +494,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
       const int r = r0 + a, i = m0 + r;
       const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r], Rs[r]);
       const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
-      Ss[r * kTile + lane] = pe * (dp[a] * z - Ds[r]);
+      Ss[r * kTile + lane] = pe * (__fmul_rn(dp[a], z) - Ds[r]);  // no FMA: as delta's pass
     }
     __syncwarp();
     // dQ += dS K (the tile's product summed on its own), lane = column.
@@ -542,6 +542,7 @@ size_t dq_smem() {
 template <typename Kernel>
 void launch(Kernel kernel, int64_t blocks, size_t smem, const Params& p) {
   TORCH_CHECK(blocks < (int64_t{1} << 31), "attention (cuda, fp32): too many CTAs (", blocks, ")");
+  check_block_smem(smem, p.D, "attention (cuda, fp32)");  // D > 128: 101-103 KB, past sm_86 / sm_89's 99 KB
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)));
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);

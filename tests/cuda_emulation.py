@@ -62,6 +62,9 @@ PRELUDE = r"""
 #define __align__(x)
 #define __restrict__
 
+// A rounded product nvcc must not contract into an FMA; the host build does not contract (no -mfma).
+inline float __fmul_rn(float a, float b) { return a * b; }
+
 struct EmuDim3 { unsigned x = 0, y = 0, z = 0; };
 thread_local EmuDim3 threadIdx, blockIdx;
 EmuDim3 blockDim, gridDim;
