@@ -49,9 +49,10 @@ void launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t, Args... args) {
 }  // namespace
 }  // namespace transformer_fast
 
-// One dweight/dbias row group at most (a GPU's limit is grid.y's 65535): past 256 rows the group
-// is longer than 256 rows, the path of M > 16.7M rows on a GPU.
-#define TF_LN_MAX_COL_GROUPS 1
+// Two dweight/dbias row groups at most (a GPU's limit is grid.y's 65535): past 512 rows each
+// group is longer than 256 rows, the path of M > 16.7M rows on a GPU; below, groups of 256 rows
+// and a partial last one, as on a GPU.
+#define TF_LN_MAX_COL_GROUPS 2
 #include "add_layer_norm_cuda.cu"
 #include "add_layer_norm_checks.cpp"  // the real argument checks (a unit of its own in _C)
 
@@ -211,12 +212,14 @@ def test_seven_wide_fp32_rows_sum_in_double(as_cuda_backend, draw, dropout_p, pr
 
 def test_partials_over_many_rows_and_one_sm(as_cuda_backend):
     """One emulated SM: one block walks every row, each team's partial row of dweight/dbias sums
-    many rows; 300 rows of a long row: the column kernel's one row group (TF_LN_MAX_COL_GROUPS 1
-    here) takes all 300 rows, as groups grow past 256 rows beyond grid.y's limit on a GPU."""
+    many rows.  Rows of 4099 (the backward loop kernel and its column kernel over row groups,
+    at most TF_LN_MAX_COL_GROUPS = 2 here): 300 rows in a group of 256 and a partial one of 44, as
+    on a GPU; 520 rows in two groups of 260, as groups grow past 256 rows beyond grid.y's limit."""
     as_cuda_backend.set_sms(1)
     _check(40, 48, torch.float32, dropout_p=0.1)
     assert as_cuda_backend.paths(4099, 1)[3] == 1  # odd N: scalar, the backward loop kernel
     _check(300, 4099, torch.float16, prenorm=True)
+    _check(520, 4099, torch.float32)
 
 
 @pytest.mark.parametrize("sms", [2, 5])
