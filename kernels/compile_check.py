@@ -24,7 +24,9 @@ through shared memory).  Autotuned kernels contribute every configuration their
 ``early_config_prune`` keeps for the recorded arguments.  The launchers' device queries are
 answered as on an H100 (132 SMs).  Scenario lists (dtypes, head dims, masks, causal, dropout,
 sequence lengths) are below; ``--quick`` is a representative subset (bf16 and fp32, head dims 64
-and 128, the first configuration of each autotune list, a few flag sets) for CI.
+and 128 (fp32: 64 and 256), the first configuration of each autotune list, a few flag sets) for
+CI.  A first configuration past the shared memory of the target fails the check: it is the one
+config that TRANSFORMER_FAST_AUTOTUNE=0 runs.
 
 It must run with the interpreter off (the @triton.jit decorators read TRITON_INTERPRET when the
 kernels are imported).  --resources prints registers / spill stack (cuobjdump) and shared memory
@@ -50,12 +52,13 @@ H100_SMS = 132
 
 
 class _Job:
-    __slots__ = ("fn", "signature", "constexprs", "attrs", "options", "label", "autotuned")
+    __slots__ = ("fn", "signature", "constexprs", "attrs", "options", "label", "autotuned", "first")
 
     def __init__(self, fn, signature, constexprs, attrs, options, label, autotuned=False):
         self.fn, self.signature, self.constexprs = fn, signature, constexprs
         self.attrs, self.options, self.label = attrs, options, label
         self.autotuned = autotuned
+        self.first = True  # an autotuned launch's first kept config: what AUTOTUNE=0 runs alone
 
     def key(self):
         return (self.fn.__name__, tuple(self.signature.items()), repr(sorted(self.constexprs.items())),
@@ -148,12 +151,12 @@ def _jobs_from(records, label, first_config_only=False):
                 kernel.nargs = None
             if first_config_only:
                 configs = configs[:1]
-            for cfg in configs:
+            for i, cfg in enumerate(configs):
                 blocks = " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())
                 if cfg.pre_hook:  # e.g. the TMA descriptors' boxes (their type in the signature)
                     cfg.pre_hook({**dict(zip(kernel.arg_names, args)), **kwargs, **cfg.all_kwargs()})
                 job = _job(_jit_fn(kernel), args, {**kwargs, **cfg.all_kwargs()}, f"{label} {blocks}")
-                job.autotuned = True
+                job.autotuned, job.first = True, i == 0
                 jobs.append(job)
         else:
             fn = _jit_fn(kernel)
@@ -226,9 +229,9 @@ def _attention_scenarios(dtypes, quick):
     kernel); False: the dq kernel, as under torch.use_deterministic_algorithms."""
     plain = ((1, None, False, None),)
     dq_kernel = (1, None, False, False)
-    if quick:  # fp32 (exact dots: FMA loops, 10-50 s per config to compile) at D=64 only
-        for dt in dtypes:
-            for D in ((64,) if dt == "fp32" else (64, 128)):
+    if quick:  # fp32 (exact dots: 3-30 s per config to compile) at D 64 and 256 (float64 operands
+        for dt in dtypes:  # past the shared memory of sm_90 once, 2026-12-02)
+            for D in ((64, 256) if dt == "fp32" else (64, 128)):
                 for flags in (_ATTN_FLAGS[0], _ATTN_FLAGS[3]):
                     yield dt, False, D, 1024, flags, plain + ((dq_kernel,) if dt != "fp32" and D == 128 else ())
                     if dt != "fp32" and D == 64:  # short 16-bit rows: the dq kernel's EXACT_DELTA pass
@@ -477,11 +480,13 @@ def _compile(index: int):
         extra = f"  {_resources(kernel)}" if _STATE["resources"] else ""
         limit = SMEM_LIMIT.get(_STATE["target"].arch)
         if limit is not None and kernel.metadata.shared > limit:
-            # The launch raises OutOfResources: the autotuner skips such a config, a fixed one fails.
+            # The launch raises OutOfResources: the autotuner skips such a config, a fixed one fails,
+            # and so does the first kept one, which TRANSFORMER_FAST_AUTOTUNE=0 runs alone.
             why = (f"needs {kernel.metadata.shared} bytes of shared memory, sm_{_STATE['target'].arch} "
                    f"allows {limit}")
-            if not job.autotuned:
-                return False, f"FAIL {job.fn.__name__} {job.label}: {why}{extra}"
+            if not job.autotuned or job.first:
+                kept = " (the first kept config: AUTOTUNE=0 runs it)" if job.autotuned else ""
+                return False, f"FAIL {job.fn.__name__} {job.label}: {why}{kept}{extra}"
             return True, f"warn {job.fn.__name__} {job.label}: {why} (the autotuner skips it){extra}"
         return True, f"ok   {job.fn.__name__} {job.label}{extra} ({time.time() - t0:.1f}s)"
     except Exception as exc:  # noqa: BLE001  (report every failing config)
