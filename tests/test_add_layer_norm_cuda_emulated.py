@@ -161,6 +161,9 @@ _CASES = [
     (5, 64, torch.float16, "both", (torch.float32, torch.float16), False, 0.2, "mixed_aligned", "reg/reg"),
     (4, 96, torch.bfloat16, "bias", torch.float32, True, 0.0, "mixed_aligned", "reg/reg"),  # bias only
     (4, 1000, torch.float32, "none", None, True, 0.0, "sliced", "reg/reg"),             # scalar, NV > 1
+    (7, 131, torch.float32, "both", None, True, 0.1, "contiguous", "reg/reg"),          # scalar, bwd NV 2 (double sums)
+    (5, 301, torch.float32, "weight", None, False, 0.0, "contiguous", "reg/reg"),       # scalar, bwd NV 4
+    (3, 1537, torch.bfloat16, "both", None, False, 0.1, "contiguous", "reg/reg"),       # scalar 16-bit, fwd NV > 1
     (3, 1024, torch.float16, "both", None, False, 0.3, "contiguous", "reg/reg"),        # vectors, NV > 1
     (3, 4099, torch.bfloat16, "bias", None, True, 0.1, "mixed", "reg/loop"),            # bwd loop + column partials
     (2, 9000, torch.float32, "both", None, False, 0.0, "mixed", "loop/loop"),           # both loop kernels
