@@ -758,7 +758,7 @@ Tensor cpu_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& b
 // Whether the forward of 16-bit x (M, K) against N outputs reads its GEMM's fp32 product: fp16
 // (its GEMM runs in fp32 anyway, cpu_gemm) and bf16 GEMMs of <= kExactMaxFlops.  The epilogue
 // then rounds y = dropout(act(pre)) once, as the Triton epilogue does from its accumulator,
-// instead of after pre's own rounding (torch's linear, act and dropout round three times).  With
+// instead of after pre's own rounding (torch rounds after its linear, act and dropout).  With
 // few outputs the oracle's bound (twice the bf16 reference's largest error) is set by a handful
 // of roundings: x (1, 16), d_ff 24, relu, dropout 0.1 missed it on grad w2 in 16 of 4000 draws
 // with pre rounded first, 0 with one rounding (worst 1.75x -> 0.85x the bound; a float64 model

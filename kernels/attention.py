@@ -817,7 +817,7 @@ def _attn_bwd_dq_kernel(
                               HAS_DROPOUT, DOT_FP32, IEEE, OFF64, PRECISE, INTERPRET)
         rinv_sum = tl.full([BLOCK_M], 1.0, dtype=psum.dtype)
         if REFINE_LSE:
-            rinv_sum = 1.0 / tl.where(psum > 0.0, psum, 1.0)  # (fp64 when PRECISE); no 1 / 0 computed for an empty row
+            rinv_sum = 1.0 / tl.where(psum > 0.0, psum, 1.0)  # (fp64 if PRECISE); an empty row: no 1 / 0
             rinv = rinv_sum.to(tl.float32)
             tl.store(RINV + row_base + offs_m, rinv, mask=m_ok)
     if EXACT_DELTA:  # every block through the masked loop, as _row_sums computed p
@@ -929,9 +929,10 @@ def _key(c):
 # (Triton 3.8, sm_90, bf16 and fp32, no mask / float mask + padding + dropout; 64 compiles): exact
 # for several, at most ~1.7x over, never under.  Refitted on 2026-12-02, when exact fp32's float64
 # dots had put it up to 36% under: 95 bf16 compiles (D 64 / 128 / 256, L 1024 and 64, both
-# backward schedules) at 1.00-2.03x, 144 fp32 ones (tf32 and exact) at 1.00-1.51x.  Streamed tiles take max(num_stages - 1, 1)
-# buffers; one more tile of the streamed operand, the held tile, the fp32 accumulator,
-# (with an attn_mask) a (BLOCK_M, BLOCK_N) fp32 tile per buffer and (grouped dropout) one more.
+# backward schedules) at 1.00-2.03x, 144 fp32 ones (tf32 and exact) at 1.00-1.51x.  Streamed
+# tiles take max(num_stages - 1, 1) buffers; one more tile of the streamed operand, the held
+# tile, the fp32 accumulator, (with an attn_mask) a (BLOCK_M, BLOCK_N) fp32 tile per buffer and
+# (grouped dropout) one more.
 SMEM_DEFAULT_LIMIT = 232448  # sm_90 (H100 / H200) opt-in maximum per block; also meta tensors
 
 
