@@ -731,11 +731,13 @@ Tensor exact_small_gemm_in_place(const Tensor& a, const Tensor& b, const std::op
   return out;
 }
 
-// Whether cpu_gemm(a, b) with b of n columns sums in double (kExactMaxFlops says why).
-bool exact_gemm(const Tensor& a, int64_t n) {
-  return a.scalar_type() == at::kFloat &&
-         2.0 * static_cast<double>(a.size(0)) * static_cast<double>(a.size(1)) * static_cast<double>(n) <= kExactMaxFlops;
+// Whether a (M, K) @ (K, n) is a small GEMM: <= kExactMaxFlops.
+bool small_gemm(const Tensor& a, int64_t n) {
+  return 2.0 * static_cast<double>(a.size(0)) * static_cast<double>(a.size(1)) * static_cast<double>(n) <= kExactMaxFlops;
 }
+
+// Whether cpu_gemm(a, b) with b of n columns sums in double (kExactMaxFlops says why).
+bool exact_gemm(const Tensor& a, int64_t n) { return a.scalar_type() == at::kFloat && small_gemm(a, n); }
 
 // a @ b (+ bias) for 16-bit a, b: the fp32 product, unrounded.
 Tensor gemm_in_fp32(const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias) {
@@ -767,10 +769,8 @@ Tensor cpu_gemm(const Tensor& a, const Tensor& b, const std::optional<Tensor>& b
 // more than a GEMM of a few rows (a decoding step's 2048 x 512 weight: ~1M conversions).
 constexpr int64_t kWidenMaxWeight = int64_t{1} << 16;
 bool forward_from_fp32(const Tensor& x, int64_t n) {
-  const int64_t k = x.size(1);
-  return fp16_gemm(x) || (x.scalar_type() == at::kBFloat16 && k * n <= kWidenMaxWeight &&
-                          2.0 * static_cast<double>(x.size(0)) * static_cast<double>(k) *
-                                  static_cast<double>(n) <= kExactMaxFlops);
+  return fp16_gemm(x) ||
+         (x.scalar_type() == at::kBFloat16 && x.size(1) * n <= kWidenMaxWeight && small_gemm(x, n));
 }
 
 }  // namespace

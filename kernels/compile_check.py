@@ -58,7 +58,7 @@ class _Job:
         self.fn, self.signature, self.constexprs = fn, signature, constexprs
         self.attrs, self.options, self.label = attrs, options, label
         self.autotuned = autotuned
-        self.first = True  # an autotuned launch's first kept config: what AUTOTUNE=0 runs alone
+        self.first = True  # the config a launch runs alone (autotuned: the first kept, as with AUTOTUNE=0)
 
     def key(self):
         return (self.fn.__name__, tuple(self.signature.items()), repr(sorted(self.constexprs.items())),
@@ -484,7 +484,7 @@ def _compile(index: int):
             # and so does the first kept one, which TRANSFORMER_FAST_AUTOTUNE=0 runs alone.
             why = (f"needs {kernel.metadata.shared} bytes of shared memory, sm_{_STATE['target'].arch} "
                    f"allows {limit}")
-            if not job.autotuned or job.first:
+            if job.first:  # a fixed launch's one config, or an autotuned launch's first
                 kept = " (the first kept config: AUTOTUNE=0 runs it)" if job.autotuned else ""
                 return False, f"FAIL {job.fn.__name__} {job.label}: {why}{kept}{extra}"
             return True, f"warn {job.fn.__name__} {job.label}: {why} (the autotuner skips it){extra}"
