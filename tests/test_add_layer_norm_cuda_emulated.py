@@ -167,6 +167,8 @@ _CASES = [
     (3, 1024, torch.float16, "both", None, False, 0.3, "contiguous", "reg/reg"),        # vectors, NV > 1
     (3, 4099, torch.bfloat16, "bias", None, True, 0.1, "mixed", "reg/loop"),            # bwd loop + column partials
     (2, 9000, torch.float32, "both", None, False, 0.0, "mixed", "loop/loop"),           # both loop kernels
+    (3, 8200, torch.bfloat16, "both", None, False, 0.1, "contiguous", "reg/loop"),      # 16-bit bwd loop, VEC 8
+    (2, 16392, torch.float16, "weight", None, True, 0.2, "mixed_aligned", "loop/loop"),  # 16-bit fwd loop, VEC 8
 ]
 
 
