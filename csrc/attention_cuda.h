@@ -102,10 +102,10 @@ struct AttentionParams {
   const E* dout;        // backward only
   const float* lse;     // backward: (B, H, Lq) contiguous
   const float* delta;   // backward: (B, H, Lq) contiguous
-  const float* lse_lo;  // exact-fp32 backward: log(rowsum(exp(s - lse))), (B, H, Lq) contiguous
+  const float* rinv;    // exact-fp32 backward: 1 / rowsum(exp(s - lse)), (B, H, Lq) contiguous
   E* out;               // forward: out; backward: dq (dq_kernel) / dk (dkdv_kernel)
   E* out2;              // dkdv_kernel: dv
-  float* lse_out;       // forward: (B, H, Lq) contiguous; exact-fp32 backward's first pass: lse_lo
+  float* lse_out;       // forward: (B, H, Lq) contiguous; exact-fp32 backward's first pass: rinv
   float* delta_out;     // exact-fp32 backward's first pass: delta
   float* dq_acc;        // dkdv_wgmma_dense_kernel<..., kDq>: fp32 dQ sums, (B, H, Lq, 128) contiguous
   int64_t q_sb, q_sh, q_sm;

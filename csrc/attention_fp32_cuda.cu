@@ -20,7 +20,7 @@
 //   * backward renormalises every row: the fp32 lse = m + log(l) errs by up to |lse| x 2^-24,
 //     which each recomputed p of the row inherits (with large logits, scale 2 and D 64, 12 of 30
 //     fresh draws failed the oracle in emulation, mostly on dV).  A first pass of the dq kernel
-//     sums exp(s - lse) per row in double; p = exp((s - lse) - lse_lo) (the cpu backend's rule),
+//     sums exp(s - lse) per row in double; p = exp(s - lse) x rinv, rinv = 1 / that sum in fp32,
 //     and delta = rowsum(p * dp) for those p, each product exact in double (a row's only key
 //     then gets dS = p (dp - delta) = 0 exactly).
 // NaN / Inf propagate like the reference's (a NaN score makes its row NaN; masked probabilities
@@ -35,7 +35,7 @@
 //                of the GQA group and over 32-query tiles (lane = query): S^T, dP^T, then
 //                dV += (P Z)^T dO and dK += dS^T Q with lane = column.  No atomics.
 //   dq_kernel    one CTA per (b, h, BM query rows), runs first; loops over 32-key tiles twice:
-//                the rows' lse_lo and delta (kept, and stored for dkdv_kernel), then dQ += dS K.
+//                the rows' rinv and delta (kept, and stored for dkdv_kernel), then dQ += dS K.
 // Q / K / V / dO tiles live in shared memory with an odd row pitch (DP + 1 floats), so a warp
 // reading one column of 32 rows hits 32 banks; the head dim is padded (zero-filled) to a bucket
 // DP of 64, 128 or 256 (accumulator sizes are compile-time), and query tiles shrink as D grows
@@ -169,12 +169,14 @@ __device__ __forceinline__ void row_times_tile(float t[NC], const float* row, co
   }
 }
 
-// p = exp((s - lse) - lse_lo) of a recomputed (double) score: 0 for a masked score and for a dead
-// row (lse -inf).  The difference is taken in double and rounded once; lse_lo is the part of the
-// normaliser the fp32 lse rounded away (0 in the pass that computes it).
-__device__ __forceinline__ float recompute_p(double s, float lse, float lse_lo) {
-  return (s == -INFINITY || lse == -INFINITY) ? 0.0f
-                                               : expf(static_cast<float>((s - lse) - lse_lo));
+// p = exp(s - lse) x rinv of a recomputed (double) score: 0 for a masked score and for a dead
+// row (lse -inf).  The difference is taken in double and rounded once; rinv (1 in the pass that
+// computes it) renormalises the row by a product, not by exp(s - lse - log(rowsum)): expf is
+// within 2 ulp on a GPU but one value per argument, so a row's lone key gets e x fl(1 / e) = 1
+// exactly, where the log form left it exp(-expf's error), up to 4 ulp off 1, and dV that much
+// (1.4x the oracle's bound with an emulated 2-ulp expf; benchmarks/NOTES.md 2026-12-02).
+__device__ __forceinline__ float recompute_p(double s, float lse, float rinv) {
+  return (s == -INFINITY || lse == -INFINITY) ? 0.0f : expf(static_cast<float>(s - lse)) * rinv;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -305,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
   float* Ss = Zs + BN * kTile;                  // [BN][kTile] dS^T
   float* Ls = Ss + BN * kTile;                  // [kTile] lse of the query tile
   float* Ds = Ls + kTile;                       // [kTile] delta of the query tile
-  float* Rs = Ds + kTile;                       // [kTile] lse_lo of the query tile
+  float* Rs = Ds + kTile;                       // [kTile] rinv of the query tile
 
   const int nnb = (p.Lk + BN - 1) / BN;
   const int nb = blockIdx.x % nnb, bhk = blockIdx.x / nnb;
@@ -336,7 +338,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
         const bool in = m0 + r < p.Lq;
         Ls[r] = in ? p.lse[bh * p.Lq + m0 + r] : -INFINITY;
         Ds[r] = in ? p.delta[bh * p.Lq + m0 + r] : 0.0f;
-        Rs[r] = in ? p.lse_lo[bh * p.Lq + m0 + r] : 0.0f;
+        Rs[r] = in ? p.rinv[bh * p.Lq + m0 + r] : 1.0f;
       }
       __syncthreads();  // the tile (and at the start the K / V rows) is visible to every warp
 
@@ -346,11 +348,11 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(const Params p) {
       score_dots<RW>(s, Qs + lane * pitch, Ks + r0 * pitch, pitch, p.D);
       chunked_dots<RW>(dp, Os + lane * pitch, Vs + r0 * pitch, pitch, p.D);
       const int i = m0 + lane;
-      const float l = Ls[lane], dl = Ds[lane], l_lo = Rs[lane];
+      const float l = Ls[lane], dl = Ds[lane], rinv = Rs[lane];
 #pragma unroll
       for (int a = 0; a < RW; ++a) {
         const int j = n0 + r0 + a;
-        const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), l, l_lo);
+        const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), l, rinv);
         const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
         Zs[(r0 + a) * kTile + lane] = pe * z;
         Ss[(r0 + a) * kTile + lane] = pe * (__fmul_rn(dp[a], z) - dl);  // no FMA: as delta's pass
@@ -411,7 +413,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   float* Ws = Ss + BM * kTile;                  // [BM][kTile] first pass: z dp
   float* Ls = Ws + BM * kTile;                  // [BM] lse
   float* Ds = Ls + BM;                          // [BM] delta
-  float* Rs = Ds + BM;                          // [BM] lse_lo
+  float* Rs = Ds + BM;                          // [BM] rinv
 
   const int nmb = (p.Lq + BM - 1) / BM;
   const int mb = blockIdx.x % nmb, bh = blockIdx.x / nmb;
@@ -440,7 +442,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   };
 
   // First pass: per row, with p = exp(s - lse) (before dropout, the softmax's denominator),
-  // lse_lo = log(sum p) (dead rows: 0) and delta = sum p' z dp for the renormalised p' = p /
+  // rinv = 1 / sum p (dead rows: 1) and delta = sum p' z dp for the renormalised p' = p /
   // sum p, both summed in double, into Rs / Ds and, for the dK / dV kernel that runs after this
   // one, p.lse_out / p.delta_out.  (delta = rowsum(dO * O) from the fp32 O failed 3 of 30 fresh
   // draws at scale 2 on dQ / dK.)
@@ -453,7 +455,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
 #pragma unroll
     for (int a = 0; a < RW; ++a) {
       const int r = r0 + a, i = m0 + r;
-      const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r], 0.0f);
+      const float pe = recompute_p(masked_score(p, b, h, i, j, s[a]), Ls[r], 1.0f);
       const float z = pe == 0.0f ? 0.0f : drop_factor(p, seed, offset, b, h, i, j);
       Ss[r * kTile + lane] = pe;
       Ws[r * kTile + lane] = __fmul_rn(dp[a], z);  // rounded, as the second pass forms it
@@ -470,7 +472,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
   }
   if (lane < RW) {  // a dead row (every p 0) gets 0 and 0; a NaN stays NaN
     const int r = r0 + lane;
-    Rs[r] = psum == 0.0 ? 0.0f : static_cast<float>(log(psum));
+    Rs[r] = psum == 0.0 ? 1.0f : static_cast<float>(1.0 / psum);
     Ds[r] = psum == 0.0 ? 0.0f : static_cast<float>(pdp / psum);
     if (m0 + r < p.Lq) {
       p.lse_out[static_cast<int64_t>(bh) * p.Lq + m0 + r] = Rs[r];
@@ -596,11 +598,11 @@ void attention_bwd_fp32_cuda(const at::Tensor& dout, const at::Tensor& q, const 
   p.do_sb = dout.stride(0), p.do_sh = dout.stride(1), p.do_sm = dout.stride(2);
   p.lse = lse.const_data_ptr<float>();
   // Written by the dq kernel's first pass, read by the dK / dV kernel.
-  at::Tensor lse_lo = at::empty_like(lse), delta = at::empty_like(lse);
-  p.lse_lo = lse_lo.const_data_ptr<float>();
+  at::Tensor rinv = at::empty_like(lse), delta = at::empty_like(lse);
+  p.rinv = rinv.const_data_ptr<float>();
   p.delta = delta.const_data_ptr<float>();
   attn_fp32::Params pkv = p, pq = p;
-  pq.lse_out = lse_lo.mutable_data_ptr<float>();
+  pq.lse_out = rinv.mutable_data_ptr<float>();
   pq.delta_out = delta.mutable_data_ptr<float>();
   pkv.out = dk.mutable_data_ptr<float>();
   pkv.o_sb = dk.stride(0), pkv.o_sh = dk.stride(1), pkv.o_sm = dk.stride(2);

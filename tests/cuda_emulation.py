@@ -383,6 +383,29 @@ def _remove_stale_lock(name: str, max_age_s: float = 3600.0) -> None:
         pass
 
 
+# The GPU's expf / exp2f (CUDA's are within 2 ulp; the host's are nearly correctly rounded):
+# each value moved by a full 2 ulp relative, the sign a hash of the argument's bits (one value
+# per argument, as the hardware gives), exact at 0 (exp2f: at integers).  A harness puts it
+# before it includes a kernel file, whose expf / exp2f calls then take it.
+GPU_EXP_MODEL = r"""
+inline float tf_gpu_exp_off(float x, double y) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  const double sign = ((uint64_t{b} * 2654435761ull) >> 13) & 1 ? -1.0 : 1.0;
+  return static_cast<float>(y * (1.0 + sign * 0x1p-22));
+}
+inline float tf_gpu_expf(float x) {
+  return x == 0.0f || !std::isfinite(x) ? std::exp(x) : tf_gpu_exp_off(x, std::exp(static_cast<double>(x)));
+}
+inline float tf_gpu_exp2f(float x) {
+  return x == std::nearbyint(x) || !std::isfinite(x) ? std::exp2(x)
+                                                      : tf_gpu_exp_off(x, std::exp2(static_cast<double>(x)));
+}
+#define expf tf_gpu_expf
+#define exp2f tf_gpu_exp2f
+"""
+
+
 def build(name: str, harness: str, csrc_files, functions):
     """Compiles PRELUDE + harness (which #includes the kernel file) as a host extension module.
 
