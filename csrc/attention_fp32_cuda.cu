@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const Params p) {
     }
     __syncwarp();  // the row sums have read Ss / Ws before the next tile overwrites them
   }
-  if (lane < RW) {  // a dead row (every p 0) gets 0 and 0; a NaN stays NaN
+  if (lane < RW) {  // a dead row (every p 0) gets rinv 1 and delta 0; a NaN stays NaN
     const int r = r0 + lane;
     Rs[r] = psum == 0.0 ? 1.0f : static_cast<float>(1.0 / psum);
     Ds[r] = psum == 0.0 ? 0.0f : static_cast<float>(pdp / psum);
