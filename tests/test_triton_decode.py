@@ -19,6 +19,7 @@ from transformer_fast import reference  # noqa: E402
 from transformer_fast.reference import ATOL, assert_oracle, oracle_compare, poisoned_outputs  # noqa: E402
 
 decode = pytest.importorskip("transformer_fast.kernels.decode")
+from triton_gpu_math import gpu_fp32_math  # noqa: E402,F401  (the fixture)
 
 pytestmark = [pytest.mark.triton]
 
@@ -297,11 +298,15 @@ def test_cache_without_unit_last_stride(strided):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (16, 1)])
-def test_fp32_large_logits_meet_the_oracle(heads, kv_heads):
+@pytest.mark.parametrize("math", ["numpy", "gpu"])
+def test_fp32_large_logits_meet_the_oracle(request, heads, kv_heads, math):
     """Logits with a standard deviation of ~34 (a peaked softmax turns a score's absolute error
     into the output's relative error): the exact-fp32 path's q.k (an fp32 dot, then the fp32
     scaling) went up to 4.5x past the oracle's bound in the interpreter (2 of 12 draws at GQA 1,
-    7 at GQA 16); q.k and its scaling in fp64, rounded once, and an fp64 split lse meet it."""
+    7 at GQA 16); q.k and its scaling in fp64, rounded once, and an fp64 split lse meet it.
+    "gpu": with exp2 and division as inexact as the GPU's (triton_gpu_math)."""
+    if math == "gpu":
+        request.getfixturevalue("gpu_fp32_math")
     from _functional_helpers import assert_kv_cache_on_oracle, large_logit_kv_cases
 
     def run(q, kc, vc, lens, kn, vn):
@@ -313,10 +318,14 @@ def test_fp32_large_logits_meet_the_oracle(heads, kv_heads):
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_fp32_very_large_logits_meet_the_oracle(splits):
+@pytest.mark.parametrize("math", ["numpy", "gpu"])
+def test_fp32_very_large_logits_meet_the_oracle(request, splits, math):
     """Logits with a standard deviation of ~100: with the fp64 score rounded to fp32 and an fp32
     running max the exact-fp32 path went past the oracle's bound (interpreter); the score and
-    running max now stay fp64 and only s - m goes to fp32."""
+    running max now stay fp64 and only s - m goes to fp32.  "gpu": with exp2 and division as
+    inexact as the GPU's (triton_gpu_math)."""
+    if math == "gpu":
+        request.getfixturevalue("gpu_fp32_math")
     from _functional_helpers import assert_kv_cache_on_oracle, very_large_logit_kv_cases
 
     def run(q, kc, vc, lens, kn, vn):
