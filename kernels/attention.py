@@ -925,11 +925,11 @@ def _key(c):
 # TRANSFORMER_FAST_AUTOTUNE=0 the one config kept must fit (the first GPU run, H200: the forward's
 # (16, 128, 4, 3) small-Lq config at BLOCK_D = 256 needs 274432 bytes, sm_90 gives 232448).  So
 # the pruning drops configs whose estimate exceeds the device's limit.  The estimate is an upper
-# bound of Triton's allocation, fitted to `metadata.shared` of every config of the lists below
-# (Triton 3.8, sm_90, bf16 and fp32, no mask / float mask + padding + dropout; 64 compiles): exact
-# for several, at most ~1.7x over, never under.  Refitted on 2026-12-02, when exact fp32's float64
-# dots had put it up to 36% under: 95 bf16 compiles (D 64 / 128 / 256, L 1024 and 64, both
-# backward schedules) at 1.00-2.03x, 144 fp32 ones (tf32 and exact) at 1.00-1.51x.  Streamed
+# bound of Triton's allocation, fitted to `metadata.shared` of the configs of the lists below
+# (Triton 3.8, sm_90, no mask / float mask + padding + dropout): exact for several, never under.
+# Last refitted on 2026-12-02, when exact fp32's float64 dots had put it up to 36% under: 95 bf16
+# compiles (D 64 / 128 / 256, L 1024 and 64, both backward schedules) at 1.00-2.03x, 144 fp32
+# ones (tf32 and exact) at 1.00-1.51x.  Streamed
 # tiles take max(num_stages - 1, 1) buffers; one more tile of the streamed operand, the held
 # tile, the fp32 accumulator, (with an attn_mask) a (BLOCK_M, BLOCK_N) fp32 tile per buffer and
 # (grouped dropout) one more.
