@@ -891,10 +891,28 @@ _FP32_CONFIGS = {
     "dkdv": [(32, 32, 8, 2), (16, 32, 4, 2), (32, 16, 4, 2), (64, 32, 8, 2)],
     "dq": [(64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (64, 64, 8, 3)],
 }
+# Exact fp32 (PRECISE) past BLOCK_D 64: the float64 dot operands spill the lists above (Triton 3.8,
+# sm_90, compile_check --resources, no mask / float mask + padding + dropout: dk/dv (32, 32, 8, 2)
+# 288 / 496 bytes at BLOCK_D 128 and 2112 at 256, (16, 32, 4, 2) 880 / 1224 at 256; dq
+# (32, 32, 4, 2) 512 at 256; the forward's (64, 32, 4, 2) 280 / 11648 at 256).  These lists keep
+# what compiles without spills in both (dk/dv (64, 16, 8, 2) at 128 and (32, 16, 4, 2) at 256:
+# 160 and 40 bytes with the mask), fewer keys held per dk/dv program and fewer queries per dq one.
+_FP32_EXACT_WIDE = {
+    128: {"dkdv": [(32, 16, 8, 2), (32, 16, 4, 2), (16, 32, 8, 2), (64, 16, 8, 2)]},
+    256: {"fwd": [(64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2)],
+          "dkdv": [(32, 16, 8, 2), (32, 16, 4, 2)],
+          "dq": [(16, 32, 8, 2), (16, 32, 4, 2), (32, 16, 8, 2), (16, 16, 8, 2)]},
+}
 
 
 def _is_fp32(args) -> bool:
     return args["Q"].dtype == torch.float32
+
+
+def _fp32_wanted(kind: str, args) -> list:
+    if args.get("PRECISE", False) and args["BLOCK_D"] > 64:
+        return _FP32_EXACT_WIDE[_dclass(args["BLOCK_D"])].get(kind, _FP32_CONFIGS[kind])
+    return _FP32_CONFIGS[kind]
 
 
 def _dclass(block_d: int) -> int:
@@ -1007,7 +1025,7 @@ def _pick(configs, wanted, kind=None, args=None):
 def _prune_fwd(configs, nargs, **kwargs):
     args = {**nargs, **kwargs}
     if _is_fp32(args):
-        return _pick(configs, _FP32_CONFIGS["fwd"], "fwd", args)
+        return _pick(configs, _fp32_wanted("fwd", args), "fwd", args)
     wanted = list(_FWD_CONFIGS[_dclass(args["BLOCK_D"])])
     lq = args["LQ_KEY"]
     if lq < 128:
@@ -1019,7 +1037,7 @@ def _prune_fwd(configs, nargs, **kwargs):
 
 def _prune_dkdv(configs, nargs, **kwargs):
     args = {**nargs, **kwargs}
-    wanted = _FP32_CONFIGS["dkdv"] if _is_fp32(args) else _DKDV_CONFIGS[_dclass(args["BLOCK_D"])]
+    wanted = _fp32_wanted("dkdv", args) if _is_fp32(args) else _DKDV_CONFIGS[_dclass(args["BLOCK_D"])]
     lk = args["LK_KEY"]
     small = [r for r in wanted if r[1] <= max(32, lk)]
     return _pick(configs, small or wanted, "dkdv", args)
@@ -1027,11 +1045,20 @@ def _prune_dkdv(configs, nargs, **kwargs):
 
 def _prune_dq(configs, nargs, **kwargs):
     args = {**nargs, **kwargs}
-    wanted = _FP32_CONFIGS["dq"] if _is_fp32(args) else _DQ_CONFIGS[_dclass(args["BLOCK_D"])]
+    wanted = _fp32_wanted("dq", args) if _is_fp32(args) else _DQ_CONFIGS[_dclass(args["BLOCK_D"])]
     lq = args["LQ_KEY"]
     small = [r for r in wanted if r[0] <= max(32, lq)]
     return _pick(configs, small or wanted, "dq", args)
 
+
+def _fp32_rows(kind: str) -> list:
+    return _FP32_CONFIGS[kind] + [r for wide in _FP32_EXACT_WIDE.values() for r in wide.get(kind, ())]
+
+
+# Every config an autotuner may keep (its pruning picks the list for the call's arguments).
+FWD_TUNE_CONFIGS = _all_configs(_FWD_CONFIGS, _FWD_SMALL_M + _fp32_rows("fwd"))
+DKDV_TUNE_CONFIGS = _all_configs(_DKDV_CONFIGS, _fp32_rows("dkdv"))
+DQ_TUNE_CONFIGS = _all_configs(_DQ_CONFIGS, _fp32_rows("dq"))
 
 _TUNE_KEY = ["LQ_KEY", "LK_KEY", "HEAD_DIM", "IS_CAUSAL", "MASK_KIND", "HAS_KPM", "HAS_DROPOUT", "IEEE",
              "OFF64", "PRECISE"]
@@ -1041,14 +1068,14 @@ if _INTERPRET:
     _dkdv = _attn_bwd_dkdv_kernel
     _dq = _attn_bwd_dq_kernel
 else:
-    _fwd = autotune(configs=_all_configs(_FWD_CONFIGS, _FWD_SMALL_M + _FP32_CONFIGS["fwd"]), key=_TUNE_KEY,
+    _fwd = autotune(configs=FWD_TUNE_CONFIGS, key=_TUNE_KEY,
                     prune_configs_by={"early_config_prune": _prune_fwd})(_attn_fwd_kernel)
     # reset_to_zero: the timed runs of each config add dq into DQA (ATOMIC_DQ); it is zeroed before
     # each and once more before the call's own run.
-    _dkdv = autotune(configs=_all_configs(_DKDV_CONFIGS, _FP32_CONFIGS["dkdv"]),
+    _dkdv = autotune(configs=DKDV_TUNE_CONFIGS,
                      key=_TUNE_KEY + ["HEADS_PER_SPLIT", "ATOMIC_DQ"], reset_to_zero=["DQA"],
                      prune_configs_by={"early_config_prune": _prune_dkdv})(_attn_bwd_dkdv_kernel)
-    _dq = autotune(configs=_all_configs(_DQ_CONFIGS, _FP32_CONFIGS["dq"]), key=_TUNE_KEY + ["ROW_SUMS_ONLY"],
+    _dq = autotune(configs=DQ_TUNE_CONFIGS, key=_TUNE_KEY + ["ROW_SUMS_ONLY"],
                    prune_configs_by={"early_config_prune": _prune_dq})(_attn_bwd_dq_kernel)
 
 

@@ -120,9 +120,9 @@ def test_kept_configs_fit_shared_memory(monkeypatch, tune):
 
     monkeypatch.setenv("TRANSFORMER_FAST_AUTOTUNE", tune)
     lists = {
-        "fwd": (A._prune_fwd, A._all_configs(A._FWD_CONFIGS, A._FWD_SMALL_M + A._FP32_CONFIGS["fwd"])),
-        "dq": (A._prune_dq, A._all_configs(A._DQ_CONFIGS, A._FP32_CONFIGS["dq"])),
-        "dkdv": (A._prune_dkdv, A._all_configs(A._DKDV_CONFIGS, A._FP32_CONFIGS["dkdv"])),
+        "fwd": (A._prune_fwd, A.FWD_TUNE_CONFIGS),
+        "dq": (A._prune_dq, A.DQ_TUNE_CONFIGS),
+        "dkdv": (A._prune_dkdv, A.DKDV_TUNE_CONFIGS),
     }
     for dtype, precise in ((torch.float16, False), (torch.bfloat16, False), (torch.float32, False),
                            (torch.float32, True)):
@@ -160,6 +160,11 @@ _FP32_SMEM_MEASURED = [
     ("dkdv", True, 256, False, (64, 32, 8, 2), 328448),
     ("dkdv", True, 128, True, (16, 32, 4, 2), 88256),
     ("dkdv", True, 64, False, (16, 32, 4, 2), 43200),
+    # The exact lists past BLOCK_D 64 (_FP32_EXACT_WIDE), within 1-3% of the estimate.
+    ("dkdv", True, 128, False, (16, 32, 8, 2), 86208),
+    ("dq", True, 256, True, (32, 16, 8, 2), 182272),
+    ("dq", True, 256, True, (16, 16, 8, 2), 115712),
+    ("fwd", True, 256, False, (64, 32, 8, 2), 205056),
 ]
 
 

@@ -24,8 +24,9 @@ MAX_CONFIGS = 7  # the longest list (the forward's at D = 128, 16-bit)
 def _list_lengths(dtype, head_dim):
     from transformer_fast.kernels import attention as A
 
-    if dtype == torch.float32:
-        return [len(v) for v in A._FP32_CONFIGS.values()]
+    if dtype == torch.float32:  # exact dots (torch's allow_tf32 is off by default)
+        args = {"PRECISE": True, "BLOCK_D": max(16, 1 << (head_dim - 1).bit_length())}
+        return [len(A._fp32_wanted(kind, args)) for kind in ("fwd", "dq", "dkdv")]
     d = A._dclass(head_dim)
     return [len(A._FWD_CONFIGS[d]), len(A._FWD_SMALL_M), len(A._DQ_CONFIGS[d]), len(A._DKDV_CONFIGS[d])]
 
@@ -61,7 +62,7 @@ def test_the_index_range_covers_every_list():
 @pytest.mark.parametrize("index", range(MAX_CONFIGS))
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128),
                                              (torch.bfloat16, 256), (torch.float16, 128),
-                                             (torch.float32, 64)], ids=lambda v: dt_id(v) if isinstance(v, torch.dtype) else str(v))
+                                             (torch.float32, 64), (torch.float32, 256)], ids=lambda v: dt_id(v) if isinstance(v, torch.dtype) else str(v))
 def test_each_kept_config_passes_the_oracle(forced_config, dtype, head_dim, index, case):
     if index >= max(_list_lengths(dtype, head_dim)):
         pytest.skip("past every list's end: the same configs as the last index")

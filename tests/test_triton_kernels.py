@@ -443,11 +443,9 @@ def test_autotune_switch_keeps_the_preferred_config(monkeypatch, tune):
 
     monkeypatch.setenv("TRANSFORMER_FAST_AUTOTUNE", tune)
     q16 = torch.empty(1, dtype=torch.bfloat16)
-    configs = A._all_configs(A._FWD_CONFIGS, A._FWD_SMALL_M + A._FP32_CONFIGS["fwd"])
-    kept = A._prune_fwd(configs, {"Q": q16}, BLOCK_D=128, LQ_KEY=4096)
+    kept = A._prune_fwd(A.FWD_TUNE_CONFIGS, {"Q": q16}, BLOCK_D=128, LQ_KEY=4096)
     assert [A._key(c) for c in kept] == (A._FWD_CONFIGS[128] if tune == "1" else A._FWD_CONFIGS[128][:1])
-    kept = A._prune_dq(A._all_configs(A._DQ_CONFIGS, A._FP32_CONFIGS["dq"]),
-                       {"Q": torch.empty(1)}, BLOCK_D=64, LQ_KEY=512)  # fp32
+    kept = A._prune_dq(A.DQ_TUNE_CONFIGS, {"Q": torch.empty(1)}, BLOCK_D=64, LQ_KEY=512)  # fp32
     assert [A._key(c) for c in kept] == (A._FP32_CONFIGS["dq"] if tune == "1" else A._FP32_CONFIGS["dq"][:1])
 
     cfg = lambda bm, bn, bk: triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
@@ -455,3 +453,31 @@ def test_autotune_switch_keeps_the_preferred_config(monkeypatch, tune):
     gemm = [cfg(128, 256, 64), cfg(128, 128, 64), cfg(64, 64, 64)]
     kept = FF._prune_configs(gemm, {"M": 4096, "N": 4096, "A": q16})
     assert kept == (gemm if tune == "1" else gemm[:1])
+
+
+# The first config AUTOTUNE=0 keeps for exact fp32 and what it compiled to (Triton 3.8, sm_90,
+# compile_check --resources, no mask / float mask + padding + dropout): no register spills.  The
+# common fp32 list's first ones spilled there (dk/dv at BLOCK_D 128 288 / 496 bytes and 2112 at
+# 256, dq at 256 512).
+_EXACT_FP32_FIRST = {("fwd", 256): (64, 32, 8, 2), ("dq", 128): (64, 32, 8, 2), ("dq", 256): (16, 32, 8, 2),
+                     ("dkdv", 128): (32, 16, 8, 2), ("dkdv", 256): (32, 16, 8, 2)}
+
+
+@pytest.mark.parametrize("block_d", [128, 256])
+def test_exact_fp32_keeps_spill_free_configs_first(monkeypatch, block_d):
+    from transformer_fast.kernels import attention as A
+
+    monkeypatch.setenv("TRANSFORMER_FAST_AUTOTUNE", "0")
+    prunes = {"fwd": (A._prune_fwd, A.FWD_TUNE_CONFIGS), "dq": (A._prune_dq, A.DQ_TUNE_CONFIGS),
+              "dkdv": (A._prune_dkdv, A.DKDV_TUNE_CONFIGS)}
+    for (kind, bd), want in _EXACT_FP32_FIRST.items():
+        if bd != block_d:
+            continue
+        prune, configs = prunes[kind]
+        for masked in (0, 2):
+            args = dict(BLOCK_D=block_d, LQ_KEY=1024, LK_KEY=1024, MASK_KIND=masked, HAS_DROPOUT=masked)
+            kept = prune(configs, {"Q": torch.empty(1)}, PRECISE=True, **args)
+            assert [A._key(c) for c in kept] == [want], (kind, masked)
+            # tf32 keeps the common list
+            kept = prune(configs, {"Q": torch.empty(1)}, PRECISE=False, **args)
+            assert A._key(kept[0]) in A._FP32_CONFIGS[kind]
