@@ -565,6 +565,23 @@ def test_block_config_and_gqa_split(monkeypatch, cfg, split, off64):
     check_attention(q, k, v, am, None, True, dropout_p=0.2, rng=philox.new_rng(DEVICE), context=str(cfg))
 
 
+@pytest.mark.parametrize("head_dim", [96, 160])
+def test_exact_fp32_wide_head_dim_first_configs(monkeypatch, head_dim):
+    """Exact fp32 past head dim 64 runs its own first configs on a GPU (dk/dv holding 16 keys,
+    dq 16 queries at head dims 129-256): the same block shapes here pass the oracle with causal
+    + padding + dropout and with a float mask, across ragged tiles."""
+    if attention._INTERPRET:
+        args = {"PRECISE": True, "BLOCK_D": 128 if head_dim <= 128 else 256}
+        cfg = {kind: attention._fp32_wanted(kind, args)[0][:2] for kind in ("fwd", "dkdv", "dq")}
+        monkeypatch.setattr(attention, "INTERPRETER_CONFIG", cfg)
+    torch.manual_seed(head_dim)
+    q, k, v = make_qkv(2, 2, 1, 37, 45, head_dim, F32)
+    check_attention(q, k, v, None, make_kpm(2, 45), True, dropout_p=0.2, rng=philox.new_rng(DEVICE),
+                    context=f"D={head_dim} causal+kpm+dropout")
+    am = make_mask("float", 2, 2, 37, 45, F32)
+    check_attention(q, k, v, am, None, False, context=f"D={head_dim} float mask")
+
+
 # ---------------------------------------------------------------------------------------------
 # dq added up by the dk/dv kernel (fp32 atomics; FlashAttention-2's schedule)
 
