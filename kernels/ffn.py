@@ -381,10 +381,12 @@ def _tma_configs():
     if is_interpreting():
         # Small tiles and few programs: the tests' shapes then take several tiles per program and
         # several K steps per tile.
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 2},
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 2, "PROGRAMS_PER_SM": 1},
                               num_warps=4, num_stages=1, pre_hook=_tma_block_shapes)]
-    def cfg(bm, bn, bk, warps, stages):
-        return _config(bm, bn, bk, warps, stages, pre_hook=_tma_block_shapes)
+    def cfg(bm, bn, bk, warps, stages, per_sm=1):
+        c = _config(bm, bn, bk, warps, stages, pre_hook=_tma_block_shapes)
+        c.kwargs["PROGRAMS_PER_SM"] = per_sm
+        return c
 
     return [
         cfg(128, 256, 64, 8, 3),
@@ -394,6 +396,15 @@ def _tma_configs():
         cfg(128, 64, 64, 4, 4),
         cfg(64, 128, 64, 4, 4),
         cfg(64, 64, 64, 4, 4),
+        # Two programs an SM where two CTAs fit (one warpgroup: <= 255 registers x 128 threads;
+        # Triton 3.8, sm_90: 128x64 / 64x128 x 3 stages 80 KB, 104 KB with dropout's scratch,
+        # 128x128 x 3 stages 104 KB): one program's epilogue (bias, the activation, the pre
+        # store, Philox: ~40 instructions an element for gelu, ~0.6x of the K loop's time at
+        # K 1024) then runs while the other's wgmma loop does.  With one program an SM nothing
+        # overlaps it (benchmarks/NOTES.md, twenty-ninth session).
+        cfg(128, 128, 64, 4, 3, per_sm=2),
+        cfg(128, 64, 64, 4, 3, per_sm=2),
+        cfg(64, 128, 64, 4, 3, per_sm=2),
     ]
 
 
@@ -427,11 +438,13 @@ def _gemm_tma_kernel(
     DOT_FP32: tl.constexpr, INTERPRET: tl.constexpr, DROP_GROUPS: tl.constexpr,
     A_KMAJOR: tl.constexpr, B_KMAJOR: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr,
 ):
     """C (M, N) = epilogue(A (M, K) @ B (K, N)), 16-bit A and B through TMA descriptors:
     A_DESC over A (M, K) when A_KMAJOR, else over A^T (K, M); B_DESC over B^T (N, K) when
-    B_KMAJOR, else over B (K, N).  Program i takes tiles i, i + NUM_PROGRAMS, ... (the grid is
-    min(NUM_PROGRAMS, tiles))."""
+    B_KMAJOR, else over B (K, N).  With P = NUM_PROGRAMS (the SMs) x PROGRAMS_PER_SM, program i
+    takes tiles i, i + P, ... (the grid is min(P, tiles))."""
+    step = NUM_PROGRAMS * PROGRAMS_PER_SM
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -439,8 +452,8 @@ def _gemm_tma_kernel(
     # The epilogue's tile index is a second counter, not the loop variable: Triton's tutorial
     # does the same so that the software pipeliner, which issues the next tile's loads early,
     # never hands the epilogue a value of the next iteration.
-    tile_out = start - NUM_PROGRAMS
-    for tile in tl.range(start, num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+    tile_out = start - step
+    for tile in tl.range(start, num_pid_m * num_pid_n, step, flatten=True):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -456,7 +469,7 @@ def _gemm_tma_kernel(
             else:
                 b = B_DESC.load([off_k, off_n])
             acc = dot(a, b, acc, DOT_FP32, False)
-        tile_out += NUM_PROGRAMS
+        tile_out += step
         pid_m, pid_n = _tile_coords(tile_out, num_pid_m, num_pid_n, GROUP_M)
         _gemm_epilogue(acc, pid_m, pid_n, C, BIAS, AUX, RNG, PART, M, N, stride_cm, stride_auxm,
                        drop_thr, drop_scale, EPILOGUE, ACT, HAS_BIAS, HAS_DROPOUT, STORE_AUX, HAS_PART,
@@ -607,7 +620,8 @@ def _launch_gemm(a, b, c, m, n, k, strides_a, strides_b, *, epilogue, act=0, bia
             desc_a, a_kmajor, desc_b, b_kmajor = tma
             programs = _INTERPRET_PROGRAMS if is_interpreting() else sm_count(c.device)
             kernel = _gemm_tma_kernel
-            grid = lambda meta: (min(programs, cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
+            grid = lambda meta: (min(programs * meta["PROGRAMS_PER_SM"],  # noqa: E731
+                                     cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])),)
             try:
                 kernel[grid](desc_a, desc_b, c, *epilogue_tensors, m, n, k, c.stride(0), stride_auxm, thr,
                              scale, **flags, A_KMAJOR=a_kmajor, B_KMAJOR=b_kmajor, NUM_PROGRAMS=programs)

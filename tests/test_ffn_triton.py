@@ -301,6 +301,31 @@ def test_tma_linear_fwd(tma, dtype, x_layout, activation, p):
     assert _err(y, y64) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("per_sm", [2, 4])
+def test_tma_two_programs_an_sm(tma, monkeypatch, per_sm):
+    """Configs with PROGRAMS_PER_SM > 1 launch that many programs per SM and stride the tile walk
+    by their total: 6 or 12 programs over the 9 output tiles (some take two, some one, some
+    none), with gelu + dropout in the epilogue."""
+    cfg = tma._gemm_tma_kernel.configs[0]
+    monkeypatch.setitem(cfg.kwargs, "PROGRAMS_PER_SM", per_sm)
+    tma._gemm_tma_kernel.cache.clear()
+    m, k, n = TMA_M, TMA_K, TMA_N
+    x = _rand(m, k, dtype=torch.bfloat16)
+    w, b = _rand(n, k, dtype=torch.bfloat16, scale=k ** -0.5), _rand(n, dtype=torch.bfloat16)
+    rng = philox.new_rng(x.device)
+    try:
+        with reference.poisoned_outputs():
+            y, pre = tma.linear_fwd(x, w, b, "gelu", 0.2, rng, True, False)
+    finally:
+        tma._gemm_tma_kernel.cache.clear()
+    assert _last_kernel(tma) == "tma"
+    assert f"PROGRAMS_PER_SM={per_sm}" in tma.recent_gemm_launches().splitlines()[-1]
+    pre64 = x.double() @ w.double().t() + b.double()
+    keep = philox.dropout_keep_mask(rng, (m, n), 0.2)
+    assert _err(pre, pre64) <= TOL[torch.bfloat16]
+    assert _err(y, ACT64["gelu"](pre64) * keep.to(pre64.device) / 0.8) <= TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("activation, p", [("none", 0.0), ("relu", 0.3), ("gelu", 0.3), ("gelu_tanh", 0.0)])
 def test_tma_linear_dgrad(tma, dtype, activation, p):
