@@ -71,6 +71,30 @@ def _aux(activation: str, y: Tensor, pre: Tensor) -> Optional[Tensor]:
     return pre if needs_pre(activation) else None
 
 
+# The cpu backend's 16-bit backward of a small problem (its largest GEMM at most 2^22
+# multiply-adds) runs on fp32 copies of the inputs and rounds each gradient once.  The 16-bit path
+# rounds d (= dy act'(pre) keep) to 16 bits before the gradient GEMMs, as torch's own chain does;
+# where a gradient is a sum of few large terms (in_features 1: |dx| ~ 4-8, whose bf16 unit is
+# above atol) that rounding put the result a unit off the float64 one in ~0.5% of draws, over the
+# oracle's bound whenever the 16-bit reference landed close (benchmarks/NOTES.md, twenty-ninth
+# session).  At this size the fp32 GEMMs cost microseconds.
+_FP32_BACKWARD_MAX_MACS = 1 << 22
+
+
+def _fp32_backward(backend: str, dtype: torch.dtype, macs: int) -> bool:
+    return backend == "cpu" and dtype in (torch.float16, torch.bfloat16) and macs <= _FP32_BACKWARD_MAX_MACS
+
+
+def _fp32_state(activation: str, state: Optional[Tensor]) -> Optional[Tensor]:
+    """The cpu kernels' fp32 activation state from a 16-bit one: for the gelus fp32 keeps
+    act'(pre) (csrc/ffn_cpu.cpp, aux_holds_grad), 16-bit keeps pre; relu's y is y."""
+    if state is None or state.numel() == 0 or not needs_pre(activation):
+        return None if state is None else state.float()
+    pre = state.float()
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    return torch.ops.aten.gelu_backward(torch.ones_like(pre), pre, approximate=approximate)
+
+
 def _grad_or_none(g: Tensor, present: bool) -> Optional[Tensor]:
     return g if present else None
 
@@ -132,6 +156,10 @@ def _linear_bias_act_bwd_impl(
     allow_tf32: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if _fp32_backward(backend, dy.dtype, dy.numel() * x.shape[-1]):
+        grads = _linear_bias_act_bwd_impl(dy.float(), x.float(), w.float(), _fp32_state(activation, aux), has_bias,
+                                          activation, dropout_p, rng, allow_tf32, backend)
+        return tuple(g.to(dy.dtype) for g in grads)
     launch = _launcher(backend)
     dy2, x2 = _rows(dy), _rows(x)
     if activation == "none" and dropout_p == 0.0:
@@ -241,6 +269,11 @@ def _feed_forward_bwd_impl(
     allow_tf32: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if _fp32_backward(backend, dout.dtype, dout.numel() * w2.shape[1]):
+        grads = _feed_forward_bwd_impl(dout.float(), x.float(), w1.float(), w2.float(), hidden.float(),
+                                       _fp32_state(activation, pre), has_b1, has_b2, activation, dropout_p, rng,
+                                       allow_tf32, backend)
+        return tuple(g.to(dout.dtype) for g in grads)
     launch = _launcher(backend)
     dout2, x2 = _rows(dout), _rows(x)
     aux = _aux(activation, hidden, pre)
