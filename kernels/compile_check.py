@@ -400,16 +400,19 @@ def _ffn_jobs(dtypes=DTYPES, quick=False):
 
 
 def _cross_entropy_jobs(dtypes=DTYPES, quick=False):
-    """The fused loss's row kernel (16-bit logits only): the base model's chunk of a 32000-token
-    vocabulary and a vocabulary shorter than one block, with and without the gradient."""
+    """The fused loss's row kernel: 16-bit logits, the base model's chunk of a 32000-token
+    vocabulary and a vocabulary shorter than one block, with and without the gradient; fp32
+    logits (the float32 copy a small 16-bit problem's chunk takes, fused_loss.WIDE_16BIT_MAX_MACS)
+    at a short vocabulary."""
     import torch
     from transformer_fast.kernels import cross_entropy as K
 
-    shapes = ((1048, 32000),) if quick else ((1048, 32000), (7, 1000), (100, 50))
     jobs = []
     for dt in dtypes:
         if dt == "fp32":
-            continue
+            shapes = ((100, 50),)
+        else:
+            shapes = ((1048, 32000),) if quick else ((1048, 32000), (7, 1000), (100, 50))
         for rows, vocab in shapes:
             for smoothing in (0.0, 0.1):
                 for grad in (False, True):

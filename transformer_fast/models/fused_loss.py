@@ -42,6 +42,12 @@ ROW_KERNEL_CHUNK_ELEMENTS = 1 << 27
 # float32 chunks of fewer rows than this run their softmax and d hidden in float64
 # (_accumulation_dtype); larger ones in float32, as the composition does.
 WIDE_BELOW_ROWS = 16
+# 16-bit inputs of at most this many multiply-adds (N x V x E) keep the gradient over the logits
+# in float32 and form d hidden / d weight as float32 GEMMs, rounded once in backward: rounding
+# it to 16 bits first (as the composition does) put d hidden a unit off float64 where it is a sum
+# of few large terms (E = 1, V = 2: 1.75x the oracle's bound; benchmarks/NOTES.md, twenty-ninth
+# session).  At that size the float32 GEMMs cost microseconds.
+WIDE_16BIT_MAX_MACS = 1 << 22
 BACKENDS = (None, "auto", "triton", "torch", "reference")
 
 
@@ -208,10 +214,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         grads = ctx.needs_input_grad[:3]
         sixteen_bit = hidden.dtype in (torch.float16, torch.bfloat16)
+        wide16 = sixteen_bit and n * vocab * hidden.shape[1] <= WIDE_16BIT_MAX_MACS
         # Each token's loss in float64, summed once: the result is within half a unit of the
         # last place where the composition's float32 sum may be off by more.
         row_losses = torch.empty(n, dtype=torch.float64, device=hidden.device)
-        d_hidden = torch.empty_like(hidden) if grads[0] else None
+        d_hidden = (torch.empty(hidden.shape, dtype=torch.float32 if wide16 else hidden.dtype, device=hidden.device)
+                    if grads[0] else None)
         d_weight = torch.zeros(weight.shape, dtype=torch.float32 if sixteen_bit else weight.dtype,
                                device=weight.device) if grads[1] else None
         d_bias = torch.zeros(vocab, dtype=torch.float64, device=weight.device) if grads[2] else None
@@ -228,27 +236,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
             acc = _accumulation_dtype(hidden.dtype, hidden.device, stop - start)
             logits = F.linear(h, weight, bias)  # (rows, V) in hidden's dtype, as nn.Linear's
             if row_kernel:  # kernels/cross_entropy.py: the loss, and the gradient over the logits
+                if wide16:  # the gradient written over a float32 copy (the logits as rounded)
+                    logits = logits.float()
                 row_losses[start:stop] = cross_entropy_rows(logits, t.squeeze(1), kept, smoothing, any(grads))
                 if not any(grads):
                     continue
-                dz, dz_low = None, logits
+                dz, dz_low = (logits, None) if wide16 else (None, logits)
             else:
                 dz = _softmax_rows(logits, t, kept, smoothing, acc, row_losses[start:stop], any(grads))
                 del logits
                 if dz is None:
                     continue
-                dz_low = dz if dz.dtype == hidden.dtype else dz.to(hidden.dtype)
+                dz_low = None if wide16 else (dz if dz.dtype == hidden.dtype else dz.to(hidden.dtype))
             if d_bias is not None:
                 d_bias += _wide_sum(dz, 0) if dz is not None else dz_low.sum(dim=0, dtype=torch.float32)
             if d_hidden is not None:
-                if dz_low is dz or sixteen_bit:  # the GEMM in hidden's dtype
+                if dz_low is not None and (dz_low is dz or sixteen_bit):  # the GEMM in hidden's dtype
                     torch.mm(dz_low, weight, out=d_hidden[start:stop])
-                else:  # a float64 chunk of float32 rows
+                else:  # a float64 chunk of float32 rows, or a float32 one of a small 16-bit problem
                     if weight_wide is None:
                         weight_wide = weight.to(dz.dtype)
                     d_hidden[start:stop] = torch.mm(dz, weight_wide)
             if d_weight is not None:
-                if wgrad_in_float32:
+                if wgrad_in_float32 or wide16:
                     d_weight.addmm_((dz if dz is not None else dz_low.float()).t(), h.float())
                 elif sixteen_bit:
                     d_weight += dz_low.t().mm(h)
@@ -257,7 +267,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del dz, dz_low
         denom = keep.sum().clamp(min=1).to(torch.float64) if mean else None
         total = row_losses.sum()
-        if d_weight is not None and weight.dtype == torch.bfloat16:
+        if d_weight is not None and weight.dtype == torch.bfloat16 and not wide16:
             d_weight = d_weight.to(weight.dtype)  # bf16 has float32's range; fp16's could overflow
         ctx.save_for_backward(d_hidden, d_weight, d_bias, denom)
         ctx.dtypes = hidden.dtype, weight.dtype
