@@ -71,24 +71,42 @@ def _aux(activation: str, y: Tensor, pre: Tensor) -> Optional[Tensor]:
     return pre if needs_pre(activation) else None
 
 
-# The cpu backend's 16-bit backward of a small problem (its largest GEMM at most 2^22
+# The cpu and triton backends' 16-bit backward of a small problem (its largest GEMM at most 2^22
 # multiply-adds) runs on fp32 copies of the inputs and rounds each gradient once.  The 16-bit path
 # rounds d (= dy act'(pre) keep) to 16 bits before the gradient GEMMs, as torch's own chain does;
 # where a gradient is a sum of few large terms (in_features 1: |dx| ~ 4-8, whose bf16 unit is
-# above atol) that rounding put the result a unit off the float64 one in ~0.5% of draws, over the
-# oracle's bound whenever the 16-bit reference landed close (benchmarks/NOTES.md, twenty-ninth
-# session).  At this size the fp32 GEMMs cost microseconds.
+# above atol) that rounding put the result a unit off the float64 one in ~0.5% of draws (cpu and
+# triton; triton's feed_forward 2.5%), over the oracle's bound whenever the 16-bit reference
+# landed close (benchmarks/NOTES.md, twenty-ninth and thirtieth sessions).  At this size the fp32
+# GEMMs cost microseconds (on a GPU, a few launches); the Triton fp32 kernels run exact fp32, as a
+# tf32 rounding of d would give back fp16's 10 bits.
 _FP32_BACKWARD_MAX_MACS = 1 << 22
 
 
 def _fp32_backward(backend: str, dtype: torch.dtype, macs: int) -> bool:
-    return backend == "cpu" and dtype in (torch.float16, torch.bfloat16) and macs <= _FP32_BACKWARD_MAX_MACS
+    return (backend in ("cpu", "triton") and dtype in (torch.float16, torch.bfloat16)
+            and macs <= _FP32_BACKWARD_MAX_MACS)
 
 
-def _fp32_state(activation: str, state: Optional[Tensor]) -> Optional[Tensor]:
-    """The cpu kernels' fp32 activation state from a 16-bit one: for the gelus fp32 keeps
-    act'(pre) (csrc/ffn_cpu.cpp, aux_holds_grad), 16-bit keeps pre; relu's y is y."""
-    if state is None or state.numel() == 0 or not needs_pre(activation):
+# feed_forward's forward of a small 16-bit problem with small weights (their fp32 copies <= 256
+# KiB, so a decoding step of a real model keeps the 16-bit GEMMs) runs on fp32 copies too: out is
+# rounded once and the hidden layer and activation state stay fp32 for the fp32 backward.  With
+# the hidden layer rounded to 16 bits first, as torch's chain does, few unscaled terms put out a
+# unit off float64's in 4 of 600 in_features-1 draws (cpu and triton alike, up to 1.2x the bound).
+_FP32_FORWARD_MAX_WEIGHTS = 1 << 16
+
+
+def _fp32_forward(backend: str, x: Tensor, w1: Tensor, w2: Tensor) -> bool:
+    rows = math.prod(x.shape[:-1])
+    return (w1.numel() + w2.numel() <= _FP32_FORWARD_MAX_WEIGHTS
+            and _fp32_backward(backend, x.dtype, rows * w1.shape[0] * max(w1.shape[1], w2.shape[0])))
+
+
+def _fp32_state(backend: str, activation: str, state: Optional[Tensor]) -> Optional[Tensor]:
+    """The fp32 kernels' activation state from a 16-bit one (an fp32 one is already theirs): the
+    cpu kernels keep act'(pre) for the gelus in fp32 (csrc/ffn_cpu.cpp, aux_holds_grad) and pre
+    in 16-bit; triton keeps pre in both; relu's y is y."""
+    if state is None or state.dtype == torch.float32 or backend != "cpu" or not needs_pre(activation):
         return None if state is None else state.float()
     pre = state.float()
     approximate = "tanh" if activation == "gelu_tanh" else "none"
@@ -157,8 +175,8 @@ def _linear_bias_act_bwd_impl(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if _fp32_backward(backend, dy.dtype, dy.numel() * x.shape[-1]):
-        grads = _linear_bias_act_bwd_impl(dy.float(), x.float(), w.float(), _fp32_state(activation, aux), has_bias,
-                                          activation, dropout_p, rng, allow_tf32, backend)
+        grads = _linear_bias_act_bwd_impl(dy.float(), x.float(), w.float(), _fp32_state(backend, activation, aux),
+                                          has_bias, activation, dropout_p, rng, False, backend)
         return tuple(g.to(dy.dtype) for g in grads)
     launch = _launcher(backend)
     dy2, x2 = _rows(dy), _rows(x)
@@ -234,6 +252,11 @@ def _feed_forward_fwd_impl(
     allow_tf32: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if _fp32_forward(backend, x, w1, w2):
+        f32 = lambda t: None if t is None else t.float()
+        out, hidden, pre = _feed_forward_fwd_impl(x.float(), w1.float(), f32(b1), w2.float(), f32(b2), activation,
+                                                  dropout_p, rng, False, backend)
+        return out.to(x.dtype), hidden, pre
     launch = _launcher(backend)
     hidden, pre = launch.linear_fwd(_rows(x), w1, b1, activation, dropout_p, rng, needs_pre(activation), allow_tf32)
     out, _ = launch.linear_fwd(hidden, w2, b2, "none", 0.0, None, False, allow_tf32)
@@ -249,8 +272,9 @@ feed_forward_fwd = torch.library.custom_op(
 def _(x, w1, b1, w2, b2, activation, dropout_p, rng, allow_tf32, backend):
     rows = math.prod(x.shape[:-1])
     out = x.new_empty((*x.shape[:-1], w2.shape[0]))
-    hidden = x.new_empty((rows, w1.shape[0]))
-    pre = x.new_empty((rows, w1.shape[0]) if needs_pre(activation) else _EMPTY_SHAPE)
+    kept = torch.float32 if _fp32_forward(backend, x, w1, w2) else x.dtype
+    hidden = x.new_empty((rows, w1.shape[0]), dtype=kept)
+    pre = x.new_empty((rows, w1.shape[0]) if needs_pre(activation) else _EMPTY_SHAPE, dtype=kept)
     return out, hidden, pre
 
 
@@ -269,10 +293,10 @@ def _feed_forward_bwd_impl(
     allow_tf32: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if _fp32_backward(backend, dout.dtype, dout.numel() * w2.shape[1]):
+    if hidden.dtype != dout.dtype or _fp32_backward(backend, dout.dtype, dout.numel() * w2.shape[1]):
         grads = _feed_forward_bwd_impl(dout.float(), x.float(), w1.float(), w2.float(), hidden.float(),
-                                       _fp32_state(activation, pre), has_b1, has_b2, activation, dropout_p, rng,
-                                       allow_tf32, backend)
+                                       _fp32_state(backend, activation, pre), has_b1, has_b2, activation, dropout_p,
+                                       rng, False, backend)
         return tuple(g.to(dout.dtype) for g in grads)
     launch = _launcher(backend)
     dout2, x2 = _rows(dout), _rows(x)
