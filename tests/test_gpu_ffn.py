@@ -50,8 +50,8 @@ def test_tf32_path(backend):
     """fp32 with torch's allow_tf32 on: tf32 matmuls, checked with the bf16-level tolerance."""
     device = require_backend(backend)
     x, w1, b1, w2, b2 = _make((777,), 512, 2048, 512, torch.float32, device)
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    old = torch.backends.cuda.matmul.fp32_precision  # the legacy flag set back leaves "ieee", not "none"
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
     try:
         def kernel(x, w1, b1, w2, b2):
             return F.feed_forward(x, w1, b1, w2, b2, activation="gelu", backend=backend)
@@ -63,7 +63,7 @@ def test_tf32_path(backend):
                                        ["x", "w1", "b1", "w2", "b2"], atol=reference.TF32_ATOL)
         _assert_oracle(backend, results, f"{backend} tf32")
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+        torch.backends.cuda.matmul.fp32_precision = old
 
 
 @pytest.mark.parametrize("backend", GPU)
