@@ -23,6 +23,7 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <utility>
@@ -186,12 +187,24 @@ Tensor feed_forward(const Tensor& x, const FfnParams& p, c10::string_view activa
                        .typed<Tensor2(const Tensor&, const Tensor&, const OptTensor&, c10::string_view,
                                       double, const OptTensor&, bool, bool)>();
   const int64_t k = x.size(-1);
+  const int64_t rows = x.numel() / k, d_ff = p.w1.size(0), d_out = p.w2.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = d_out;
+  // ops/ffn.py's _fp32_forward on the cpu backend: a small 16-bit problem with small weights runs
+  // on fp32 copies and rounds out once (the hidden layer is not rounded to 16 bits).
+  const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  if (half && x.device().is_cpu() && p.w1.numel() + p.w2.numel() <= (int64_t{1} << 16) &&
+      rows * d_ff * std::max(k, d_out) <= (int64_t{1} << 22)) {
+    const auto f32 = [](const OptTensor& t) -> OptTensor {
+      return t.has_value() ? OptTensor(t->to(at::kFloat)) : std::nullopt;
+    };
+    const FfnParams wide{p.w1.to(at::kFloat), f32(p.b1), p.w2.to(at::kFloat), f32(p.b2)};
+    return feed_forward(x.to(at::kFloat), wide, activation, backend, false).to(x.scalar_type());
+  }
   const bool store_pre = activation == "gelu" || activation == "gelu_tanh";  // as ops/ffn.py
-  const Tensor hidden = std::get<0>(op.call(x.reshape({x.numel() / k, k}), p.w1, p.b1, activation, 0.0,
+  const Tensor hidden = std::get<0>(op.call(x.reshape({rows, k}), p.w1, p.b1, activation, 0.0,
                                             std::nullopt, store_pre, allow_tf32));
   const Tensor out = std::get<0>(op.call(hidden, p.w2, p.b2, "none", 0.0, std::nullopt, false, allow_tf32));
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = p.w2.size(0);
   return out.view(shape);
 }
 
