@@ -1,12 +1,28 @@
 """Shared builders for the functional-op tests (tests/test_functional_*.py)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from transformer_fast import reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["reference", "torch"]
+
+
+@contextlib.contextmanager
+def tf32_allowed():
+    """torch's tf32 matmul setting on for the block, then set back.  Through
+    ``matmul.fp32_precision``, not the legacy ``allow_tf32`` flag: setting that flag back leaves
+    "ieee", not "none", which hides a later global ``torch.backends.fp32_precision = "tf32"``."""
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = previous
 
 
 def dt_id(dtype: torch.dtype) -> str:

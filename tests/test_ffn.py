@@ -14,6 +14,7 @@ import transformer_fast as tf
 from transformer_fast import backends, philox, reference
 from transformer_fast import functional as F
 
+from _functional_helpers import tf32_allowed
 from conftest import backend_params, require_backend
 
 FUSED = backend_params("cpu", "triton", "cuda")
@@ -665,15 +666,10 @@ def test_small_16bit_triton_problems_run_exact_fp32(d_model, d_ff, forward):
 
     device = require_backend("triton")
     leaves = [t.requires_grad_(True) for t in _make((2, 5), d_model, d_ff, d_model, torch.bfloat16, device)]
-    matmul = torch.backends.cuda.matmul
-    previous = matmul.fp32_precision  # not the legacy flag: setting that back leaves "ieee", not "none"
-    matmul.fp32_precision = "tf32"
-    try:
+    with tf32_allowed():
         assert F._allow_tf32(torch.float32)
         out = F.feed_forward(*leaves, activation="gelu", backend="triton")
         out.sum().backward()
-    finally:
-        matmul.fp32_precision = previous
     launches = K.recent_gemm_launches().splitlines()
     assert all(f" {forward} " in line for line in launches[-6:-4]), launches[-6:-4]
     assert all(" ieee " in line for line in launches[-4:]), launches[-4:]

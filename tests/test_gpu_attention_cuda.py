@@ -20,7 +20,7 @@ from test_attention_cpu import (  # noqa: F401  (the shared checks, collected ag
     test_opcheck,
     test_strided_inputs,
 )
-from _functional_helpers import generator, make_masks
+from _functional_helpers import generator, make_masks, tf32_allowed
 from conftest import require_backend
 from test_functional_attention import check_sdpa
 
@@ -44,12 +44,8 @@ def test_fp32_is_exact_under_tf32_setting(device):
     exact fp32 is within the contract), so the fp32 oracle holds with tf32 allowed too."""
     g = generator()
     q, k, v = base._qkv(2, 4, 2, 100, 77, 128, torch.float32, device, g)
-    old = torch.backends.cuda.matmul.fp32_precision  # the legacy flag set back leaves "ieee", not "none"
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    try:
+    with tf32_allowed():
         check_sdpa("cuda", q, k, v, is_causal=True, enable_gqa=True, context="fp32, tf32 allowed")
-    finally:
-        torch.backends.cuda.matmul.fp32_precision = old
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])

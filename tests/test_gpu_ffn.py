@@ -13,6 +13,7 @@ import torch
 from transformer_fast import philox, reference
 from transformer_fast import functional as F
 
+from _functional_helpers import tf32_allowed
 from conftest import backend_params, require_backend
 from test_ffn import _assert_oracle, _make, check_feed_forward, check_linear_bias_act
 
@@ -50,9 +51,7 @@ def test_tf32_path(backend):
     """fp32 with torch's allow_tf32 on: tf32 matmuls, checked with the bf16-level tolerance."""
     device = require_backend(backend)
     x, w1, b1, w2, b2 = _make((777,), 512, 2048, 512, torch.float32, device)
-    old = torch.backends.cuda.matmul.fp32_precision  # the legacy flag set back leaves "ieee", not "none"
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    try:
+    with tf32_allowed():
         def kernel(x, w1, b1, w2, b2):
             return F.feed_forward(x, w1, b1, w2, b2, activation="gelu", backend=backend)
 
@@ -62,8 +61,6 @@ def test_tf32_path(backend):
         results = reference.run_oracle(kernel, ref, dict(x=x, w1=w1, b1=b1, w2=w2, b2=b2),
                                        ["x", "w1", "b1", "w2", "b2"], atol=reference.TF32_ATOL)
         _assert_oracle(backend, results, f"{backend} tf32")
-    finally:
-        torch.backends.cuda.matmul.fp32_precision = old
 
 
 @pytest.mark.parametrize("backend", GPU)
